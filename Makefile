@@ -1,0 +1,28 @@
+# The README's two commands are `make demo` and `make test`; both install what they need first.
+BUILD ?= build
+DEB_PACKAGES := cmake ninja-build g++ pkg-config libfabric-dev libfabric-bin libfmt-dev \
+                libcli11-dev libgtest-dev googletest
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: deps build demo test clean format
+
+deps:
+	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(DEB_PACKAGES); }
+
+build: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(BUILD)
+
+demo: build
+	$(BUILD)/tools/demo/fabric-demo
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
+
+format:
+	clang-format -i $$(git ls-files '*.h' '*.cpp')
+
+clean:
+	rm -rf $(BUILD)

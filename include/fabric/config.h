@@ -1,0 +1,54 @@
+// Engine configuration: provider, NICs, polling policy, limits and timeouts.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fabric {
+
+// How a thread waits for work. kBusy spins (one core each, lowest latency: production).
+// kAdaptive spins for a while, then yields, then sleeps briefly (for machines with few cores).
+enum class PollMode { kBusy, kAdaptive };
+
+// One NIC (one libfabric domain). Either field may be empty.
+struct NicConfig {
+  std::string domain;  // provider domain name to pick (e.g. "rdmap16s27-rdm" on EFA, "lo")
+  std::string node;    // source address to bind (e.g. "127.0.0.2" for tcp on loopback)
+};
+
+// Deliberate disorder for tests: completions and immediates are held back and released
+// in a random order (seeded), proving that nothing above the provider depends on order.
+struct ReorderConfig {
+  bool enabled = false;
+  uint64_t seed = 1;
+  uint32_t max_hold_polls = 8;  // a completion is held for 0..max_hold_polls polls
+};
+
+struct EngineConfig {
+  std::string provider = "tcp;ofi_rxm";  // "efa" in production; "tcp;ofi_rxm" or "shm" here
+  std::vector<NicConfig> nics = {NicConfig{}};  // 1 to 4
+  PollMode worker_poll = PollMode::kBusy;
+  PollMode callback_poll = PollMode::kAdaptive;
+  std::optional<int> worker_cpu;  // pin the worker to this core (before it allocates NIC state)
+
+  // A transfer (or send) that has not completed after this long fails with kTimeout.
+  std::chrono::milliseconds transfer_timeout{30000};
+
+  size_t request_queue_capacity = 16384;
+  size_t event_queue_capacity = 65536;
+  size_t max_regions = 4096;         // registered regions at once
+  size_t max_message_size = 16384;   // largest submit_send payload
+  size_t send_slots = 256;           // send buffers per engine (sends wait when all are in use)
+  size_t cq_batch = 64;              // completions read per poll
+
+  ReorderConfig reorder;
+
+  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes), FABRIC_POLL (busy|adaptive)
+  // on top of the defaults; used by examples and tests.
+  static EngineConfig from_env();
+};
+
+}  // namespace fabric

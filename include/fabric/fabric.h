@@ -1,0 +1,8 @@
+// Umbrella header of the public API.
+#pragma once
+
+#include "fabric/config.h"
+#include "fabric/error.h"
+#include "fabric/on_done.h"
+#include "fabric/transfer_engine.h"
+#include "fabric/types.h"

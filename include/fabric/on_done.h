@@ -1,0 +1,63 @@
+// How the engine reports that an asynchronous operation ended: a callback, or an atomic set in place.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+
+#include "fabric/error.h"
+
+namespace fabric {
+
+// Values an OnDone::flag() takes.
+enum DoneState : int { kDonePending = 0, kDoneSucceeded = 1, kDoneFailed = -1 };
+
+// Completion of a transfer or an immediate expectation. Fires exactly once.
+//
+// - callback(fn): fn(status) runs on the engine's callback thread (never on a worker).
+// - flag(f): the worker stores kDoneSucceeded or kDoneFailed into *f (release order); no
+//   callback cost. The failure message goes to the log.
+// - counter(done, failed): the worker increments *done on success, *failed (if given) on error.
+// - none(): nothing is reported (errors are still logged).
+class OnDone {
+ public:
+  using Callback = std::function<void(const Status&)>;
+  enum class Kind { kNone, kCallback, kFlag, kCounter };
+
+  OnDone() = default;
+  static OnDone none() { return {}; }
+  static OnDone callback(Callback fn) {
+    OnDone d;
+    d.kind_ = Kind::kCallback;
+    d.callback_ = std::move(fn);
+    return d;
+  }
+  static OnDone flag(std::atomic<int>* f) {
+    OnDone d;
+    d.kind_ = Kind::kFlag;
+    d.flag_ = f;
+    return d;
+  }
+  static OnDone counter(std::atomic<uint64_t>* done, std::atomic<uint64_t>* failed = nullptr) {
+    OnDone d;
+    d.kind_ = Kind::kCounter;
+    d.done_ = done;
+    d.failed_ = failed;
+    return d;
+  }
+
+  Kind kind() const { return kind_; }
+  Callback& callback_fn() { return callback_; }
+  std::atomic<int>* flag_ptr() const { return flag_; }
+  std::atomic<uint64_t>* done_counter() const { return done_; }
+  std::atomic<uint64_t>* failed_counter() const { return failed_; }
+
+ private:
+  Kind kind_ = Kind::kNone;
+  Callback callback_;
+  std::atomic<int>* flag_ = nullptr;
+  std::atomic<uint64_t>* done_ = nullptr;
+  std::atomic<uint64_t>* failed_ = nullptr;
+};
+
+}  // namespace fabric

@@ -1,0 +1,90 @@
+// TransferEngine: one-sided WRITEs with 32-bit immediates, two-sided messages, and order-independent
+// completion counting, over 1 to 4 NICs. See docs/api.md for the semantics of every call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "fabric/config.h"
+#include "fabric/error.h"
+#include "fabric/on_done.h"
+#include "fabric/types.h"
+
+namespace fabric {
+
+class EngineImpl;
+
+// Counters of one NIC, as seen by this engine.
+struct NicStats {
+  uint64_t writes_posted = 0;
+  uint64_t bytes_written = 0;
+  uint64_t sends_posted = 0;
+  uint64_t imms_received = 0;
+  uint64_t messages_received = 0;
+  uint64_t errors = 0;
+};
+
+class TransferEngine {
+ public:
+  // Opens every NIC, starts the worker and the callback thread. Throws fabric::Error.
+  explicit TransferEngine(EngineConfig config = {});
+  // Joins every thread; every transfer or expectation still pending ends with a kShutdown error.
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  NetAddr main_address() const;
+  size_t nic_count() const;
+
+  // Registers [ptr, ptr+len) with every NIC for local use and remote writes.
+  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device = Device::host());
+  // Ends remote and local access. Throws kNotFound for an unknown or stale handle.
+  void dereg_mr(MrHandle handle);
+
+  // Two-sided message; bytes are copied before this returns (the caller may reuse its buffer).
+  void submit_send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done);
+  // A pool of `count` receive buffers of `len` bytes each, re-posted after each message.
+  // on_recv runs on the callback thread with the message bytes (valid during the call only).
+  using RecvCallback = std::function<void(std::span<const std::byte>)>;
+  void submit_recvs(size_t len, size_t count, RecvCallback on_recv);
+
+  // Calls on_reached once immediate `imm` has been received `count` times. Immediates that
+  // arrived before this call count toward it. Arrivals beyond `count` stay counted for the next
+  // expectation of the same immediate; several expectations of one immediate are met in order.
+  void expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached);
+  // How many arrivals of `imm` are counted and not yet consumed by an expectation (for tests and
+  // diagnostics; answered by the worker, so it costs a round trip).
+  uint64_t imm_count(uint32_t imm);
+
+  // len bytes from src+src_offset to dst+dst_offset. Split evenly over all NICs (one WRITE per
+  // NIC that gets a non-empty share) unless opts.nic pins it; each WRITE carries opts.imm.
+  void submit_single_write(uint64_t len, const MrHandle& src, uint64_t src_offset, const MrDesc& dst,
+                           uint64_t dst_offset, OnDone on_done, WriteOptions opts = {});
+  // One WRITE of page_len bytes per page: src page i goes to dst page i; pages round-robin over NICs.
+  void submit_paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
+                           const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
+                           WriteOptions opts = {});
+
+  PeerGroupHandle add_peer_group(const std::vector<NetAddr>& peers);
+  // One WRITE per destination (round-robin over NICs). With a group, every destination must
+  // belong to it (its addresses were resolved up front).
+  void submit_scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
+                      const std::vector<ScatterDst>& dsts, OnDone on_done, WriteOptions opts = {});
+  // One zero-byte WRITE carrying `imm` to each destination region's owner.
+  void submit_barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
+                      const std::vector<MrDesc>& dsts, OnDone on_done,
+                      std::optional<uint8_t> nic = std::nullopt);
+
+  std::vector<NicStats> nic_stats();
+
+ private:
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace fabric

@@ -1,0 +1,121 @@
+// Plain value types of the public API: addresses, memory descriptors, page lists, scatter targets.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace fabric {
+
+inline constexpr size_t kMaxNics = 4;           // NICs per engine (per GPU), as on AWS p5
+inline constexpr size_t kMaxNicAddrLen = 256;  // longest provider endpoint name we accept
+inline constexpr size_t kMaxProviderNameLen = 64;
+
+// Where memory lives. Host memory now; CUDA devices are added by the GPU support work.
+struct Device {
+  enum class Kind : uint8_t { kHost, kCuda };
+  Kind kind = Kind::kHost;
+  int index = -1;
+  static Device host() { return {}; }
+  static Device cuda(int i) { return {Kind::kCuda, i}; }
+  bool operator==(const Device&) const = default;
+};
+
+// Opaque, serializable address of one engine: the provider name and one endpoint name per NIC.
+// Exchanged out of band (a TCP store, a file, a command line) as bytes or hex.
+class NetAddr {
+ public:
+  NetAddr() = default;
+  NetAddr(std::string provider, std::vector<std::string> nic_addrs);
+
+  const std::string& provider() const { return provider_; }
+  size_t nic_count() const { return nics_.size(); }
+  const std::string& nic(size_t i) const { return nics_.at(i); }
+
+  std::vector<uint8_t> to_bytes() const;
+  std::string to_hex() const;
+  // Strict parsers: throw fabric::Error(kMalformed) naming what was wrong.
+  static NetAddr from_bytes(std::span<const uint8_t> bytes);
+  static NetAddr from_hex(std::string_view hex);
+
+  bool operator==(const NetAddr&) const = default;
+
+ private:
+  std::string provider_;
+  std::vector<std::string> nics_;
+};
+
+// Local handle of a registered memory region (source of writes). Cheap to copy.
+// A stale handle (after dereg_mr) is detected: its generation no longer matches.
+struct MrHandle {
+  uint32_t slot = UINT32_MAX;
+  uint32_t generation = 0;
+  bool operator==(const MrHandle&) const = default;
+};
+
+// Per-NIC remote access key of a region: the key and the base that offsets are added to
+// (the region's virtual address where the provider uses FI_MR_VIRT_ADDR, else 0).
+struct RemoteKey {
+  uint64_t rkey = 0;
+  uint64_t base = 0;
+  bool operator==(const RemoteKey&) const = default;
+};
+
+// Serializable remote descriptor of a region: its owner, its length, one key per NIC.
+// Destinations are given as offsets into the region; the length lets the initiator reject an
+// out-of-bounds write at submit time (the providers do not report it, they drop the connection).
+class MrDesc {
+ public:
+  MrDesc() = default;
+  MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys);
+
+  const NetAddr& owner() const { return owner_; }
+  uint64_t addr() const { return addr_; }  // the owner's virtual address, for logs only
+  uint64_t len() const { return len_; }
+  const std::vector<RemoteKey>& keys() const { return keys_; }
+
+  std::vector<uint8_t> to_bytes() const;
+  std::string to_hex() const;
+  static MrDesc from_bytes(std::span<const uint8_t> bytes);
+  static MrDesc from_hex(std::string_view hex);
+
+  bool operator==(const MrDesc&) const = default;
+
+ private:
+  NetAddr owner_;
+  uint64_t addr_ = 0;
+  uint64_t len_ = 0;
+  std::vector<RemoteKey> keys_;
+};
+
+// Page i of a paged transfer lives at offset + stride * indices[i] in its region.
+struct Pages {
+  std::vector<uint32_t> indices;
+  uint64_t stride = 0;
+  uint64_t offset = 0;
+};
+
+// One slice of a scatter: len bytes from src_offset in the source region to dst_offset in dst.
+struct ScatterDst {
+  uint64_t len = 0;
+  uint64_t src_offset = 0;
+  MrDesc dst;
+  uint64_t dst_offset = 0;
+};
+
+// A pre-registered set of peers (their addresses resolved once, up front).
+struct PeerGroupHandle {
+  uint32_t id = UINT32_MAX;
+};
+
+// Per-transfer options common to all writes.
+struct WriteOptions {
+  std::optional<uint32_t> imm;  // deliver a 32-bit immediate with each WRITE (see docs/api.md)
+  std::optional<uint8_t> nic;   // pin every WRITE of the transfer to this NIC index
+};
+
+}  // namespace fabric

@@ -1,0 +1,92 @@
+// The Domain contract: what a provider (one NIC of libfabric, verbs, ...) must do for the engine.
+// A Domain is owned by one worker thread; it never sees callbacks, transfer ids or other providers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "fabric/config.h"
+#include "fabric/error.h"
+#include "fabric/types.h"
+
+namespace fabric {
+
+// Completion context of one posted operation. The engine owns it (pooled, stable address); the
+// provider may use `provider_space` for its own per-operation state (libfabric's fi_context2) and
+// hands the OpContext back in the Completion. provider_space must stay the first member.
+struct OpContext {
+  alignas(16) void* provider_space[8] = {};
+  void* owner = nullptr;  // engine's object (transfer, receive slot, ...)
+  uint32_t kind = 0;      // engine's tag
+  uint32_t nic = 0;
+  uint64_t aux = 0;       // engine's per-op value (e.g. bytes)
+};
+
+// Handle of a peer inside one Domain (libfabric fi_addr_t, verbs QP index).
+using PeerId = uint64_t;
+
+// One registration of a region with one Domain.
+struct DomainRegion {
+  void* desc = nullptr;     // local descriptor to pass with posts (may be null where unused)
+  RemoteKey remote;         // what a peer needs to write here
+  void* provider = nullptr; // provider's handle (fid_mr*)
+};
+
+struct WriteOp {
+  const void* src = nullptr;
+  size_t len = 0;
+  void* desc = nullptr;
+  PeerId peer = 0;
+  uint64_t remote_addr = 0;  // RemoteKey::base + offset
+  uint64_t rkey = 0;
+  bool has_imm = false;
+  uint32_t imm = 0;
+};
+
+enum class PostResult { kPosted, kRetry, kFailed };
+
+struct Completion {
+  enum class Kind : uint8_t { kLocal, kRecv, kRemoteImm, kError };
+  Kind kind = Kind::kLocal;
+  OpContext* context = nullptr;  // null for kRemoteImm
+  size_t len = 0;                // bytes received (kRecv)
+  uint32_t imm = 0;              // kRemoteImm
+  std::string error;             // kError: the provider's message
+};
+
+class Domain {
+ public:
+  virtual ~Domain() = default;
+
+  virtual const std::string& provider_name() const = 0;
+  virtual const std::string& address() const = 0;  // endpoint name, bytes
+  // Largest immediate the provider carries is at least 32 bits; remote CQ data is masked to 32.
+
+  // Throw fabric::Error on failure.
+  virtual DomainRegion register_memory(void* ptr, size_t len, Device device) = 0;
+  virtual void deregister_memory(DomainRegion& region) = 0;
+  // Cached: the same address gives the same PeerId without a new insertion.
+  virtual PeerId insert_peer(const std::string& address) = 0;
+
+  // kRetry: queue full or connection being set up (-FI_EAGAIN); poll and try again later.
+  // kFailed: the message is in last_error().
+  virtual PostResult post_write(const WriteOp& op, OpContext* ctx) = 0;
+  virtual PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
+                               OpContext* ctx) = 0;
+  virtual PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) = 0;
+  virtual const std::string& last_error() const = 0;
+
+  // Reads up to out.size() completions; returns how many were written.
+  virtual size_t poll(std::span<Completion> out) = 0;
+  // A zero-length registered buffer's descriptor, for immediate-only writes (EFA wants a valid
+  // descriptor on every write).
+  virtual void* scratch_desc() const = 0;
+  virtual void* scratch_buffer() const = 0;
+};
+
+std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index);
+
+}  // namespace fabric

@@ -1,0 +1,33 @@
+// The one thread that runs user callbacks, so that no callback ever runs on (or stalls) a worker.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <thread>
+
+#include "fabric/config.h"
+#include "util/mpsc_queue.h"
+#include "worker/request.h"
+
+namespace fabric {
+
+class CallbackThread {
+ public:
+  CallbackThread(size_t capacity, PollMode mode);
+  ~CallbackThread();  // runs every queued event, then joins (after stop() was pushed)
+
+  // Called by workers. Never blocks: if the queue is full the event waits in the caller's
+  // overflow list (the callback thread may itself be waiting for the worker).
+  void push(Event&& event, std::deque<Event>& overflow);
+  // Retries a worker's overflow list; returns true when it is empty.
+  bool flush(std::deque<Event>& overflow);
+  void stop();  // queues the final event; the thread exits after running all before it
+
+ private:
+  void run();
+  util::MpscQueue<Event> queue_;
+  PollMode mode_;
+  std::thread thread_;
+};
+
+}  // namespace fabric

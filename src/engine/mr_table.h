@@ -1,0 +1,56 @@
+// Table of registered regions. Written by the worker (registration runs there, it owns the
+// domains), read lock-free by application threads to validate handles and bounds at submit time.
+// A slot's generation is odd while the region is registered; handles carry the generation, so a
+// stale handle never matches a later registration of the same slot.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "domain/domain.h"
+#include "fabric/types.h"
+
+namespace fabric {
+
+struct RegionSlot {
+  std::atomic<uint32_t> generation{0};
+  uint8_t* ptr = nullptr;
+  uint64_t len = 0;
+  Device device;
+  std::array<DomainRegion, kMaxNics> per_nic{};
+};
+
+class MrTable {
+ public:
+  explicit MrTable(size_t capacity) : slots_(capacity) {
+    for (size_t i = capacity; i-- > 0;) free_.push_back(static_cast<uint32_t>(i));
+  }
+
+  // Worker thread only.
+  std::optional<uint32_t> take_free_slot() {
+    if (free_.empty()) return std::nullopt;
+    uint32_t s = free_.back();
+    free_.pop_back();
+    return s;
+  }
+  void return_slot(uint32_t s) { free_.push_back(s); }
+  RegionSlot& slot(uint32_t s) { return slots_[s]; }
+  size_t capacity() const { return slots_.size(); }
+
+  // Any thread: the live slot of a handle, or null.
+  const RegionSlot* find(const MrHandle& h) const {
+    if (h.slot >= slots_.size() || (h.generation & 1) == 0) return nullptr;
+    const RegionSlot& s = slots_[h.slot];
+    return s.generation.load(std::memory_order_acquire) == h.generation ? &s : nullptr;
+  }
+
+ private:
+  std::vector<RegionSlot> slots_;
+  std::vector<uint32_t> free_;
+};
+
+}  // namespace fabric

@@ -1,0 +1,368 @@
+// TransferEngine and EngineImpl: submit-time validation (handles, bounds, NIC counts, peers), then
+// a request to the worker. Every error found here is thrown, with what to do about it.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "engine/engine_impl.h"
+#include "util/log.h"
+
+namespace fabric {
+
+namespace {
+
+bool in_bounds(uint64_t offset, uint64_t len, uint64_t region_len) {
+  return offset <= region_len && len <= region_len - offset;
+}
+
+__extension__ typedef unsigned __int128 u128;
+
+// Highest byte (exclusive) touched by a page list, in 128 bits so nothing overflows.
+u128 pages_end(const Pages& p, uint64_t page_len) {
+  uint32_t max_index = *std::max_element(p.indices.begin(), p.indices.end());
+  return static_cast<u128>(p.offset) +
+         static_cast<u128>(p.stride) * max_index + page_len;
+}
+
+std::string addr_key(const NetAddr& a) {
+  auto b = a.to_bytes();
+  return std::string(b.begin(), b.end());
+}
+
+}  // namespace
+
+EngineImpl::EngineImpl(EngineConfig config)
+    : config_(std::move(config)), mrs_(config_.max_regions) {
+  if (config_.nics.empty() || config_.nics.size() > kMaxNics)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("EngineConfig::nics must list 1 to {} NICs, it lists {}", kMaxNics,
+                            config_.nics.size()));
+  callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
+  try {
+    worker_ = std::make_unique<Worker>(config_, mrs_, *callbacks_);
+  } catch (...) {
+    callbacks_->stop();
+    callbacks_.reset();
+    throw;
+  }
+  address_ = NetAddr(worker_->provider(), worker_->nic_addresses());
+}
+
+EngineImpl::~EngineImpl() {
+  worker_.reset();  // fails what is pending (events queued), closes NICs, joins
+  callbacks_->stop();
+  callbacks_.reset();  // runs every queued callback, joins
+}
+
+std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device device) {
+  if (!ptr || len == 0)
+    throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
+  std::lock_guard lock(control_mu_);
+  return worker_->call([&]() -> std::pair<MrHandle, MrDesc> {
+    auto s = mrs_.take_free_slot();
+    if (!s)
+      throw Error(ErrorCode::kResourceExhausted,
+                  fmt::format("reg_mr: all {} region slots are in use; deregister regions or raise "
+                              "EngineConfig::max_regions",
+                              mrs_.capacity()));
+    RegionSlot& slot = mrs_.slot(*s);
+    size_t done = 0;
+    try {
+      for (; done < nic_count(); done++)
+        slot.per_nic[done] = worker_->register_on(done, ptr, len, device);
+    } catch (...) {
+      while (done-- > 0) worker_->deregister_on(done, slot.per_nic[done]);
+      mrs_.return_slot(*s);
+      throw;
+    }
+    slot.ptr = static_cast<uint8_t*>(ptr);
+    slot.len = len;
+    slot.device = device;
+    uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
+    std::vector<RemoteKey> keys;
+    for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
+    return {MrHandle{*s, gen}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys)};
+  });
+}
+
+void EngineImpl::dereg_mr(MrHandle handle) {
+  std::lock_guard lock(control_mu_);
+  source(handle);
+  worker_->call([&] {
+    RegionSlot* slot = const_cast<RegionSlot*>(mrs_.find(handle));
+    if (!slot) return;
+    slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
+    for (size_t i = 0; i < nic_count(); i++) worker_->deregister_on(i, slot->per_nic[i]);
+    mrs_.return_slot(handle.slot);
+  });
+}
+
+const RegionSlot& EngineImpl::source(const MrHandle& h) const {
+  const RegionSlot* s = mrs_.find(h);
+  if (!s)
+    throw Error(ErrorCode::kNotFound,
+                fmt::format("unknown or deregistered MrHandle (slot {}, generation {}): use the "
+                            "handle returned by reg_mr, and not after dereg_mr",
+                            h.slot, h.generation));
+  return *s;
+}
+
+void EngineImpl::check_peer(const NetAddr& peer, const char* what) const {
+  if (peer.nic_count() != nic_count())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: the peer has {} NICs and this engine {}; every peer must use the "
+                            "same number of NICs per GPU (rail-aligned)",
+                            what, peer.nic_count(), nic_count()));
+  if (peer.provider() != address_.provider())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: the peer uses provider '{}' and this engine '{}'", what,
+                            peer.provider(), address_.provider()));
+}
+
+void EngineImpl::check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const {
+  check_peer(dst.owner(), what);
+  if (!in_bounds(offset, len, dst.len()))
+    throw Error(ErrorCode::kOutOfBounds,
+                fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
+                            what, offset, offset, len, dst.len()));
+}
+
+void EngineImpl::check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const {
+  if (!group) return;
+  const PeerGroup* g = group->id < kMaxGroups ? groups_[group->id].load(std::memory_order_acquire)
+                                              : nullptr;
+  if (!g) throw Error(ErrorCode::kNotFound, fmt::format("unknown peer group {}", group->id));
+  if (!g->members.count(addr_key(peer)))
+    throw Error(ErrorCode::kInvalidArgument,
+                "a destination's owner is not a member of the given peer group; add it to the "
+                "group or pass no group");
+}
+
+TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
+                                         const WriteOptions& opts) const {
+  if (opts.nic && *opts.nic >= nic_count())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("WriteOptions::nic {} but this engine has {} NICs", *opts.nic, nic_count()));
+  TransferRequest r;
+  r.kind = kind;
+  r.on_done = std::move(on_done);
+  r.has_imm = opts.imm.has_value();
+  r.imm = opts.imm.value_or(0);
+  r.pinned_nic = opts.nic ? *opts.nic : -1;
+  r.deadline = Clock::now() + config_.transfer_timeout;
+  return r;
+}
+
+void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
+  check_peer(dst, "submit_send");
+  if (bytes.size() > config_.max_message_size)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("submit_send: message of {} bytes exceeds EngineConfig::max_message_size "
+                            "({}); use a WRITE for bulk data or raise the limit",
+                            bytes.size(), config_.max_message_size));
+  TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {});
+  r.send_dst = dst;
+  r.payload.assign(bytes.begin(), bytes.end());
+  worker_->submit(std::move(r));
+}
+
+void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv) {
+  if (len == 0 || count == 0 || !on_recv)
+    throw Error(ErrorCode::kInvalidArgument,
+                "submit_recvs: needs len > 0, count > 0 and a callback");
+  worker_->submit(RecvPoolRequest{len, count,
+                                  std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv))});
+}
+
+void EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done) {
+  worker_->submit(ExpectRequest{imm, count, std::move(on_done)});
+}
+
+uint64_t EngineImpl::imm_count(uint32_t imm) {
+  return worker_->call([&] { return worker_->imm_count(imm); });
+}
+
+void EngineImpl::single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
+                              const MrDesc& dst, uint64_t dst_offset, OnDone on_done,
+                              const WriteOptions& opts) {
+  const RegionSlot& s = source(src);
+  if (!in_bounds(src_offset, len, s.len))
+    throw Error(ErrorCode::kOutOfBounds,
+                fmt::format("submit_single_write: source [{}, {}+{}) is outside the registered "
+                            "region of {} bytes",
+                            src_offset, src_offset, len, s.len));
+  check_dst(dst, dst_offset, len, "submit_single_write");
+  TransferRequest r = make_request(TransferKind::kSingle, std::move(on_done), opts);
+  r.src = src;
+  r.len = len;
+  r.src_offset = src_offset;
+  r.dst_offset = dst_offset;
+  r.dst = dst;
+  worker_->submit(std::move(r));
+}
+
+void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
+                              const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
+                              const WriteOptions& opts) {
+  const RegionSlot& s = source(src);
+  check_peer(dst.owner(), "submit_paged_writes");
+  if (page_len == 0)
+    throw Error(ErrorCode::kInvalidArgument, "submit_paged_writes: page_len must be > 0");
+  if (src_pages.indices.size() != dst_pages.indices.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("submit_paged_writes: {} source pages but {} destination pages",
+                            src_pages.indices.size(), dst_pages.indices.size()));
+  if (src_pages.indices.size() > UINT32_MAX)
+    throw Error(ErrorCode::kInvalidArgument, "submit_paged_writes: too many pages");
+  if (!src_pages.indices.empty()) {
+    if (pages_end(src_pages, page_len) > s.len)
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("submit_paged_writes: a source page ends beyond the registered "
+                              "region of {} bytes (offset + stride * max index + page_len)",
+                              s.len));
+    if (pages_end(dst_pages, page_len) > dst.len())
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("submit_paged_writes: a destination page ends beyond the remote "
+                              "region of {} bytes (offset + stride * max index + page_len)",
+                              dst.len()));
+  }
+  TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), opts);
+  r.src = src;
+  r.len = page_len;
+  r.dst = dst;
+  r.src_pages = src_pages;
+  r.dst_pages = dst_pages;
+  worker_->submit(std::move(r));
+}
+
+PeerGroupHandle EngineImpl::add_peer_group(const std::vector<NetAddr>& peers) {
+  for (auto& p : peers) check_peer(p, "add_peer_group");
+  std::lock_guard lock(control_mu_);
+  if (group_storage_.size() >= kMaxGroups)
+    throw Error(ErrorCode::kResourceExhausted,
+                fmt::format("add_peer_group: at most {} peer groups", kMaxGroups));
+  auto g = std::make_unique<PeerGroup>();
+  for (auto& p : peers) g->members.insert(addr_key(p));
+  // Resolve every address now so the first scatter pays no address-vector insertion.
+  worker_->call([&] {
+    for (auto& p : peers) worker_->resolve(p);
+  });
+  uint32_t id = static_cast<uint32_t>(group_storage_.size());
+  groups_[id].store(g.get(), std::memory_order_release);
+  group_storage_.push_back(std::move(g));
+  return PeerGroupHandle{id};
+}
+
+void EngineImpl::scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
+                         const std::vector<ScatterDst>& dsts, OnDone on_done,
+                         const WriteOptions& opts) {
+  const RegionSlot& s = source(src);
+  for (size_t i = 0; i < dsts.size(); i++) {
+    const ScatterDst& d = dsts[i];
+    if (!in_bounds(d.src_offset, d.len, s.len))
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("submit_scatter: destination {}: source [{}, {}+{}) is outside the "
+                              "registered region of {} bytes",
+                              i, d.src_offset, d.src_offset, d.len, s.len));
+    check_dst(d.dst, d.dst_offset, d.len, "submit_scatter");
+    check_group_member(group, d.dst.owner());
+  }
+  TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), opts);
+  r.src = src;
+  r.scatter = dsts;
+  worker_->submit(std::move(r));
+}
+
+void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
+                         const std::vector<MrDesc>& dsts, OnDone on_done,
+                         std::optional<uint8_t> nic) {
+  for (auto& d : dsts) {
+    check_peer(d.owner(), "submit_barrier");
+    check_group_member(group, d.owner());
+  }
+  TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), {imm, nic});
+  r.barrier = dsts;
+  worker_->submit(std::move(r));
+}
+
+std::vector<NicStats> EngineImpl::nic_stats() const {
+  std::vector<NicStats> out;
+  for (size_t i = 0; i < nic_count(); i++) {
+    const AtomicNicStats& a = worker_->stats(i);
+    out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
+                   a.imms_received.load(), a.messages_received.load(), a.errors.load()});
+  }
+  return out;
+}
+
+// ---- TransferEngine: the public face ----
+
+TransferEngine::TransferEngine(EngineConfig config)
+    : impl_(std::make_unique<EngineImpl>(std::move(config))) {}
+TransferEngine::~TransferEngine() = default;
+
+NetAddr TransferEngine::main_address() const { return impl_->address(); }
+size_t TransferEngine::nic_count() const { return impl_->nic_count(); }
+std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device) {
+  return impl_->reg_mr(ptr, len, device);
+}
+void TransferEngine::dereg_mr(MrHandle handle) { impl_->dereg_mr(handle); }
+void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
+  impl_->send(dst, bytes, std::move(on_done));
+}
+void TransferEngine::submit_recvs(size_t len, size_t count, RecvCallback on_recv) {
+  impl_->recvs(len, count, std::move(on_recv));
+}
+void TransferEngine::expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached) {
+  impl_->expect(imm, count, std::move(on_reached));
+}
+uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm); }
+void TransferEngine::submit_single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
+                                         const MrDesc& dst, uint64_t dst_offset, OnDone on_done,
+                                         WriteOptions opts) {
+  impl_->single_write(len, src, src_offset, dst, dst_offset, std::move(on_done), opts);
+}
+void TransferEngine::submit_paged_writes(uint64_t page_len, const MrHandle& src,
+                                         const Pages& src_pages, const MrDesc& dst,
+                                         const Pages& dst_pages, OnDone on_done, WriteOptions opts) {
+  impl_->paged_writes(page_len, src, src_pages, dst, dst_pages, std::move(on_done), opts);
+}
+PeerGroupHandle TransferEngine::add_peer_group(const std::vector<NetAddr>& peers) {
+  return impl_->add_peer_group(peers);
+}
+void TransferEngine::submit_scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
+                                    const std::vector<ScatterDst>& dsts, OnDone on_done,
+                                    WriteOptions opts) {
+  impl_->scatter(group, src, dsts, std::move(on_done), opts);
+}
+void TransferEngine::submit_barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
+                                    const std::vector<MrDesc>& dsts, OnDone on_done,
+                                    std::optional<uint8_t> nic) {
+  impl_->barrier(group, imm, dsts, std::move(on_done), nic);
+}
+std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
+
+// ---- configuration from the environment ----
+
+EngineConfig EngineConfig::from_env() {
+  EngineConfig c;
+  if (const char* p = std::getenv("FABRIC_PROVIDER")) c.provider = p;
+  c.nics.clear();
+  if (const char* n = std::getenv("FABRIC_NICS")) {
+    std::string s = n;
+    size_t start = 0;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string::npos) end = s.size();
+      if (end > start) c.nics.push_back(NicConfig{"", s.substr(start, end - start)});
+      start = end + 1;
+    }
+  }
+  if (c.nics.empty())
+    c.nics.push_back(c.provider.rfind("tcp", 0) == 0 ? NicConfig{"", "127.0.0.1"} : NicConfig{});
+  if (const char* m = std::getenv("FABRIC_POLL"))
+    c.worker_poll = c.callback_poll = std::strcmp(m, "busy") == 0 ? PollMode::kBusy : PollMode::kAdaptive;
+  return c;
+}
+
+}  // namespace fabric

@@ -1,0 +1,150 @@
+// Wire formats of NetAddr and MrDesc, with strict validation of everything that comes back in.
+//
+// NetAddr: "FBNA" u8 version u8 provider_len provider u8 nic_count { u16 len, bytes }*
+// MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u64 addr u64 len u8 n { u64 rkey u64 base }*
+#include "fabric/types.h"
+
+#include <cstring>
+
+#include "util/bytes.h"
+
+namespace fabric {
+
+namespace {
+constexpr char kAddrMagic[4] = {'F', 'B', 'N', 'A'};
+constexpr char kDescMagic[4] = {'F', 'B', 'M', 'D'};
+constexpr uint8_t kVersion = 1;
+
+void check_magic(util::ByteReader& r, const char (&magic)[4]) {
+  for (char m : magic)
+    if (r.u8("magic") != static_cast<uint8_t>(m)) r.fail("bad magic (not a fabric-lib value)");
+  uint8_t v = r.u8("version");
+  if (v != kVersion) r.fail("unsupported version " + std::to_string(v));
+}
+
+void validate_nic_count(size_t n, const char* what) {
+  if (n < 1 || n > kMaxNics)
+    throw Error(ErrorCode::kMalformed, std::string(what) + ": NIC count " + std::to_string(n) +
+                                           " outside 1.." + std::to_string(kMaxNics));
+}
+}  // namespace
+
+NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs)
+    : provider_(std::move(provider)), nics_(std::move(nic_addrs)) {
+  validate_nic_count(nics_.size(), "NetAddr");
+  if (provider_.empty() || provider_.size() > kMaxProviderNameLen)
+    throw Error(ErrorCode::kInvalidArgument, "NetAddr: provider name length must be 1..64");
+  for (auto& n : nics_)
+    if (n.empty() || n.size() > kMaxNicAddrLen)
+      throw Error(ErrorCode::kInvalidArgument, "NetAddr: NIC address length must be 1..256");
+}
+
+std::vector<uint8_t> NetAddr::to_bytes() const {
+  util::ByteWriter w;
+  w.raw(kAddrMagic, 4);
+  w.u8(kVersion);
+  w.u8(static_cast<uint8_t>(provider_.size()));
+  w.raw(provider_.data(), provider_.size());
+  w.u8(static_cast<uint8_t>(nics_.size()));
+  for (auto& n : nics_) {
+    w.u16(static_cast<uint16_t>(n.size()));
+    w.raw(n.data(), n.size());
+  }
+  return w.take();
+}
+
+static NetAddr read_net_addr(util::ByteReader& r) {
+  check_magic(r, kAddrMagic);
+  uint8_t plen = r.u8("provider length");
+  if (plen == 0 || plen > kMaxProviderNameLen) r.fail("provider name length " + std::to_string(plen));
+  std::string provider = r.str(plen, "provider");
+  uint8_t n = r.u8("NIC count");
+  if (n < 1 || n > kMaxNics) r.fail("NIC count " + std::to_string(n) + " outside 1..4");
+  std::vector<std::string> nics;
+  for (uint8_t i = 0; i < n; i++) {
+    uint16_t len = r.u16("NIC address length");
+    if (len == 0 || len > kMaxNicAddrLen) r.fail("NIC address length " + std::to_string(len));
+    nics.push_back(r.str(len, "NIC address"));
+  }
+  return NetAddr(std::move(provider), std::move(nics));
+}
+
+NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {
+  util::ByteReader r(bytes, "NetAddr");
+  NetAddr a = read_net_addr(r);
+  r.expect_end();
+  return a;
+}
+
+std::string NetAddr::to_hex() const { return util::to_hex(to_bytes()); }
+NetAddr NetAddr::from_hex(std::string_view hex) { return from_bytes(util::from_hex(hex, "NetAddr")); }
+
+MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys)
+    : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)) {
+  if (keys_.size() != owner_.nic_count())
+    throw Error(ErrorCode::kInvalidArgument,
+                "MrDesc: " + std::to_string(keys_.size()) + " keys for an owner with " +
+                    std::to_string(owner_.nic_count()) + " NICs");
+}
+
+std::vector<uint8_t> MrDesc::to_bytes() const {
+  util::ByteWriter w;
+  w.raw(kDescMagic, 4);
+  w.u8(kVersion);
+  auto owner = owner_.to_bytes();
+  w.u32(static_cast<uint32_t>(owner.size()));
+  w.raw(owner.data(), owner.size());
+  w.u64(addr_);
+  w.u64(len_);
+  w.u8(static_cast<uint8_t>(keys_.size()));
+  for (auto& k : keys_) {
+    w.u64(k.rkey);
+    w.u64(k.base);
+  }
+  return w.take();
+}
+
+MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
+  util::ByteReader r(bytes, "MrDesc");
+  check_magic(r, kDescMagic);
+  uint32_t owner_len = r.u32("owner length");
+  if (owner_len > r.remaining()) r.fail("owner length " + std::to_string(owner_len) + " exceeds input");
+  auto owner_bytes = bytes.subspan(bytes.size() - r.remaining(), owner_len);
+  NetAddr owner = NetAddr::from_bytes(owner_bytes);
+  r.str(owner_len, "owner");  // skip what NetAddr parsed
+  uint64_t addr = r.u64("addr");
+  uint64_t len = r.u64("len");
+  uint8_t n = r.u8("key count");
+  if (n != owner.nic_count())
+    r.fail("key count " + std::to_string(n) + " does not match the owner's NIC count " +
+           std::to_string(owner.nic_count()));
+  std::vector<RemoteKey> keys(n);
+  for (auto& k : keys) {
+    k.rkey = r.u64("rkey");
+    k.base = r.u64("base");
+  }
+  if (addr + len < addr) r.fail("addr + len overflows");
+  r.expect_end();
+  return MrDesc(std::move(owner), addr, len, std::move(keys));
+}
+
+std::string MrDesc::to_hex() const { return util::to_hex(to_bytes()); }
+MrDesc MrDesc::from_hex(std::string_view hex) { return from_bytes(util::from_hex(hex, "MrDesc")); }
+
+std::string_view to_string(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kOk: return "ok";
+    case ErrorCode::kInvalidArgument: return "invalid argument";
+    case ErrorCode::kOutOfBounds: return "out of bounds";
+    case ErrorCode::kNotFound: return "not found";
+    case ErrorCode::kMalformed: return "malformed";
+    case ErrorCode::kProvider: return "provider error";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kShutdown: return "shutdown";
+    case ErrorCode::kResourceExhausted: return "resource exhausted";
+    case ErrorCode::kUnsupported: return "unsupported";
+  }
+  return "unknown";
+}
+
+}  // namespace fabric

@@ -1,0 +1,30 @@
+// Log level from the environment, read once; one line per message so threads do not interleave.
+#include "util/log.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace fabric::log {
+
+static Level parse_level() {
+  const char* v = std::getenv("FABRIC_LOG");
+  if (!v) return Level::kWarn;
+  if (!std::strcmp(v, "error")) return Level::kError;
+  if (!std::strcmp(v, "info")) return Level::kInfo;
+  if (!std::strcmp(v, "debug")) return Level::kDebug;
+  return Level::kWarn;
+}
+
+Level level() {
+  static const Level lvl = parse_level();
+  return lvl;
+}
+
+void write(Level lvl, std::string_view message) {
+  static constexpr const char* kNames[] = {"error", "warn", "info", "debug"};
+  std::string line = fmt::format("[fabric {}] {}\n", kNames[static_cast<int>(lvl)], message);
+  std::fwrite(line.data(), 1, line.size(), stderr);
+}
+
+}  // namespace fabric::log

@@ -1,0 +1,38 @@
+// Worker-side state of one transfer: the validated request, its resolved peers, and progress.
+// Lives in an object pool; its address is the completion context of its WRITEs.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "domain/domain.h"
+#include "worker/request.h"
+
+namespace fabric {
+
+struct RegionSlot;
+
+// Where one destination region is reached through each NIC (rail-aligned: NIC k to NIC k).
+struct ResolvedTarget {
+  std::array<PeerId, kMaxNics> peer{};
+  std::array<RemoteKey, kMaxNics> key{};
+};
+
+struct Transfer {
+  TransferRequest req;
+  const RegionSlot* src = nullptr;
+  std::vector<ResolvedTarget> targets;  // one per destination (one for single/paged/send)
+  uint32_t total_ops = 0;
+  uint32_t next_op = 0;       // next WRITE to post
+  uint32_t outstanding = 0;   // posted, not completed
+  uint32_t send_slot = UINT32_MAX;
+  bool failed = false;        // stop posting
+  bool reported = false;      // on_done has fired
+  bool queued = false;        // in the worker's pending list
+  Status error;
+  Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
+  Transfer* next = nullptr;
+};
+
+}  // namespace fabric

@@ -1,0 +1,117 @@
+// The worker: one thread that owns the NICs (Domains) of one GPU, takes requests from a lock-free
+// queue, posts WRITEs, polls completions, counts immediates and hands events to the callback thread.
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "domain/domain.h"
+#include "engine/callback_thread.h"
+#include "engine/mr_table.h"
+#include "imm/imm_counter.h"
+#include "util/mpsc_queue.h"
+#include "util/object_pool.h"
+#include "worker/request.h"
+#include "worker/transfer.h"
+
+namespace fabric {
+
+struct AtomicNicStats {
+  std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
+      messages_received{0}, errors{0};
+};
+
+class Worker {
+ public:
+  // Starts the thread, which pins itself, opens every NIC and only then allocates its state.
+  // Throws the error that opening a NIC raised.
+  Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbacks);
+  ~Worker();  // fails everything pending with kShutdown and joins
+
+  const std::vector<std::string>& nic_addresses() const { return nic_addresses_; }
+  const std::string& provider() const { return provider_; }
+  size_t nic_count() const { return nic_addresses_.size(); }
+  const AtomicNicStats& stats(size_t nic) const { return stats_[nic]; }
+
+  // Any thread. Waits (yielding) while the queue is full.
+  void submit(Request&& request);
+
+  // Runs fn on the worker thread and returns its result (or rethrows its exception).
+  template <class F>
+  auto call(F&& fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    std::packaged_task<R()> task(std::forward<F>(fn));
+    auto result = task.get_future();
+    submit(ControlRequest{[&task] { task(); }});
+    return result.get();
+  }
+
+  // Worker thread only (through call()).
+  DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
+  void deregister_on(size_t nic, DomainRegion& region);
+  ResolvedTarget resolve(const NetAddr& peer);
+  uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+
+ private:
+  struct RecvPool;
+
+  void run(std::promise<void> opened);
+  void open_domains();
+  void loop();
+  bool take_requests();
+  void handle(TransferRequest&& r);
+  void handle(ExpectRequest&& r);
+  void handle(RecvPoolRequest&& r);
+  void handle(ControlRequest&& r) { r.run(); }
+  void handle(StopRequest&&) { stopping_ = true; }
+
+  bool pump(Transfer& t);  // posts what it can; false if a NIC pushed back
+  bool post_next(Transfer& t);
+  bool post_pending();
+  bool poll_domains();
+  void on_completion(size_t nic, Completion& c);
+  void fail(Transfer& t, Status status);
+  void maybe_finish(Transfer& t);
+  void report(OnDone& on_done, Status status);
+  void check_deadlines();
+  void shutdown();
+
+  void link(Transfer& t);
+  void unlink(Transfer& t);
+
+  EngineConfig config_;
+  MrTable& mrs_;
+  CallbackThread& callbacks_;
+  util::MpscQueue<Request> requests_;
+  std::vector<std::string> nic_addresses_;
+  std::string provider_;
+  std::unique_ptr<AtomicNicStats[]> stats_;
+  std::thread thread_;
+
+  // Owned by the worker thread.
+  std::vector<std::unique_ptr<Domain>> domains_;
+  std::unordered_map<std::string, ResolvedTarget> peers_;
+  ImmCounter<OnDone> imms_;
+  std::vector<OnDone> met_;
+  util::ObjectPool<Transfer> transfers_{64};
+  util::ObjectPool<OpContext> contexts_{1024};
+  std::deque<Transfer*> pending_;       // transfers with WRITEs left to post, FIFO
+  Transfer* oldest_ = nullptr;          // unreported transfers, oldest first (deadline order)
+  Transfer* newest_ = nullptr;
+  std::vector<std::unique_ptr<RecvPool>> recv_pools_;
+  std::vector<uint8_t> send_buffer_;
+  DomainRegion send_region_;
+  std::vector<uint32_t> free_send_slots_;
+  std::deque<Event> overflow_;
+  std::vector<Completion> completions_;
+  Clock::time_point next_deadline_check_;
+  bool stopping_ = false;
+};
+
+}  // namespace fabric
