@@ -21,6 +21,10 @@ demo: build
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
 
+.PHONY: bench-paged
+bench-paged: build
+	bench/compare_paged.sh $(BUILD)
+
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp')
 

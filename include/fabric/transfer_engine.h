@@ -30,6 +30,16 @@ struct NicStats {
   uint64_t errors = 0;
 };
 
+// The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver
+// expects exactly as many immediates as the initiator posts WRITEs:
+//   submit_single_write: single_write_imm_count(len, nic_count, pinned) (1 if pinned, if the
+//                        engine has one NIC or if len <= 32 KiB; else min(nics, ceil(len/32 KiB)))
+//   submit_paged_writes: one per page
+//   submit_scatter:      one per destination (zero-length slices included)
+//   submit_barrier:      one per destination
+// Both sides have the same NIC count (rail alignment), so the receiver can compute it.
+size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic);
+
 class TransferEngine {
  public:
   // Opens every NIC, starts the worker and the callback thread. Throws fabric::Error.

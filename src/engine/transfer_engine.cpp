@@ -6,6 +6,7 @@
 
 #include "engine/engine_impl.h"
 #include "util/log.h"
+#include "worker/sharding.h"
 
 namespace fabric {
 
@@ -296,6 +297,10 @@ std::vector<NicStats> EngineImpl::nic_stats() const {
 }
 
 // ---- TransferEngine: the public face ----
+
+size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic) {
+  return single_write_shards(len, nic_count, pinned_to_one_nic);
+}
 
 TransferEngine::TransferEngine(EngineConfig config)
     : impl_(std::make_unique<EngineImpl>(std::move(config))) {}

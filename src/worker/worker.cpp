@@ -339,8 +339,16 @@ void Worker::on_completion(size_t nic, Completion& c) {
     }
     case Completion::Kind::kError:
       st.errors.fetch_add(1, std::memory_order_relaxed);
-      if (!c.context || c.context->kind == kOpRecv) {
-        log::error("nic {}: {}", nic, c.error);
+      if (!c.context) {  // not ours (e.g. a peer's connection failed): nothing to end
+        log::warn("nic {}: {}", nic, c.error);
+        return;
+      }
+      if (c.context->kind == kOpRecv) {  // a failed receive still owns its buffer: post it again
+        log::warn("nic {}: receive failed: {}", nic, c.error);
+        auto* pool = static_cast<RecvPool*>(c.context->owner);
+        uint8_t* buf = pool->buffer.data() + c.context->aux * pool->len;
+        if (domains_[nic]->post_recv(buf, pool->len, pool->region.desc, c.context) != PostResult::kPosted)
+          log::error("re-posting a receive buffer failed: {}", domains_[nic]->last_error());
         return;
       }
       [[fallthrough]];

@@ -1,0 +1,368 @@
+// Two engine processes over a real libfabric provider (tcp;ofi_rxm, shm), 1/2/4 NICs per side,
+// with and without the reordering wrapper: every API call, every byte checked, immediate counts
+// exactly as documented.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstring>
+#include <mutex>
+#include <set>
+
+#include "fabric/fabric.h"
+#include "process_pair.h"
+#include "test_support.h"
+
+namespace fabric::testing {
+namespace {
+
+using tools::Channel;
+
+class EnginePair : public ::testing::TestWithParam<ProviderCase> {};
+
+// ---- single and paged writes -------------------------------------------------------------
+
+struct SingleCase {
+  uint64_t len, src_off, dst_off;
+  bool pinned;
+};
+// Zero bytes, shorter than the NIC count, just over the shard threshold, large and odd, pinned.
+const std::vector<SingleCase> kSingles = {
+    {0, 0, 0, false},         {1, 5, 7, false},           {3, 100, 200, false},
+    {4096, 4096, 8192, false}, {32769, 1 << 16, 3 << 16, false}, {(1 << 20) + 13, 1 << 20, 1 << 21, false},
+    {3 << 20, 4 << 20, 4 << 20, false}, {300000, 17, 900001, true},
+};
+constexpr uint32_t kSingleImmBase = 0x100;
+constexpr uint32_t kPagedImm = 0x200;
+constexpr uint64_t kBuf = 8 << 20;
+constexpr uint64_t kPageLen = 4096 + 13;  // not a power of two: catches stride/len mix-ups
+constexpr uint64_t kPageStride = 5000;
+constexpr uint64_t kPageOffset = 123;
+constexpr size_t kPages = 300;
+constexpr uint32_t kPageRange = 1000;
+
+TEST_P(EnginePair, SingleAndPagedWritesDeliverEveryByteAndExactImmCounts) {
+  const ProviderCase pc = GetParam();
+  const size_t nics = pc.nics;
+  Pages src_pages{random_indices(kPages, kPageRange, 11), kPageStride, kPageOffset};
+  Pages dst_pages{random_indices(kPages, kPageRange, 12), kPageStride, kPageOffset + 1};
+  const size_t pinned_nic = nics - 1;
+
+  auto receiver = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    std::vector<uint8_t> single_dst(kBuf, 0), paged_dst(kPageStride * (kPageRange + 1), 0);
+    auto [h1, d1] = engine.reg_mr(single_dst.data(), single_dst.size());
+    auto [h2, d2] = engine.reg_mr(paged_dst.data(), paged_dst.size());
+    ch.send(d1.to_bytes());
+    ch.send(d2.to_bytes());
+
+    // Expectations registered from several threads while WRITEs arrive: early arrivals count.
+    std::atomic<uint64_t> met{0}, failed{0};
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < 4; t++)
+      threads.emplace_back([&, t] {
+        for (size_t i = t; i < kSingles.size(); i += 4) {
+          auto& c = kSingles[i];
+          engine.expect_imm_count(kSingleImmBase + static_cast<uint32_t>(i),
+                                  single_write_imm_count(c.len, nics, c.pinned),
+                                  OnDone::counter(&met, &failed));
+        }
+      });
+    for (auto& t : threads) t.join();
+    engine.expect_imm_count(kPagedImm, kPages / 2, OnDone::counter(&met, &failed));
+    engine.expect_imm_count(kPagedImm, kPages - kPages / 2, OnDone::counter(&met, &failed));
+    const uint64_t expectations = kSingles.size() + 2;
+    EXPECT_TRUE(wait_until([&] { return met.load() == expectations; }))
+        << "met " << met.load() << " of " << expectations;
+    EXPECT_EQ(failed.load(), 0u);
+    EXPECT_EQ(ch.recv(), "all writes completed");
+
+    auto src = random_bytes(kBuf, 7);
+    for (auto& c : kSingles)
+      EXPECT_EQ(std::memcmp(single_dst.data() + c.dst_off, src.data() + c.src_off, c.len), 0)
+          << "single write of " << c.len << " bytes";
+    size_t bad_pages = 0;
+    for (size_t i = 0; i < kPages; i++) {
+      uint64_t s = src_pages.offset + src_pages.stride * src_pages.indices[i];
+      uint64_t d = dst_pages.offset + dst_pages.stride * dst_pages.indices[i];
+      bad_pages += std::memcmp(paged_dst.data() + d, src.data() + s, kPageLen) != 0;
+    }
+    EXPECT_EQ(bad_pages, 0u);
+    // Nothing written outside the pages.
+    std::vector<bool> covered(paged_dst.size(), false);
+    for (size_t i = 0; i < kPages; i++)
+      for (uint64_t b = 0; b < kPageLen; b++)
+        covered[dst_pages.offset + dst_pages.stride * dst_pages.indices[i] + b] = true;
+    size_t stray = 0;
+    for (size_t b = 0; b < paged_dst.size(); b++) stray += !covered[b] && paged_dst[b] != 0;
+    EXPECT_EQ(stray, 0u) << "bytes written outside every page";
+
+    // Exactly as documented: no immediate left over once every expectation was met.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (size_t i = 0; i < kSingles.size(); i++)
+      EXPECT_EQ(engine.imm_count(kSingleImmBase + static_cast<uint32_t>(i)), 0u) << "case " << i;
+    EXPECT_EQ(engine.imm_count(kPagedImm), 0u);
+    auto stats = engine.nic_stats();
+    uint64_t imms = 0;
+    for (auto& s : stats) imms += s.imms_received;
+    uint64_t expected_imms = kPages;
+    for (auto& c : kSingles) expected_imms += single_write_imm_count(c.len, nics, c.pinned);
+    EXPECT_EQ(imms, expected_imms);
+    ch.send("verified");
+    return role_result();
+  };
+
+  auto sender = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    auto src = random_bytes(kBuf, 7);
+    auto [h, d] = engine.reg_mr(src.data(), src.size());
+    MrDesc single_dst = MrDesc::from_bytes(ch.recv_bytes());
+    MrDesc paged_dst = MrDesc::from_bytes(ch.recv_bytes());
+    std::atomic<uint64_t> done{0}, failed{0};
+    for (size_t i = 0; i < kSingles.size(); i++) {
+      auto& c = kSingles[i];
+      WriteOptions opts{kSingleImmBase + static_cast<uint32_t>(i), std::nullopt};
+      if (c.pinned) opts.nic = static_cast<uint8_t>(pinned_nic);
+      engine.submit_single_write(c.len, h, c.src_off, single_dst, c.dst_off,
+                                 OnDone::counter(&done, &failed), opts);
+    }
+    std::atomic<int> paged{kDonePending};
+    engine.submit_paged_writes(kPageLen, h, src_pages, paged_dst, dst_pages, OnDone::flag(&paged),
+                               WriteOptions{kPagedImm, std::nullopt});
+    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == kSingles.size(); }));
+    EXPECT_TRUE(wait_until([&] { return paged.load() != kDonePending; }));
+    EXPECT_EQ(failed.load(), 0u);
+    EXPECT_EQ(paged.load(), kDoneSucceeded);
+    if (pinned_nic > 0) {
+      EXPECT_GT(engine.nic_stats()[pinned_nic].writes_posted, 0u);
+    }
+    ch.send("all writes completed");
+    EXPECT_EQ(ch.recv(), "verified");
+    return role_result();
+  };
+
+  auto r = tools::run_process_pair(sender, receiver);
+  EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status;
+}
+
+// ---- two-sided messages ------------------------------------------------------------------
+
+TEST_P(EnginePair, TenThousandMessagesArriveIntactAndOnce) {
+  const ProviderCase pc = GetParam();
+  constexpr uint32_t kMessages = 10000;
+  auto message = [](uint32_t i) {
+    std::string m(1 + (i * 37) % 200, static_cast<char>('a' + i % 26));
+    std::memcpy(m.data(), &i, std::min(sizeof i, m.size()));
+    if (m.size() < sizeof i) m = std::string(reinterpret_cast<char*>(&i), sizeof i);
+    return m;
+  };
+
+  auto receiver = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    std::mutex mu;
+    std::vector<uint8_t> seen(kMessages, 0);
+    std::atomic<uint32_t> received{0}, corrupt{0};
+    engine.submit_recvs(256, 64, [&](std::span<const std::byte> bytes) {
+      uint32_t i = UINT32_MAX;
+      if (bytes.size() >= sizeof i) std::memcpy(&i, bytes.data(), sizeof i);
+      if (i >= kMessages || std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()) != message(i)) {
+        corrupt++;
+      } else {
+        std::lock_guard lock(mu);
+        seen[i]++;
+      }
+      received++;
+    });
+    ch.send(engine.main_address().to_bytes());
+    EXPECT_TRUE(wait_until([&] { return received.load() >= kMessages; })) << received.load();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(received.load(), kMessages);
+    EXPECT_EQ(corrupt.load(), 0u);
+    std::lock_guard lock(mu);
+    for (uint32_t i = 0; i < kMessages; i++) EXPECT_EQ(seen[i], 1) << "message " << i;
+    ch.send("received");
+    return role_result();
+  };
+
+  auto sender = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    NetAddr peer = NetAddr::from_bytes(ch.recv_bytes());
+    std::atomic<uint64_t> done{0}, failed{0};
+    for (uint32_t i = 0; i < kMessages; i++) {
+      std::string m = message(i);
+      engine.submit_send(peer, std::as_bytes(std::span(m)), OnDone::counter(&done, &failed));
+      m.assign(m.size(), 'X');  // the engine copied it: reusing the buffer must not matter
+    }
+    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == kMessages; }));
+    EXPECT_EQ(failed.load(), 0u);
+    EXPECT_EQ(ch.recv(), "received");
+    return role_result();
+  };
+
+  auto r = tools::run_process_pair(sender, receiver);
+  EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status;
+}
+
+// ---- scatter and barrier to eight peers --------------------------------------------------
+
+TEST_P(EnginePair, ScatterAndBarrierReachEightPeers) {
+  const ProviderCase pc = GetParam();
+  constexpr size_t kPeers = 8;
+  constexpr uint64_t kDst = 1 << 20;
+  constexpr uint32_t kScatterImm = 0x300, kBarrierImm = 0x301, kPlainScatterImm = 0x302;
+  // Peer p gets len(p) bytes from src offset p*kDst/2 at dst offset 1000*p; peer 3 gets 0 bytes.
+  auto len = [](size_t p) -> uint64_t { return p == 3 ? 0 : 1000 + p * 70001; };
+
+  auto receivers = [&](Channel& ch) {
+    std::vector<std::unique_ptr<TransferEngine>> engines;
+    std::vector<std::vector<uint8_t>> bufs(kPeers, std::vector<uint8_t>(kDst, 0));
+    std::atomic<uint64_t> met{0}, failed{0};
+    for (size_t p = 0; p < kPeers; p++) {
+      engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
+      auto [h, d] = engines[p]->reg_mr(bufs[p].data(), kDst);
+      ch.send(d.to_bytes());
+      for (uint32_t imm : {kScatterImm, kBarrierImm, kPlainScatterImm})
+        engines[p]->expect_imm_count(imm, 1, OnDone::counter(&met, &failed));
+    }
+    EXPECT_TRUE(wait_until([&] { return met.load() == 3 * kPeers; })) << met.load();
+    EXPECT_EQ(failed.load(), 0u);
+    auto src = random_bytes(kDst * 4, 9);
+    for (size_t p = 0; p < kPeers; p++) {
+      EXPECT_EQ(std::memcmp(bufs[p].data() + 1000 * p, src.data() + p * kDst / 2, len(p)), 0) << p;
+      EXPECT_EQ(std::memcmp(bufs[p].data() + kDst / 2, src.data() + 7, 4096), 0) << p;
+      EXPECT_EQ(bufs[p][kDst - 1], 0) << p;
+    }
+    ch.send("verified");
+    return role_result();
+  };
+
+  auto sender = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    auto src = random_bytes(kDst * 4, 9);
+    auto [h, d] = engine.reg_mr(src.data(), src.size());
+    std::vector<MrDesc> dsts;
+    std::vector<NetAddr> peers;
+    for (size_t p = 0; p < kPeers; p++) {
+      dsts.push_back(MrDesc::from_bytes(ch.recv_bytes()));
+      peers.push_back(dsts.back().owner());
+    }
+    PeerGroupHandle group = engine.add_peer_group(peers);
+    std::vector<ScatterDst> slices, plain;
+    for (size_t p = 0; p < kPeers; p++) {
+      slices.push_back({len(p), p * kDst / 2, dsts[p], 1000 * p});
+      plain.push_back({4096, 7, dsts[p], kDst / 2});
+    }
+    std::atomic<int> s1{kDonePending}, s2{kDonePending}, b{kDonePending};
+    engine.submit_scatter(group, h, slices, OnDone::flag(&s1), WriteOptions{kScatterImm, std::nullopt});
+    engine.submit_scatter(std::nullopt, h, plain, OnDone::flag(&s2), WriteOptions{kPlainScatterImm, std::nullopt});
+    EXPECT_TRUE(wait_until([&] { return s1.load() != kDonePending && s2.load() != kDonePending; }));
+    // The barrier follows the data it vouches for.
+    engine.submit_barrier(group, kBarrierImm, dsts, OnDone::flag(&b));
+    EXPECT_TRUE(wait_until([&] { return b.load() != kDonePending; }));
+    EXPECT_EQ(s1.load(), kDoneSucceeded);
+    EXPECT_EQ(s2.load(), kDoneSucceeded);
+    EXPECT_EQ(b.load(), kDoneSucceeded);
+    EXPECT_EQ(ch.recv(), "verified");
+    return role_result();
+  };
+
+  auto r = tools::run_process_pair(sender, receivers);
+  EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status;
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, EnginePair,
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
+                                           ProviderCase{"tcp;ofi_rxm", 2, false},
+                                           ProviderCase{"tcp;ofi_rxm", 4, false},
+                                           ProviderCase{"shm", 1, false},
+                                           ProviderCase{"shm", 2, false},
+                                           ProviderCase{"shm", 4, false},
+                                           ProviderCase{"tcp;ofi_rxm", 1, true},
+                                           ProviderCase{"tcp;ofi_rxm", 2, true},
+                                           ProviderCase{"tcp;ofi_rxm", 4, true},
+                                           ProviderCase{"shm", 1, true},
+                                           ProviderCase{"shm", 2, true},
+                                           ProviderCase{"shm", 4, true}),
+                         case_name);
+
+// ---- a peer killed mid-transfer ----------------------------------------------------------
+
+class KilledPeer : public ::testing::TestWithParam<ProviderCase> {};
+
+TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
+  const ProviderCase pc = GetParam();
+  constexpr uint64_t kLen = 1 << 20;
+  constexpr uint32_t kBefore = 20, kAfter = 30;
+
+  auto victim = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    std::vector<uint8_t> dst(kLen, 0);
+    auto [h, d] = engine.reg_mr(dst.data(), kLen);
+    ch.send(d.to_bytes());
+    ch.recv();  // "die"
+    std::raise(SIGKILL);
+    return 0;
+  };
+
+  auto survivor = [&](Channel& ch) {
+    EngineConfig cfg = config_for(pc);
+    cfg.transfer_timeout = std::chrono::seconds(2);
+    TransferEngine engine(cfg);
+    auto src = random_bytes(kLen, 3);
+    auto [h, d] = engine.reg_mr(src.data(), kLen);
+    MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
+    std::atomic<uint64_t> done{0}, failed{0};
+    for (uint32_t i = 0; i < kBefore; i++)
+      engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::counter(&done, &failed));
+    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == kBefore; }));
+    EXPECT_EQ(done.load(), kBefore);
+    ch.send("die");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<Status> errors;
+    std::mutex mu;
+    std::atomic<uint32_t> ended{0};
+    auto start = std::chrono::steady_clock::now();
+    for (uint32_t i = 0; i < kAfter; i++)
+      engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::callback([&](const Status& s) {
+                                   std::lock_guard lock(mu);
+                                   errors.push_back(s);
+                                   ended++;
+                                 }));
+    EXPECT_TRUE(wait_until([&] { return ended.load() == kAfter; }, std::chrono::seconds(30)))
+        << ended.load() << " of " << kAfter << " transfers ended";
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(secs, 20.0);
+    std::lock_guard lock(mu);
+    size_t n_failed = 0;
+    for (auto& s : errors) {
+      if (s.ok()) continue;
+      n_failed++;
+      EXPECT_TRUE(s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kProvider) << s.message();
+      EXPECT_FALSE(s.message().empty());
+    }
+    EXPECT_GT(n_failed, 0u) << "writes to a dead peer cannot all succeed";
+
+    // The survivor still works: a loopback write to itself.
+    std::vector<uint8_t> mine(kLen, 0);
+    auto [h2, d2] = engine.reg_mr(mine.data(), kLen);
+    std::atomic<int> flag{kDonePending};
+    engine.submit_single_write(kLen, h, 0, d2, 0, OnDone::flag(&flag));
+    EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending; }));
+    EXPECT_EQ(flag.load(), kDoneSucceeded);
+    EXPECT_EQ(mine, src);
+    return role_result();
+  };
+
+  auto r = tools::run_process_pair(survivor, victim);
+  EXPECT_EQ(r.parent_rc, 0);
+  EXPECT_TRUE(WIFSIGNALED(r.child_status));
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, KilledPeer,
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
+                                           ProviderCase{"tcp;ofi_rxm", 2, false},
+                                           ProviderCase{"shm", 1, false}),
+                         case_name);
+
+}  // namespace
+}  // namespace fabric::testing

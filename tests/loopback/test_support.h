@@ -1,0 +1,73 @@
+// Helpers shared by the loopback tests: engine configurations per provider, waiting with a
+// deadline, deterministic test data.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/fabric.h"
+
+namespace fabric::testing {
+
+struct ProviderCase {
+  std::string provider;
+  size_t nics;
+  bool reorder;
+};
+
+inline std::string case_name(const ::testing::TestParamInfo<ProviderCase>& info) {
+  std::string p = info.param.provider == "shm" ? "shm" : "tcp";
+  return p + "_" + std::to_string(info.param.nics) + "nic" + (info.param.reorder ? "_reordered" : "");
+}
+
+// tcp: NIC k of every engine binds 127.0.0.(2+k), so several domains act as several NICs.
+inline EngineConfig config_for(const ProviderCase& c) {
+  EngineConfig cfg;
+  cfg.provider = c.provider;
+  cfg.nics.clear();
+  for (size_t k = 0; k < c.nics; k++)
+    cfg.nics.push_back(c.provider == "shm" ? NicConfig{} : NicConfig{"", "127.0.0." + std::to_string(2 + k)});
+  cfg.worker_poll = PollMode::kAdaptive;  // 2 cores, several engines
+  cfg.callback_poll = PollMode::kAdaptive;
+  cfg.reorder.enabled = c.reorder;
+  cfg.reorder.seed = 42;
+  cfg.transfer_timeout = std::chrono::seconds(60);
+  return cfg;
+}
+
+inline bool wait_until(const std::function<bool()>& done,
+                       std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+inline std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+// Distinct random indices in [0, range).
+inline std::vector<uint32_t> random_indices(size_t n, uint32_t range, uint32_t seed) {
+  std::vector<uint32_t> all(range);
+  for (uint32_t i = 0; i < range; i++) all[i] = i;
+  std::shuffle(all.begin(), all.end(), std::mt19937(seed));
+  all.resize(n);
+  return all;
+}
+
+// The exit code of a test role: non-zero if any gtest expectation failed in this process.
+inline int role_result() { return ::testing::Test::HasFailure() ? 1 : 0; }
+
+}  // namespace fabric::testing
