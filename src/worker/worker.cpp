@@ -331,10 +331,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       e.on_recv = pool->on_recv;
       e.data.assign(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + c.len);
       callbacks_.push(std::move(e), overflow_);
-      // The bytes were copied: the buffer goes straight back to the NIC.
-      if (domains_[nic]->post_recv(buf, pool->len, pool->region.desc, c.context) !=
-          PostResult::kPosted)
-        log::error("re-posting a receive buffer failed: {}", domains_[nic]->last_error());
+      repost_recv(nic, c.context);  // the bytes were copied: the buffer goes straight back
       return;
     }
     case Completion::Kind::kError:
@@ -345,10 +342,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       }
       if (c.context->kind == kOpRecv) {  // a failed receive still owns its buffer: post it again
         log::warn("nic {}: receive failed: {}", nic, c.error);
-        auto* pool = static_cast<RecvPool*>(c.context->owner);
-        uint8_t* buf = pool->buffer.data() + c.context->aux * pool->len;
-        if (domains_[nic]->post_recv(buf, pool->len, pool->region.desc, c.context) != PostResult::kPosted)
-          log::error("re-posting a receive buffer failed: {}", domains_[nic]->last_error());
+        repost_recv(nic, c.context);
         return;
       }
       [[fallthrough]];
@@ -371,6 +365,13 @@ void Worker::on_completion(size_t nic, Completion& c) {
       return;
     }
   }
+}
+
+void Worker::repost_recv(size_t nic, OpContext* ctx) {
+  auto* pool = static_cast<RecvPool*>(ctx->owner);
+  uint8_t* buf = pool->buffer.data() + ctx->aux * pool->len;
+  if (domains_[nic]->post_recv(buf, pool->len, pool->region.desc, ctx) != PostResult::kPosted)
+    log::error("re-posting a receive buffer failed: {}", domains_[nic]->last_error());
 }
 
 void Worker::fail(Transfer& t, Status status) {

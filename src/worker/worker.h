@@ -76,6 +76,7 @@ class Worker {
   bool post_pending();
   bool poll_domains();
   void on_completion(size_t nic, Completion& c);
+  void repost_recv(size_t nic, OpContext* ctx);
   void fail(Transfer& t, Status status);
   void maybe_finish(Transfer& t);
   void report(OnDone& on_done, Status status);
