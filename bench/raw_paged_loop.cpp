@@ -1,5 +1,6 @@
-// raw-paged-loop: the fabric-demo workload (rounds of paged WRITEs with immediates) written directly
-// on libfabric, one endpoint per process, no engine: the baseline the engine's numbers are held to.
+// raw-paged-loop: the fabric-demo workload (rounds of paged WRITEs with immediates) on bare
+// libfabric, one endpoint per process, no engine: the baseline for the engine's numbers.
+#include <fmt/format.h>
 #include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -12,7 +13,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <fmt/format.h>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -36,8 +36,11 @@ struct Options {
 
 constexpr uint64_t kImm = 0xFAB00001;
 
-// Same byte pattern and page permutation as tools/demo/fabric_demo.cpp, so both move identical data.
-uint8_t pattern(uint64_t byte_index) { return static_cast<uint8_t>(byte_index * 131 + (byte_index >> 13) + 7); }
+// Same byte pattern and page permutation as tools/demo/fabric_demo.cpp, so both move identical
+// data.
+uint8_t pattern(uint64_t byte_index) {
+  return static_cast<uint8_t>(byte_index * 131 + (byte_index >> 13) + 7);
+}
 
 std::vector<uint32_t> round_permutation(uint32_t round, uint32_t pages) {
   std::vector<uint32_t> p(pages);
@@ -49,7 +52,9 @@ std::vector<uint32_t> round_permutation(uint32_t round, uint32_t pages) {
 }
 
 void check(const char* call, long rc) {
-  if (rc != 0) throw std::runtime_error(fmt::format("{} failed: {} ({})", call, fi_strerror(static_cast<int>(-rc)), rc));
+  if (rc != 0)
+    throw std::runtime_error(
+        fmt::format("{} failed: {} ({})", call, fi_strerror(static_cast<int>(-rc)), rc));
 }
 
 // What the receiver tells the sender about its destination buffer.
@@ -59,7 +64,8 @@ struct RemoteRegion {
 };
 
 // The fids of an Endpoint, closed in reverse order of opening. A base class so that they are
-// closed also when the Endpoint constructor throws half-way (shm leaves files in /dev/shm otherwise).
+// closed also when the Endpoint constructor throws half-way (shm leaves files in /dev/shm
+// otherwise).
 struct EndpointFids {
   fi_info* info_ = nullptr;
   fid_fabric* fabric_ = nullptr;
@@ -91,7 +97,8 @@ class Endpoint : EndpointFids {
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    hints->domain_attr->mr_mode =
+        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->cq_data_size = 4;
     hints->fabric_attr->prov_name = strdup(provider.c_str());
@@ -141,7 +148,8 @@ class Endpoint : EndpointFids {
 
   fi_addr_t insert_peer(const std::string& name) {
     fi_addr_t addr = FI_ADDR_UNSPEC;
-    if (fi_av_insert(av_, name.data(), 1, &addr, 0, nullptr) != 1) throw std::runtime_error("fi_av_insert failed");
+    if (fi_av_insert(av_, name.data(), 1, &addr, 0, nullptr) != 1)
+      throw std::runtime_error("fi_av_insert failed");
     return addr;
   }
 
@@ -152,8 +160,9 @@ class Endpoint : EndpointFids {
     if (n == -FI_EAVAIL) {
       fi_cq_err_entry err{};
       fi_cq_readerr(cq_, &err, 0);
-      throw std::runtime_error(fmt::format("completion error: {} (provider: {})", fi_strerror(err.err),
-                                           fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0)));
+      throw std::runtime_error(
+          fmt::format("completion error: {} (provider: {})", fi_strerror(err.err),
+                      fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0)));
     }
     if (n < 0) check("fi_cq_read", n);
     return static_cast<size_t>(n);
@@ -211,8 +220,8 @@ int run_receiver(const Options& o, Channel& ch) {
   bool ok = imms == expected && wrong_imm == 0 && bad == 0;
   ch.send(fmt::format("verified {} bytes: {}", o.rounds >= 2 ? dst.size() : o.pages * page,
                       ok ? "OK"
-                         : fmt::format("FAILED ({}/{} immediates, {} wrong, {} bad bytes)", imms, expected,
-                                       wrong_imm, bad)));
+                         : fmt::format("FAILED ({}/{} immediates, {} wrong, {} bad bytes)", imms,
+                                       expected, wrong_imm, bad)));
   recv_progressing(ch, ep);  // the sender is done with its endpoint: safe to close ours
   return ok ? 0 : 1;
 }
@@ -276,11 +285,12 @@ int run_sender(const Options& o, Channel& ch) {
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
 
   uint64_t bytes = ops * page;
-  fmt::print("raw-libfabric: provider {}, {} KiB pages, window {}, two processes\n", ep.provider(), o.page_kib,
-             o.window);
-  fmt::print("moved {:.1f} MiB in {} paged WRITEs ({} rounds x {} pages) in {:.3f} s: {:.2f} GB/s, "
-             "{:.3f} M ops/s\n",
-             bytes / 1048576.0, ops, o.rounds, o.pages, secs, bytes / secs / 1e9, ops / secs / 1e6);
+  fmt::print("raw-libfabric: provider {}, {} KiB pages, window {}, two processes\n", ep.provider(),
+             o.page_kib, o.window);
+  fmt::print(
+      "moved {:.1f} MiB in {} paged WRITEs ({} rounds x {} pages) in {:.3f} s: {:.2f} GB/s, "
+      "{:.3f} M ops/s\n",
+      bytes / 1048576.0, ops, o.rounds, o.pages, secs, bytes / secs / 1e9, ops / secs / 1e6);
   std::string verdict = recv_progressing(ch, ep);
   fmt::print("{}\n", verdict);
   ch.send("bye");
@@ -304,8 +314,8 @@ int main(int argc, char** argv) {
   auto result = fabric::tools::run_process_pair([&](Channel& ch) { return run_sender(o, ch); },
                                                 [&](Channel& ch) { return run_receiver(o, ch); });
   if (!result.ok()) {
-    fmt::print(stderr, "raw-paged-loop FAILED (sender rc {}, receiver status {})\n", result.parent_rc,
-               result.child_status);
+    fmt::print(stderr, "raw-paged-loop FAILED (sender rc {}, receiver status {})\n",
+               result.parent_rc, result.child_status);
     return 1;
   }
   return 0;
