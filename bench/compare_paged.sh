@@ -5,7 +5,7 @@ set -euo pipefail
 build=${1:-build}
 demo=$build/tools/demo/fabric-demo
 raw=$build/bench/raw-paged-loop
-trials=3
+trials=5
 
 # Runs one trial and prints its GB/s; a failed or unverified run aborts the script with its output.
 gbps() {
@@ -23,8 +23,8 @@ summary="ratio paged64k"
 for provider in "tcp;ofi_rxm" shm; do
   engine=() base=()
   for ((i = 0; i < trials; i++)); do  # alternate so drift in the machine hits both alike
-    engine+=("$(gbps "$demo" --provider "$provider" --busy)")
-    base+=("$(gbps "$raw" --provider "$provider")")
+    engine+=("$(gbps "$demo" --provider "$provider" --busy --rounds 128)")
+    base+=("$(gbps "$raw" --provider "$provider" --rounds 128)")
   done
   e=$(median "${engine[@]}") r=$(median "${base[@]}")
   ratio=$(awk -v e="$e" -v r="$r" 'BEGIN { printf "%.2f", e / r }')

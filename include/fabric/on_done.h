@@ -15,9 +15,11 @@ enum DoneState : int { kDonePending = 0, kDoneSucceeded = 1, kDoneFailed = -1 };
 // Completion of a transfer or an immediate expectation. Fires exactly once.
 //
 // - callback(fn): fn(status) runs on the engine's callback thread (never on a worker).
-// - flag(f): the worker stores kDoneSucceeded or kDoneFailed into *f (release order); no
-//   callback cost. The failure message goes to the log.
-// - counter(done, failed): the worker increments *done on success, *failed (if given) on error.
+// - flag(f): the worker stores kDoneSucceeded or kDoneFailed into *f (release order) and
+//   notifies it, so a thread may poll it or block in f->wait(kDonePending); no callback cost.
+//   The failure message goes to the log.
+// - counter(done, failed): the worker increments *done on success, *failed (if given) on error,
+//   and notifies the counter it changed (std::atomic::wait works on both).
 // - none(): nothing is reported (errors are still logged).
 class OnDone {
  public:

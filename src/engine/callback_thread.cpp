@@ -3,7 +3,6 @@
 
 #include <exception>
 
-#include "util/idle.h"
 #include "util/log.h"
 
 namespace fabric {
@@ -17,10 +16,12 @@ CallbackThread::~CallbackThread() {
 
 void CallbackThread::push(Event&& event, std::deque<Event>& overflow) {
   if (!overflow.empty() || !queue_.try_push(event)) overflow.push_back(std::move(event));
+  wake();
 }
 
 bool CallbackThread::flush(std::deque<Event>& overflow) {
   while (!overflow.empty() && queue_.try_push(overflow.front())) overflow.pop_front();
+  wake();
   return overflow.empty();
 }
 
@@ -28,17 +29,34 @@ void CallbackThread::stop() {
   Event e;
   e.stop = true;
   while (!queue_.try_push(e)) std::this_thread::yield();
+  wake();
+}
+
+void CallbackThread::wake() {
+  // The fence orders our push before reading `sleeping_`; the sleeper stores `sleeping_` before
+  // re-checking the queue. One of the two sees the other, so a push is never missed.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_relaxed)) {
+    doorbell_.fetch_add(1, std::memory_order_seq_cst);
+    doorbell_.notify_one();
+  }
 }
 
 void CallbackThread::run() {
-  util::Idle idle(mode_);
+  constexpr uint32_t kSpinRounds = 2000;
+  uint32_t idle_rounds = 0;
   for (;;) {
     std::optional<Event> e = queue_.try_pop();
     if (!e) {
-      idle.wait();
-      continue;
+      if (mode_ == PollMode::kBusy || ++idle_rounds < kSpinRounds) continue;
+      uint32_t ring = doorbell_.load(std::memory_order_seq_cst);
+      sleeping_.store(true, std::memory_order_seq_cst);
+      e = queue_.try_pop();  // recheck after announcing the sleep
+      if (!e) doorbell_.wait(ring, std::memory_order_seq_cst);
+      sleeping_.store(false, std::memory_order_seq_cst);
+      if (!e) continue;
     }
-    idle.reset();
+    idle_rounds = 0;
     if (e->stop) return;
     try {
       if (e->done) e->done(e->status);

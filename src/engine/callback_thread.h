@@ -25,7 +25,12 @@ class CallbackThread {
 
  private:
   void run();
+  void wake();
   util::MpscQueue<Event> queue_;
+  // In kAdaptive mode an idle callback thread blocks on `doorbell_` (atomic wait) instead of
+  // waking up periodically; producers ring it only when `sleeping_` says someone is waiting.
+  std::atomic<uint32_t> doorbell_{0};
+  std::atomic<bool> sleeping_{false};
   PollMode mode_;
   std::thread thread_;
 };
