@@ -33,13 +33,11 @@ void CallbackThread::stop() {
 }
 
 void CallbackThread::wake() {
-  // The fence orders our push before reading `sleeping_`; the sleeper stores `sleeping_` before
-  // re-checking the queue. One of the two sees the other, so a push is never missed.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (sleeping_.load(std::memory_order_relaxed)) {
-    doorbell_.fetch_add(1, std::memory_order_seq_cst);
-    doorbell_.notify_one();
-  }
+  // Bump the doorbell after every push: a sleeper that read the old value before our push sees
+  // the new value in wait() and does not block; one that reads the new value also sees the push.
+  // The syscall (notify) is paid only while the callback thread actually sleeps.
+  doorbell_.fetch_add(1, std::memory_order_seq_cst);
+  if (sleeping_.load(std::memory_order_seq_cst)) doorbell_.notify_one();
 }
 
 void CallbackThread::run() {
@@ -51,7 +49,7 @@ void CallbackThread::run() {
       if (mode_ == PollMode::kBusy || ++idle_rounds < kSpinRounds) continue;
       uint32_t ring = doorbell_.load(std::memory_order_seq_cst);
       sleeping_.store(true, std::memory_order_seq_cst);
-      e = queue_.try_pop();  // recheck after announcing the sleep
+      e = queue_.try_pop();  // recheck: a push before `ring` was read is visible now
       if (!e) doorbell_.wait(ring, std::memory_order_seq_cst);
       sleeping_.store(false, std::memory_order_seq_cst);
       if (!e) continue;

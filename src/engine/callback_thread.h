@@ -28,7 +28,7 @@ class CallbackThread {
   void wake();
   util::MpscQueue<Event> queue_;
   // In kAdaptive mode an idle callback thread blocks on `doorbell_` (atomic wait) instead of
-  // waking up periodically; producers ring it only when `sleeping_` says someone is waiting.
+  // waking up periodically; producers bump it on every push and notify only while `sleeping_`.
   std::atomic<uint32_t> doorbell_{0};
   std::atomic<bool> sleeping_{false};
   PollMode mode_;
