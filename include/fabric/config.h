@@ -43,6 +43,9 @@ struct EngineConfig {
   size_t max_message_size = 16384;   // largest submit_send payload
   size_t send_slots = 256;           // send buffers per engine (sends wait when all are in use)
   size_t cq_batch = 64;              // completions read per poll
+  // WRITEs and SENDs posted and not yet completed, per NIC. Beyond what hides the round trip,
+  // more in flight only spreads the copies over more cache (measured: docs/benchmarks.md).
+  size_t max_in_flight_per_nic = 64;
 
   ReorderConfig reorder;
 

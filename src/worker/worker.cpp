@@ -205,7 +205,9 @@ bool Worker::post_next(Transfer& t) {
   const TransferRequest& q = t.req;
   const size_t nics = domains_.size();
   const uint32_t i = t.next_op;
-  size_t nic = nic_for_op(i, nics, q.pinned_nic);
+  size_t nic = q.kind == TransferKind::kSend ? 0 : nic_for_op(i, nics, q.pinned_nic);
+  // The NIC pushed back or is full: wait for its completions.
+  if (backoff_[nic] > 0 || in_flight_[nic] >= config_.max_in_flight_per_nic) return false;
   Domain& d = *domains_[nic];
   OpContext* ctx = contexts_.acquire();
   ctx->owner = &t;
@@ -224,7 +226,6 @@ bool Worker::post_next(Transfer& t) {
                   q.payload.size());
     }
     ctx->kind = kOpSend;
-    nic = 0;
     result = domains_[0]->post_send(t.targets[0].peer[0],
                                     &send_buffer_[t.send_slot * config_.max_message_size],
                                     q.payload.size(), send_region_.desc, ctx);
@@ -273,6 +274,9 @@ bool Worker::post_next(Transfer& t) {
   }
 
   if (result == PostResult::kRetry) {
+    // Retrying at once would only take the provider's locks again (shm shares one with the
+    // peer): skip this NIC until it completes something or a few polls have passed.
+    backoff_[nic] = kRetryBackoffPolls;
     contexts_.release(ctx);
     return false;
   }
@@ -284,6 +288,7 @@ bool Worker::post_next(Transfer& t) {
   }
   t.next_op++;
   t.outstanding++;
+  in_flight_[nic]++;
   return true;
 }
 
@@ -312,6 +317,11 @@ bool Worker::poll_domains() {
     size_t n = domains_[nic]->poll(completions_);
     for (size_t i = 0; i < n; i++) on_completion(nic, completions_[i]);
     any |= n > 0;
+    if (n > 0) {
+      backoff_[nic] = 0;
+    } else if (backoff_[nic] > 0) {
+      backoff_[nic]--;
+    }
   }
   return any;
 }
@@ -361,6 +371,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       } else {
         fail(*t, Status(ErrorCode::kProvider, c.error));
       }
+      in_flight_[ctx->nic]--;
       contexts_.release(ctx);
       t->outstanding--;
       maybe_finish(*t);

@@ -2,6 +2,7 @@
 // queue, posts WRITEs, polls completions, counts immediates and hands events to the callback thread.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <deque>
 #include <future>
@@ -112,6 +113,12 @@ class Worker {
   std::deque<Event> overflow_;
   std::vector<Completion> completions_;
   Clock::time_point next_deadline_check_;
+  // Polls to wait before posting again on a NIC that answered -FI_EAGAIN (0: post freely). A
+  // completion on that NIC resets it; the countdown covers back-pressure that no completion of
+  // ours will lift (a connection still being set up).
+  static constexpr uint32_t kRetryBackoffPolls = 16;
+  std::array<uint32_t, kMaxNics> backoff_{};
+  std::array<size_t, kMaxNics> in_flight_{};  // posted, not completed
   bool stopping_ = false;
 };
 

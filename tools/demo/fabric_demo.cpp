@@ -27,6 +27,7 @@ struct Options {
   uint32_t pages = 512;   // per half of the destination
   uint32_t rounds = 32;
   bool busy = false;
+  size_t window = 64;
 };
 
 constexpr uint32_t kImm = 0xFAB00001;
@@ -38,6 +39,7 @@ EngineConfig engine_config(const Options& o) {
   for (auto& n : o.nics) c.nics.push_back(NicConfig{"", n});
   c.worker_poll = o.busy ? PollMode::kBusy : PollMode::kAdaptive;
   c.callback_poll = PollMode::kAdaptive;
+  c.max_in_flight_per_nic = o.window;
   return c;
 }
 
@@ -155,6 +157,7 @@ int main(int argc, char** argv) {
   app.add_option("--pages", o.pages, "pages per round")->check(CLI::Range(1, 65536));
   app.add_option("--rounds", o.rounds, "rounds of paged writes")->check(CLI::Range(1, 100000));
   app.add_flag("--busy", o.busy, "busy-poll the workers (default: adaptive)");
+  app.add_option("--window", o.window, "WRITEs in flight per NIC")->check(CLI::Range(1, 65536));
   CLI11_PARSE(app, argc, argv);
   if (o.provider == "shm") o.nics.assign(o.nics.size(), "");
 
