@@ -4,7 +4,7 @@ DEB_PACKAGES := cmake ninja-build g++ pkg-config libfabric-dev libfabric-bin lib
                 libcli11-dev libgtest-dev googletest
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: deps build demo test clean format
+.PHONY: deps build demo test test-python clean format
 
 deps:
 	@dpkg -s $(DEB_PACKAGES) >/dev/null 2>&1 || { \
@@ -20,6 +20,17 @@ demo: build
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
+	$(MAKE) test-python
+
+# The Python package, built and installed the way a user does it (pip install .), then pytest.
+test-python: deps
+	python3 -m pip install --quiet ".[test]"
+	python3 -m pytest -v tests/python
+
+.PHONY: bench-python
+bench-python: build
+	python3 -m pip install --quiet .
+	python3 bench/python_submit_overhead.py $(BUILD)
 
 .PHONY: bench-paged
 bench-paged: build

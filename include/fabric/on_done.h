@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "fabric/error.h"
 
@@ -48,6 +49,13 @@ class OnDone {
     return d;
   }
 
+  // Keeps `owner` alive until the engine is done with this OnDone (for flags and counters whose
+  // storage belongs to someone else, e.g. a Python object). Released on an engine thread.
+  OnDone&& keep_alive(std::shared_ptr<void> owner) && {
+    keep_alive_ = std::move(owner);
+    return std::move(*this);
+  }
+
   Kind kind() const { return kind_; }
   Callback& callback_fn() { return callback_; }
   std::atomic<int>* flag_ptr() const { return flag_; }
@@ -60,6 +68,7 @@ class OnDone {
   std::atomic<int>* flag_ = nullptr;
   std::atomic<uint64_t>* done_ = nullptr;
   std::atomic<uint64_t>* failed_ = nullptr;
+  std::shared_ptr<void> keep_alive_;
 };
 
 }  // namespace fabric

@@ -1,0 +1,44 @@
+// Cost of one submit_single_write call on the application thread (C++), the figure that the Python
+// overhead benchmark (bench/python_submit_overhead.py) is compared against. One engine writes 64
+// bytes to itself over loopback, in batches small enough never to fill the request queue.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <vector>
+
+#include "fabric/fabric.h"
+
+int main(int argc, char** argv) {
+  int batches = 20, batch = 1000;
+  CLI::App app{"submit_overhead: application-thread cost of submit_single_write"};
+  app.add_option("--batches", batches);
+  app.add_option("--batch", batch);
+  CLI11_PARSE(app, argc, argv);
+
+  fabric::EngineConfig cfg;
+  cfg.nics = {{"", "127.0.0.1"}};
+  cfg.worker_poll = fabric::PollMode::kAdaptive;
+  fabric::TransferEngine engine(cfg);
+  std::vector<uint8_t> buf(1 << 20);
+  auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+  std::atomic<uint64_t> done{0};
+  std::vector<double> per_call_ns;
+  uint64_t submitted = 0;
+  for (int b = 0; b < batches; b++) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < batch; i++)
+      engine.submit_single_write(64, h, 0, d, 4096, fabric::OnDone::counter(&done));
+    auto t1 = std::chrono::steady_clock::now();
+    submitted += batch;
+    while (done.load() < submitted) done.wait(done.load());
+    if (b > 0)  // the first batch warms up connections and pools
+      per_call_ns.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / batch);
+  }
+  std::sort(per_call_ns.begin(), per_call_ns.end());
+  fmt::print("cpp submit_single_write: {:.2f} us/call (median of {} batches of {})\n",
+             per_call_ns[per_call_ns.size() / 2] / 1000, per_call_ns.size(), batch);
+  return 0;
+}

@@ -1,0 +1,188 @@
+"""fabric-lib: RDMA point-to-point transfers for LLM systems.
+
+One-sided WRITEs carrying 32-bit immediates, counted on the receiver whatever their order, over
+1 to 4 NICs. The calls mirror the C++ API (docs/api.md); on top of it this package adds tensor and
+buffer registration, page lists from any integer sequence, and asyncio awaitables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import sys
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from ._fabric_lib import (
+    DoneCounter,
+    DoneFlag,
+    Engine as _Engine,
+    FabricError,
+    MrDesc,
+    MrHandle,
+    NetAddr,
+    NicStats,
+    Pages as _Pages,
+    PeerGroupHandle,
+    ScatterDst,
+    Status,
+    single_write_imm_count,
+)
+
+__all__ = [
+    "DoneCounter", "DoneFlag", "FabricError", "MrDesc", "MrHandle", "NetAddr", "NicStats",
+    "Pages", "PeerGroupHandle", "ScatterDst", "Status", "TransferEngine", "single_write_imm_count",
+]
+
+
+def _as_page_indices(indices: Any) -> np.ndarray:
+    """Any integer sequence (list, numpy array, torch tensor) as a contiguous uint32 array."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(indices, torch.Tensor):
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise TypeError(f"page indices must be integers, got a tensor of {indices.dtype}")
+        indices = indices.detach().cpu().numpy()
+    arr = np.asarray(indices)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint32)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"page indices must be integers, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"page indices must be one-dimensional, got shape {arr.shape}")
+    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+        raise ValueError("page indices must lie in [0, 2**32)")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+class Pages(_Pages):
+    """Page i lives at offset + stride * indices[i]; indices is any integer sequence."""
+
+    def __init__(self, indices: Any, stride: int, offset: int = 0) -> None:
+        super().__init__(_as_page_indices(indices), stride, offset)
+
+
+def _buffer_address(obj: Any) -> tuple[int, int]:
+    """(address, byte length) of a contiguous, writable CPU buffer: torch tensor, numpy array,
+    bytearray or any writable buffer-protocol object."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_contiguous():
+            raise ValueError("the tensor is not contiguous: register tensor.contiguous() instead")
+        if obj.device.type != "cpu":
+            raise FabricError(f"unsupported: {obj.device} tensors need the GPU support of the engine")
+        return obj.data_ptr(), obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        if not obj.flags["C_CONTIGUOUS"]:
+            raise ValueError("the array is not C-contiguous: register np.ascontiguousarray(a)")
+        if not obj.flags["WRITEABLE"]:
+            raise ValueError("the array is read-only; remote peers write into registered memory")
+        return obj.ctypes.data, obj.nbytes
+    view = memoryview(obj)
+    if not view.contiguous:
+        raise ValueError("the buffer is not contiguous")
+    if view.readonly:
+        raise ValueError("the buffer is read-only; remote peers write into registered memory")
+    if view.nbytes == 0:
+        raise ValueError("the buffer is empty")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes
+
+
+class TransferEngine(_Engine):
+    """A transfer engine: see docs/api.md for every call's semantics.
+
+    Construction: TransferEngine(provider="tcp;ofi_rxm", nics=["127.0.0.1"], poll="adaptive",
+    callback_poll="adaptive", transfer_timeout_s=30.0, ...). Each entry of `nics` is a source
+    address ("127.0.0.2"), a libfabric domain name with an address ("domain@node"), or "" for the
+    provider's default. Usable as a context manager (close() on exit).
+
+    on_done arguments accept None, a DoneFlag, a DoneCounter, or a callable(status: Status) that
+    runs on the engine's callback thread with the GIL held (exceptions go to sys.unraisablehook).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._registered: dict[MrHandle, Any] = {}
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- memory ----
+
+    def register_tensor(self, obj: Any) -> tuple[MrHandle, MrDesc]:
+        """Registers a torch tensor, numpy array or writable buffer; keeps it alive until
+        dereg_mr."""
+        ptr, nbytes = _buffer_address(obj)
+        handle, desc = self.reg_mr(ptr, nbytes)
+        self._registered[handle] = obj
+        return handle, desc
+
+    def dereg_mr(self, handle: MrHandle) -> None:
+        super().dereg_mr(handle)
+        self._registered.pop(handle, None)
+
+    # ---- asyncio ----
+
+    def _future(self) -> tuple[asyncio.Future, Any]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(status: Status) -> None:
+            if fut.done():
+                return
+            if status.ok:
+                fut.set_result(None)
+            else:
+                fut.set_exception(FabricError(status.message))
+
+        def on_done(status: Status) -> None:  # runs on the engine's callback thread
+            loop.call_soon_threadsafe(settle, status)
+
+        return fut, on_done
+
+    async def write(self, length: int, src: MrHandle, src_offset: int, dst: MrDesc,
+                    dst_offset: int, *, imm: Optional[int] = None,
+                    nic: Optional[int] = None) -> None:
+        """submit_single_write, awaited until every WRITE completed locally."""
+        fut, on_done = self._future()
+        self.submit_single_write(length, src, src_offset, dst, dst_offset, on_done, imm=imm, nic=nic)
+        await fut
+
+    async def paged_write(self, page_len: int, src: MrHandle, src_pages: _Pages, dst: MrDesc,
+                          dst_pages: _Pages, *, imm: Optional[int] = None,
+                          nic: Optional[int] = None) -> None:
+        fut, on_done = self._future()
+        self.submit_paged_writes(page_len, src, src_pages, dst, dst_pages, on_done, imm=imm, nic=nic)
+        await fut
+
+    async def scatter(self, src: MrHandle, dsts: Sequence[ScatterDst], *,
+                      imm: Optional[int] = None, nic: Optional[int] = None,
+                      group: Optional[PeerGroupHandle] = None) -> None:
+        fut, on_done = self._future()
+        self.submit_scatter(src, list(dsts), on_done, imm=imm, nic=nic, group=group)
+        await fut
+
+    async def barrier(self, imm: int, dsts: Sequence[MrDesc], *,
+                      group: Optional[PeerGroupHandle] = None) -> None:
+        fut, on_done = self._future()
+        self.submit_barrier(imm, list(dsts), on_done, group=group)
+        await fut
+
+    async def send(self, dst: NetAddr, data: bytes) -> None:
+        fut, on_done = self._future()
+        self.submit_send(dst, bytes(data), on_done)
+        await fut
+
+    async def imm_count_reached(self, imm: int, count: int) -> None:
+        """Awaits until immediate `imm` has been received `count` times (early arrivals count)."""
+        fut, on_done = self._future()
+        self.expect_imm_count(imm, count, on_done)
+        await fut
+
+
+def peer_addresses(descs: Iterable[MrDesc]) -> list[NetAddr]:
+    """The owners of some descriptors, e.g. to build a peer group."""
+    return [d.owner for d in descs]

@@ -1,0 +1,105 @@
+"""Errors as Python exceptions; callbacks that raise; shutdown with work pending; threads."""
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fabric_lib as fl
+import roles
+
+
+def wait_for(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_bad_offsets_raise_and_complete_nothing():
+    with fl.TransferEngine() as e:
+        src, dst = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        hs, _ = e.register_tensor(src)
+        _, dd = e.register_tensor(dst)
+        calls = []
+        with pytest.raises(fl.FabricError, match="out of bounds"):
+            e.submit_single_write(4097, hs, 0, dd, 0, calls.append)
+        with pytest.raises(fl.FabricError, match="out of bounds"):
+            e.submit_paged_writes(1024, hs, fl.Pages([0, 4], 1024), dd, fl.Pages([0, 1], 1024), calls.append)
+        with pytest.raises(fl.FabricError, match="NICs"):
+            e.submit_single_write(1, hs, 0, dd, 0, calls.append, nic=3)
+        with pytest.raises(TypeError, match="on_done"):
+            e.submit_single_write(1, hs, 0, dd, 0, 42)
+        time.sleep(0.1)
+        assert calls == []
+
+
+def test_callback_exceptions_are_reported_not_swallowed(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: seen.append(info.exc_value))
+    with fl.TransferEngine() as e:
+        buf = np.zeros(4096, np.uint8)
+        h, d = e.register_tensor(buf)
+
+        def bad(status):
+            raise ValueError("a bug in user code")
+
+        e.submit_single_write(16, h, 0, d, 16, bad)
+        assert wait_for(lambda: seen)
+        ok = fl.DoneFlag()
+        e.submit_single_write(16, h, 0, d, 32, ok)  # the engine survived
+        assert ok.wait(30) and ok.ok
+    assert isinstance(seen[0], ValueError) and "a bug in user code" in str(seen[0])
+
+
+def test_close_with_pending_transfers_fails_them(peer):
+    conn, proc = peer(roles.idle_target)
+    dead_desc = conn.recv()
+    conn.send("exit")
+    proc.join(30)  # the target is gone: nothing will complete
+    statuses, flag = [], fl.DoneFlag()
+    e = fl.TransferEngine(transfer_timeout_s=60)
+    buf = np.zeros(1 << 20, np.uint8)
+    h, _ = e.register_tensor(buf)
+    for _ in range(5):
+        e.submit_single_write(1 << 20, h, 0, dead_desc, 0, statuses.append)
+    e.submit_single_write(1 << 20, h, 0, dead_desc, 0, flag)
+    e.expect_imm_count(77, 1, statuses.append)
+    e.close()
+    assert e.closed
+    assert flag.done and not flag.ok
+    assert len(statuses) == 6 and not any(s.ok for s in statuses)
+    assert any(s.code == "shutdown" for s in statuses)
+    with pytest.raises(fl.FabricError, match="closed"):
+        e.main_address()
+
+
+def test_callbacks_may_submit_and_other_threads_keep_running():
+    with fl.TransferEngine() as e:
+        buf = np.zeros(1 << 16, np.uint8)
+        h, d = e.register_tensor(buf)
+        chained = fl.DoneFlag()
+
+        def first(status):
+            assert status.ok
+            e.submit_single_write(16, h, 0, d, 64, chained)  # from the callback thread
+
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(1)
+                time.sleep(0.001)
+
+        t = threading.Thread(target=tick)
+        t.start()
+        e.submit_single_write(16, h, 0, d, 0, first)
+        assert chained.wait(30) and chained.ok  # waits with the GIL released
+        stop.set()
+        t.join()
+        assert ticks  # the other Python thread ran meanwhile

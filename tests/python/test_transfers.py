@@ -1,0 +1,89 @@
+"""Two processes over loopback: every call moves the right bytes; asyncio; messages."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import fabric_lib as fl
+import roles
+
+
+def nics_for(provider):
+    return [""] if provider == "shm" else ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_every_call_with_numpy_and_torch(peer, provider):
+    conn, proc = peer(roles.receiver, provider)
+    with fl.TransferEngine(provider=provider, nics=nics_for(provider)) as e:
+        src_np = roles.source_bytes(1 << 20)
+        src_t = torch.from_numpy(src_np.copy())
+        h_np, _ = e.register_tensor(src_np)
+        h_t, _ = e.register_tensor(src_t)
+        addr, d_single, d_paged, d_side = conn.recv()
+
+        flag = fl.DoneFlag()
+        e.submit_single_write(300000, h_np, 0, d_single, 1000, flag, imm=1)
+        smap, dmap = roles.page_maps()
+        counter = fl.DoneCounter()
+        e.submit_paged_writes(roles.PAGE, h_t, fl.Pages(torch.from_numpy(smap), roles.PAGE),
+                              d_paged, fl.Pages(dmap, roles.PAGE), counter, imm=2)
+        statuses = []
+        e.submit_scatter(h_np, [fl.ScatterDst(500, 6000, d_single, 500000),
+                                fl.ScatterDst(500, 5000, d_side, 100)],
+                         statuses.append, imm=3)
+        assert flag.wait(60) and flag.ok
+        assert counter.wait(1, 60) and counter.done == 1 and counter.failed == 0
+        group = e.add_peer_group([d_single.owner, d_side.owner])
+        barrier = fl.DoneFlag()
+        e.submit_barrier(4, [d_single, d_side], barrier, group=group)
+        assert barrier.wait(60) and barrier.ok
+        sent = fl.DoneCounter()
+        for m in (b"one", b"two", b"three"):
+            e.submit_send(addr, m, sent)
+        assert sent.wait(3, 60) and sent.failed == 0
+        conn.send("sent")
+        assert conn.recv() == "ok"
+        assert len(statuses) == 1 and statuses[0].ok
+        stats = e.nic_stats()
+        assert stats[0].writes_posted >= 1 + roles.N_PAGES + 2 + 2
+        assert stats[0].sends_posted == 3
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_asyncio_write_and_imm_wait(peer):
+    conn, proc = peer(roles.async_receiver)
+
+    async def main():
+        with fl.TransferEngine() as e:
+            src = roles.source_bytes(1000)
+            h, _ = e.register_tensor(src)
+            dst = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            await asyncio.wait_for(e.write(1000, h, 0, dst, 0, imm=9), 60)
+            await asyncio.wait_for(e.barrier(9, [dst]), 60)
+            with pytest.raises(fl.FabricError, match="out of bounds"):
+                await e.write(1001, h, 0, dst, 65000)
+
+    asyncio.run(main())
+    assert conn.recv() == "ok"
+    proc.join(30)
+    assert proc.exitcode == 0
+
+
+def test_a_thousand_messages_each_once():
+    received = []
+    with fl.TransferEngine() as rx, fl.TransferEngine() as tx:
+        rx.submit_recvs(64, 16, received.append)
+        done = fl.DoneCounter()
+        for i in range(1000):
+            tx.submit_send(rx.main_address(), i.to_bytes(4, "little"), done)
+        assert done.wait(1000, 60) and done.failed == 0
+        for _ in range(6000):
+            if len(received) == 1000:
+                break
+            import time
+            time.sleep(0.005)
+    assert sorted(int.from_bytes(m, "little") for m in received) == list(range(1000))
