@@ -49,6 +49,11 @@ struct EngineConfig {
 
   ReorderConfig reorder;
 
+  // Record, per transfer, the time from the submit call to its first and its last WRITE handed to
+  // the provider (TransferEngine::take_post_timings). For benchmarks; costs two clock reads per
+  // transfer when on.
+  bool record_post_timings = false;
+
   // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes), FABRIC_POLL (busy|adaptive)
   // on top of the defaults; used by examples and tests.
   static EngineConfig from_env();

@@ -40,6 +40,13 @@ struct NicStats {
 // Both sides have the same NIC count (rail alignment), so the receiver can compute it.
 size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic);
 
+// Posting cost of one transfer (EngineConfig::record_post_timings).
+struct PostTiming {
+  uint64_t first_post_ns = 0;  // submit call to the first WRITE handed to the provider
+  uint64_t last_post_ns = 0;   // submit call to the last one
+  uint32_t writes = 0;
+};
+
 class TransferEngine {
  public:
   // Opens every NIC, starts the worker and the callback thread. Throws fabric::Error.
@@ -92,6 +99,8 @@ class TransferEngine {
                       std::optional<uint8_t> nic = std::nullopt);
 
   std::vector<NicStats> nic_stats();
+  // Timings recorded since the last call (at most the latest 65536).
+  std::vector<PostTiming> take_post_timings();
 
  private:
   std::unique_ptr<EngineImpl> impl_;

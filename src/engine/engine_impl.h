@@ -47,6 +47,9 @@ class EngineImpl {
   void barrier(std::optional<PeerGroupHandle> group, uint32_t imm, const std::vector<MrDesc>& dsts,
                OnDone on_done, std::optional<uint8_t> nic);
   std::vector<NicStats> nic_stats() const;
+  std::vector<PostTiming> take_post_timings() {
+    return worker_->call([&] { return worker_->take_post_timings(); });
+  }
 
  private:
   const RegionSlot& source(const MrHandle& h) const;

@@ -346,6 +346,7 @@ void TransferEngine::submit_barrier(std::optional<PeerGroupHandle> group, uint32
   impl_->barrier(group, imm, dsts, std::move(on_done), nic);
 }
 std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
+std::vector<PostTiming> TransferEngine::take_post_timings() { return impl_->take_post_timings(); }
 
 // ---- configuration from the environment ----
 

@@ -31,6 +31,7 @@ struct Transfer {
   bool reported = false;      // on_done has fired
   bool queued = false;        // in the worker's pending list
   Status error;
+  uint64_t first_post_ns = 0;  // record_post_timings only
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
   Transfer* next = nullptr;
 };

@@ -289,6 +289,7 @@ bool Worker::post_next(Transfer& t) {
   t.next_op++;
   t.outstanding++;
   in_flight_[nic]++;
+  if (config_.record_post_timings) record_post_timing(t);
   return true;
 }
 
@@ -378,6 +379,17 @@ void Worker::on_completion(size_t nic, Completion& c) {
       return;
     }
   }
+}
+
+// The submit time is the deadline minus the timeout: no clock read on the submit path.
+void Worker::record_post_timing(Transfer& t) {
+  if (t.next_op != 1 && t.next_op != t.total_ops) return;
+  auto since_submit = Clock::now() - (t.req.deadline - config_.transfer_timeout);
+  auto ns = static_cast<uint64_t>(std::chrono::nanoseconds(since_submit).count());
+  if (t.next_op == 1) t.first_post_ns = ns;
+  if (t.next_op != t.total_ops) return;
+  if (post_timings_.size() >= 65536) post_timings_.erase(post_timings_.begin());
+  post_timings_.push_back({t.first_post_ns, ns, t.total_ops});
 }
 
 void Worker::repost_recv(size_t nic, OpContext* ctx) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "domain/domain.h"
@@ -58,6 +59,7 @@ class Worker {
   void deregister_on(size_t nic, DomainRegion& region);
   ResolvedTarget resolve(const NetAddr& peer);
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+  std::vector<PostTiming> take_post_timings() { return std::exchange(post_timings_, {}); }
 
  private:
   struct RecvPool;
@@ -78,6 +80,7 @@ class Worker {
   bool poll_domains();
   void on_completion(size_t nic, Completion& c);
   void repost_recv(size_t nic, OpContext* ctx);
+  void record_post_timing(Transfer& t);
   void fail(Transfer& t, Status status);
   void maybe_finish(Transfer& t);
   void report(OnDone& on_done, Status status);
@@ -111,6 +114,7 @@ class Worker {
   DomainRegion send_region_;
   std::vector<uint32_t> free_send_slots_;
   std::deque<Event> overflow_;
+  std::vector<PostTiming> post_timings_;
   std::vector<Completion> completions_;
   Clock::time_point next_deadline_check_;
   // Polls to wait before posting again on a NIC that answered -FI_EAGAIN (0: post freely). A

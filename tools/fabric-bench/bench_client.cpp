@@ -1,0 +1,273 @@
+// fabric-bench client: runs the sweeps against a server, prints one row per measurement and
+// writes them all as JSON.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <numeric>
+
+#include "bench_options.h"
+#include "control.h"
+
+namespace fabric::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr unsigned kWatchdogSeconds = 600;
+double now_us() { return std::chrono::duration<double, std::micro>(Clock::now().time_since_epoch()).count(); }
+
+struct Row {
+  std::string test;
+  uint64_t bytes = 0;      // per transfer
+  uint64_t writes = 0;     // WRITEs per transfer
+  uint64_t iters = 0;      // transfers in the bandwidth pass
+  double avg_us = 0, p50_us = 0, p99_us = 0;
+  double gbps = 0, mops = 0;
+  std::string verified = "-";
+};
+
+void summarize(std::vector<double> lat, Row& r) {
+  if (lat.empty()) return;
+  std::sort(lat.begin(), lat.end());
+  r.avg_us = std::accumulate(lat.begin(), lat.end(), 0.0) / lat.size();
+  r.p50_us = lat[lat.size() / 2];
+  r.p99_us = lat[std::min(lat.size() - 1, lat.size() * 99 / 100)];
+}
+
+class Client {
+ public:
+  Client(const Options& o, const std::string& server_hex)
+      : o_(o), engine_(o.engine_config()), ctl_(engine_) {
+    ctl_.set_peer(NetAddr::from_hex(server_hex));
+    auto w = split(ctl_.call("hello " + engine_.main_address().to_hex(), "descs"));
+    for (size_t i = 1; i < w.size(); i++) descs_.push_back(MrDesc::from_hex(w[i]));
+    uint64_t src_len = std::max<uint64_t>(descs_[0].len(), descs_.size() * o.scatter_len);
+    src_.resize(src_len);
+    for (uint64_t i = 0; i < src_.size(); i++) src_[i] = pattern(i);
+    src_handle_ = engine_.reg_mr(src_.data(), src_.size()).first;
+    pong_buf_.assign(4096, 0);
+    pong_desc_ = engine_.reg_mr(pong_buf_.data(), pong_buf_.size()).second;
+    group_ = engine_.add_peer_group(owners());
+    fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10} {:>10} {:>10} {:>9} {:>7} {:>9} {}\n", "test",
+               "bytes", "writes", "iters", "avg us", "p50 us", "p99 us", "Gbps", "% link",
+               "M ops/s", "verify");
+  }
+
+  void run() {
+    if (o_.wants("single"))
+      for (uint64_t size : sizes(o_.single_sizes, {1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20,
+                                                     4 << 20, 16 << 20, 64 << 20}))
+        if (size <= descs_[0].len()) single(size);
+    if (o_.wants("paged"))
+      for (uint64_t page : sizes(o_.page_sizes, {1 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10}))
+        for (uint64_t n : o_.page_counts) paged(page, n);
+    if (o_.wants("scatter")) scatter();
+    if (o_.wants("barrier")) barrier();
+    if (o_.wants("imm")) imm_round_trip();
+    if (o_.wants("msg")) message_round_trip();
+    if (o_.wants("post")) post_cost();
+    ctl_.call("bye", "bye");
+    if (!o_.json.empty()) write_json();
+  }
+
+ private:
+  static std::vector<uint64_t> sizes(const std::vector<uint64_t>& given, std::vector<uint64_t> dflt) {
+    return given.empty() ? dflt : given;
+  }
+  std::vector<NetAddr> owners() const {
+    std::vector<NetAddr> v;
+    for (auto& d : descs_) v.push_back(d.owner());
+    return v;
+  }
+  uint64_t iters_for(uint64_t bytes) const {
+    uint64_t target = o_.target_mib << 20;
+    return std::clamp<uint64_t>(bytes ? target / bytes : o_.max_iters, o_.min_iters, o_.max_iters);
+  }
+
+  // Latency pass (one transfer in flight, submit to local completion), then bandwidth pass
+  // (o_.window in flight; timed from the first submit to the server's "all immediates arrived").
+  template <class Submit>
+  void measure(Row r, const std::string& expect_scope, uint64_t imms_per_transfer, Submit submit,
+               const std::string& verify_cmd) {
+    uint32_t imm = next_imm_++;
+    alarm(kWatchdogSeconds);  // a stuck measurement ends the program instead of hanging it
+    uint64_t lat_iters = std::clamp<uint64_t>((64ull << 20) / std::max<uint64_t>(r.bytes, 1), 3, 200);
+    std::vector<double> lat;
+    for (uint64_t i = 0; i < o_.warmup + lat_iters; i++) {
+      std::atomic<int> f{kDonePending};
+      double t0 = now_us();
+      submit(OnDone::flag(&f), std::nullopt);
+      f.wait(kDonePending);
+      if (f.load() != kDoneSucceeded) throw Error(ErrorCode::kProvider, r.test + ": transfer failed");
+      if (i >= o_.warmup) lat.push_back(now_us() - t0);
+    }
+    summarize(lat, r);
+
+    r.iters = iters_for(r.bytes);
+    ctl_.call(fmt::format("expect {} {} {}", expect_scope, imm, r.iters * imms_per_transfer), "armed");
+    std::atomic<uint64_t> done{0}, failed{0};
+    double t0 = now_us();
+    for (uint64_t i = 0; i < r.iters; i++) {
+      while (i - done.load() - failed.load() >= o_.window) done.wait(done.load());
+      submit(OnDone::counter(&done, &failed), imm);
+    }
+    std::string reached = ctl_.recv();
+    double secs = (now_us() - t0) / 1e6;
+    while (done.load() + failed.load() < r.iters) done.wait(done.load());
+    if (failed.load() || reached.find(" ok") == std::string::npos)
+      throw Error(ErrorCode::kProvider, r.test + ": " + reached);
+    r.gbps = r.iters * r.bytes * 8 / secs / 1e9;
+    r.mops = r.iters * r.writes / secs / 1e6;
+    if (o_.verify && !verify_cmd.empty())
+      r.verified = ctl_.call("verify " + verify_cmd, "verified") == "verified ok" ? "ok" : "BAD";
+    print(r);
+  }
+
+  void single(uint64_t size) {
+    Row r{"single", size, single_write_imm_count(size, engine_.nic_count(), false)};
+    measure(r, "first", r.writes, [&](OnDone d, std::optional<uint32_t> imm) {
+      engine_.submit_single_write(size, src_handle_, 0, descs_[0], 0, std::move(d), {imm, std::nullopt});
+    }, fmt::format("single {}", size));
+  }
+
+  void paged(uint64_t page, uint64_t n) {
+    uint64_t stride = page + page / 4;  // larger than the page: the pages are scattered
+    if (stride * n > descs_[0].len() || stride * n > src_.size()) return;
+    uint32_t seed = static_cast<uint32_t>(page * 7 + n);
+    Pages src{page_order(static_cast<uint32_t>(n), seed), stride, 0};
+    Pages dst{page_order(static_cast<uint32_t>(n), seed + 1), stride, 0};
+    Row r{fmt::format("paged {}K x{}", page / 1024, n), page * n, n};
+    measure(r, "first", n, [&](OnDone d, std::optional<uint32_t> imm) {
+      engine_.submit_paged_writes(page, src_handle_, src, descs_[0], dst, std::move(d), {imm, std::nullopt});
+    }, fmt::format("paged {} {} {} {}", page, n, stride, seed));
+  }
+
+  void scatter() {
+    std::vector<ScatterDst> dsts;
+    for (size_t p = 0; p < descs_.size(); p++)
+      dsts.push_back({o_.scatter_len, p * o_.scatter_len, descs_[p], 0});
+    Row r{fmt::format("scatter to {}", dsts.size()), o_.scatter_len * dsts.size(), dsts.size()};
+    measure(r, "all", 1, [&](OnDone d, std::optional<uint32_t> imm) {
+      engine_.submit_scatter(group_, src_handle_, dsts, std::move(d), {imm, std::nullopt});
+    }, fmt::format("scatter {}", o_.scatter_len));
+  }
+
+  void barrier() {
+    Row r{fmt::format("barrier to {}", descs_.size()), 0, descs_.size()};
+    measure(r, "all", 1, [&](OnDone d, std::optional<uint32_t> imm) {
+      engine_.submit_barrier(group_, imm.value_or(0xFFFFFFFF), descs_, std::move(d));
+    }, "");
+  }
+
+  // Client WRITEs 64 B with immediate `in`; the server's callback answers with `out`.
+  void imm_round_trip() {
+    uint32_t in = next_imm_++, out = next_imm_++;
+    uint64_t iters = 1000;
+    ctl_.call(fmt::format("pong {} {} {} {}", in, out, iters + o_.warmup, pong_desc_.to_hex()), "armed");
+    std::vector<double> lat;
+    for (uint64_t i = 0; i < iters + o_.warmup; i++) {
+      std::atomic<int> back{kDonePending};
+      engine_.expect_imm_count(out, 1, OnDone::flag(&back));
+      double t0 = now_us();
+      engine_.submit_single_write(64, src_handle_, 0, descs_[0], 0, OnDone::none(), {in, std::nullopt});
+      back.wait(kDonePending);
+      if (i >= o_.warmup) lat.push_back(now_us() - t0);
+    }
+    Row r{"imm round trip", 64, 1, iters};
+    summarize(lat, r);
+    print(r);
+  }
+
+  void message_round_trip() {
+    std::vector<double> lat;
+    for (uint64_t i = 0; i < 1000 + o_.warmup; i++) {
+      double t0 = now_us();
+      ctl_.call("ping", "pong");
+      if (i >= o_.warmup) lat.push_back(now_us() - t0);
+    }
+    Row r{"send/recv round trip", 4, 1, 1000};
+    summarize(lat, r);
+    print(r);
+  }
+
+  // Application thread to provider: from the submit call to the first (and last) WRITE posted.
+  void post_cost() {
+    engine_.take_post_timings();
+    auto run = [&](const std::string& name, auto submit, size_t writes) {
+      std::vector<double> first, last;
+      for (int i = 0; i < 1000 + static_cast<int>(o_.warmup); i++) {
+        std::atomic<int> f{kDonePending};
+        submit(OnDone::flag(&f));
+        f.wait(kDonePending);
+        if (i < static_cast<int>(o_.warmup)) engine_.take_post_timings();
+      }
+      for (auto& t : engine_.take_post_timings()) {
+        first.push_back(t.first_post_ns / 1000.0);
+        last.push_back(t.last_post_ns / 1000.0);
+      }
+      Row a{name + " first post", 0, writes, first.size()}, b{name + " all posted", 0, writes, last.size()};
+      summarize(first, a);
+      summarize(last, b);
+      print(a);
+      print(b);
+    };
+    run("post single 64B", [&](OnDone d) {
+      engine_.submit_single_write(64, src_handle_, 0, descs_[0], 0, std::move(d));
+    }, 1);
+    std::vector<ScatterDst> dsts;
+    for (size_t p = 0; p < descs_.size(); p++) dsts.push_back({64, 0, descs_[p], 0});
+    run(fmt::format("post scatter {}x64B", dsts.size()), [&](OnDone d) {
+      engine_.submit_scatter(group_, src_handle_, dsts, std::move(d));
+    }, dsts.size());
+  }
+
+  void print(const Row& r) {
+    std::string link = o_.link_gbps > 0 && r.gbps > 0 ? fmt::format("{:.1f}", 100 * r.gbps / o_.link_gbps) : "-";
+    fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.3f} {:>7} {:>9.4f} {}\n", r.test,
+               r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gbps, link, r.mops, r.verified);
+    std::fflush(stdout);
+    rows_.push_back(r);
+    if (r.verified == "BAD") failed_verify_ = true;
+  }
+
+  void write_json() {
+    std::ofstream out(o_.json);
+    out << "{\n  \"provider\": \"" << o_.provider << "\",\n  \"nics\": " << engine_.nic_count()
+        << ",\n  \"link_gbps\": " << o_.link_gbps << ",\n  \"results\": [\n";
+    for (size_t i = 0; i < rows_.size(); i++) {
+      const Row& r = rows_[i];
+      out << fmt::format(
+          "    {{\"test\": \"{}\", \"bytes\": {}, \"writes\": {}, \"iters\": {}, \"avg_us\": {:.3f}, "
+          "\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"gbps\": {:.4f}, \"mops\": {:.5f}, \"verified\": \"{}\"}}{}\n",
+          r.test, r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gbps, r.mops, r.verified,
+          i + 1 < rows_.size() ? "," : "");
+    }
+    out << "  ]\n}\n";
+  }
+
+ public:
+  bool failed_verify_ = false;
+
+ private:
+  const Options& o_;
+  TransferEngine engine_;
+  Control ctl_;
+  std::vector<MrDesc> descs_;
+  std::vector<uint8_t> src_, pong_buf_;
+  MrHandle src_handle_;
+  MrDesc pong_desc_;
+  PeerGroupHandle group_;
+  uint32_t next_imm_ = 0x1000;
+  std::vector<Row> rows_;
+};
+
+}  // namespace
+
+int run_client(const Options& o, const std::string& server_hex) {
+  Client c(o, server_hex);
+  c.run();
+  return c.failed_verify_ ? 1 : 0;
+}
+
+}  // namespace fabric::bench

@@ -1,0 +1,73 @@
+// fabric-bench: server/client benchmark of the TransferEngine. `server` prints its address;
+// `client ADDR` runs the sweeps against it; `local` runs both on this machine (two processes).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <csignal>
+#include <cstdio>
+#include <unistd.h>
+
+#include "bench_options.h"
+#include "process_pair.h"
+
+using namespace fabric::bench;
+
+namespace {
+void on_alarm(int) {
+  const char msg[] = "fabric-bench: no progress for 600 s, giving up\n";
+  (void)!write(2, msg, sizeof msg - 1);
+  _exit(2);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  std::string server_addr;
+  CLI::App app{"fabric-bench: TransferEngine benchmarks (single, paged, scatter, barrier, latency)"};
+  app.require_subcommand(1);
+  auto add_common = [&](CLI::App* c) {
+    c->add_option("--provider", o.provider, "libfabric provider (tcp;ofi_rxm, shm, efa)");
+    c->add_option("--nics", o.nics, "one source address per NIC (tcp); '' for the default")->expected(1, 4);
+    c->add_flag("--busy", o.busy, "busy-poll the workers");
+    c->add_option("--peers", o.peers, "server engines (scatter and barrier destinations)");
+    c->add_option("--buffer-mib", o.buffer_mib, "destination region of the first server engine");
+    c->add_option("--peer-buffer-mib", o.peer_buffer_mib, "destination region of the other server engines");
+    c->add_option("--link-gbps", o.link_gbps, "link speed for the % column");
+    c->add_option("--target-mib", o.target_mib, "bytes moved per bandwidth measurement");
+    c->add_option("--min-iters", o.min_iters);
+    c->add_option("--max-iters", o.max_iters);
+    c->add_option("--warmup", o.warmup, "untimed transfers before each latency pass");
+    c->add_option("--window", o.window, "transfers in flight in bandwidth passes");
+    c->add_flag("--verify", o.verify, "check every byte on the server after each bandwidth pass");
+    c->add_option("--json", o.json, "write every figure to this file");
+    c->add_option("--only", o.only, "single paged scatter barrier imm msg post");
+    c->add_option("--single-sizes", o.single_sizes, "bytes");
+    c->add_option("--page-sizes", o.page_sizes, "bytes");
+    c->add_option("--page-counts", o.page_counts);
+    c->add_option("--scatter-len", o.scatter_len, "bytes to each scatter destination");
+  };
+  auto* server = app.add_subcommand("server", "host the destinations; prints the address to pass to the client");
+  auto* client = app.add_subcommand("client", "run the sweeps against a server");
+  client->add_option("address", server_addr, "the server's address (hex)")->required();
+  auto* local = app.add_subcommand("local", "server and client as two processes on this machine");
+  for (auto* c : {server, client, local}) add_common(c);
+  CLI11_PARSE(app, argc, argv);
+  if (o.provider == "shm") o.nics.assign(o.nics.size(), "");
+  std::signal(SIGALRM, on_alarm);
+
+  try {
+    if (server->parsed())
+      return run_server(o, [](const std::string& hex) {
+        fmt::print("fabric-bench server ready: {}\n", hex);
+        std::fflush(stdout);
+      });
+    if (client->parsed()) return run_client(o, server_addr);
+    auto r = fabric::tools::run_process_pair(
+        [&](fabric::tools::Channel& ch) { return run_client(o, ch.recv()); },
+        [&](fabric::tools::Channel& ch) { return run_server(o, [&](const std::string& hex) { ch.send(hex); }); });
+    return r.ok() ? 0 : 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "fabric-bench: {}\n", e.what());
+    return 1;
+  }
+}
