@@ -32,9 +32,10 @@ bench-python: build
 	python3 -m pip install --quiet .
 	python3 bench/python_submit_overhead.py $(BUILD)
 
-.PHONY: bench-paged
-bench-paged: build
-	bench/compare_paged.sh $(BUILD)
+.PHONY: bench-compare
+bench-compare: build
+	@dpkg -s ucx-utils >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils
+	bench/compare.sh $(BUILD)
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp')

@@ -304,7 +304,7 @@ int main(int argc, char** argv) {
   CLI::App app{"raw-paged-loop: the fabric-demo workload on raw libfabric (baseline)"};
   app.add_option("--provider", o.provider, "libfabric provider (tcp;ofi_rxm, shm, efa)");
   app.add_option("--node", o.node, "source address to bind (ignored for shm)");
-  app.add_option("--page-kib", o.page_kib, "page size in KiB")->check(CLI::Range(1, 1024));
+  app.add_option("--page-kib", o.page_kib, "page size in KiB")->check(CLI::Range(1, 65536));
   app.add_option("--pages", o.pages, "pages per round")->check(CLI::Range(1, 65536));
   app.add_option("--rounds", o.rounds, "rounds of paged writes")->check(CLI::Range(1, 100000));
   app.add_option("--window", o.window, "WRITEs outstanding at most")->check(CLI::Range(1, 8192));

@@ -116,7 +116,6 @@ class Worker {
   std::deque<Event> overflow_;
   std::vector<PostTiming> post_timings_;
   std::vector<Completion> completions_;
-  Clock::time_point next_deadline_check_;
   // Polls to wait before posting again on a NIC that answered -FI_EAGAIN (0: post freely). A
   // completion on that NIC resets it; the countdown covers back-pressure that no completion of
   // ours will lift (a connection still being set up).

@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   app.add_option("--provider", o.provider, "libfabric provider (tcp;ofi_rxm, shm, efa)");
   app.add_option("--nics", o.nics, "one source address per NIC (tcp), e.g. 127.0.0.2 127.0.0.3")
       ->expected(1, 4);
-  app.add_option("--page-kib", o.page_kib, "page size in KiB")->check(CLI::Range(1, 1024));
+  app.add_option("--page-kib", o.page_kib, "page size in KiB")->check(CLI::Range(1, 65536));
   app.add_option("--pages", o.pages, "pages per round")->check(CLI::Range(1, 65536));
   app.add_option("--rounds", o.rounds, "rounds of paged writes")->check(CLI::Range(1, 100000));
   app.add_flag("--busy", o.busy, "busy-poll the workers (default: adaptive)");
