@@ -37,6 +37,10 @@ bench-compare: build
 	@dpkg -s ucx-utils >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils
 	bench/compare.sh $(BUILD)
 
+.PHONY: bench-multinic
+bench-multinic: build
+	bench/multinic.sh $(BUILD)
+
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cpp')
 
