@@ -35,7 +35,28 @@ bench-python: build
 .PHONY: bench-compare
 bench-compare: build
 	@dpkg -s ucx-utils >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils
-	bench/compare.sh $(BUILD)
+	bench/compare.sh $(BUILD) 5 docs/bench/compare.json
+
+.PHONY: bench-sweep bench-plot bench-post
+# Full fabric-bench sweeps on both loopback providers; JSON and tables go to docs/bench/.
+bench-sweep: build
+	for p in tcp shm; do \
+	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --verify \
+	    --json docs/bench/fabric-bench-$$p.json | tee docs/bench/fabric-bench-$$p.txt; done
+
+bench-plot:
+	python3 -m pip install --quiet matplotlib
+	python3 bench/plot.py docs/bench docs/bench/fabric-bench-tcp.json docs/bench/fabric-bench-shm.json \
+	  --compare docs/bench/compare.json
+
+# Posting cost: callgrind instructions per WRITE, then wall-clock submit-to-post on both providers.
+bench-post: build
+	@command -v valgrind >/dev/null || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq valgrind
+	bench/callgrind_post.sh $(BUILD)
+	for p in tcp shm; do \
+	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --busy --peers 1 --only post; \
+	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --busy --peers 64 --peer-idle-us 2000 \
+	    --peer-buffer-mib 1 --buffer-mib 8 --only post; done
 
 .PHONY: bench-multinic
 bench-multinic: build

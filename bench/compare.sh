@@ -3,10 +3,12 @@
 # same WRITEs, same number in flight) on tcp;ofi_rxm and shm, and against UCX's ucx_perftest
 # (UCX_TLS=tcp, the engine under NIXL) on loopback; alternating trials, medians, ratios.
 # Ends with: ratio paged64k=<engine/raw> single16m=<engine/raw> ucx=<engine/ucx>  (tcp;ofi_rxm)
-# Usage: bench/compare.sh [BUILD_DIR] [TRIALS]
+# Usage: bench/compare.sh [BUILD_DIR] [TRIALS] [JSON_OUT]  (JSON: the medians, for bench/plot.py)
 set -euo pipefail
 build=${1:-build}
 trials=${2:-5}
+json=${3:-}
+points=()
 demo=$build/tools/demo/fabric-demo
 raw=$build/bench/raw-paged-loop
 
@@ -51,6 +53,9 @@ for provider in "tcp;ofi_rxm" shm; do
     done
     em=$(median "${e[@]}") rm=$(median "${r[@]}")
     result[$provider.$w]=$em
+    bytes=$([[ $w == paged64k ]] && echo 65536 || echo 16777216)
+    points+=("{\"what\": \"engine $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$em" 'BEGIN { print g * 8 }'), \"marker\": \"^\"}")
+    points+=("{\"what\": \"raw libfabric $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$rm" 'BEGIN { print g * 8 }'), \"marker\": \"s\"}")
     result[$provider.$w.ratio]=$(ratio "$em" "$rm")
     printf '%-12s %-10s %-34s %-34s %s\n' "$provider" "$w" "$em (${e[*]})" "$rm (${r[*]})" \
       "${result[$provider.$w.ratio]}"
@@ -64,6 +69,11 @@ u16=$(ucx_gbps 16777216 128)
 printf 'ucx_perftest ucp_put_bw (UCX_TLS=tcp): 64 KiB %s GB/s (%s), 16 MiB %s GB/s\n' "$um" "${u[*]}" "$u16"
 printf 'engine/ucx on tcp: paged64k %s, single16m %s\n' "$(ratio "${result[tcp;ofi_rxm.paged64k]}" "$um")" \
   "$(ratio "${result[tcp;ofi_rxm.single16m]}" "$u16")"
+points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 65536, \"gbps\": $(awk -v g="$um" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
+points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 16777216, \"gbps\": $(awk -v g="$u16" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
+if [[ -n $json ]]; then
+  (IFS=,; echo "{\"points\": [${points[*]}]}") >"$json"
+fi
 echo "shm: paged64k=${result[shm.paged64k.ratio]} single16m=${result[shm.single16m.ratio]}"
 echo "ratio paged64k=${result[tcp;ofi_rxm.paged64k.ratio]} single16m=${result[tcp;ofi_rxm.single16m.ratio]}" \
   "ucx=$(ratio "${result[tcp;ofi_rxm.paged64k]}" "$um")"

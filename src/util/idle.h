@@ -12,7 +12,8 @@ namespace fabric::util {
 
 class Idle {
  public:
-  explicit Idle(PollMode mode) : mode_(mode) {}
+  explicit Idle(PollMode mode, std::chrono::microseconds sleep = std::chrono::microseconds(50))
+      : mode_(mode), sleep_(sleep) {}
   void reset() { idle_rounds_ = 0; }
   void wait() {
     if (mode_ == PollMode::kBusy) return;
@@ -22,14 +23,14 @@ class Idle {
       std::this_thread::yield();
       return;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(kSleepMicros));
+    std::this_thread::sleep_for(sleep_);
   }
 
  private:
   static constexpr uint32_t kSpinRounds = 200;
   static constexpr uint32_t kYieldRounds = 2000;
-  static constexpr uint32_t kSleepMicros = 50;
   PollMode mode_;
+  std::chrono::microseconds sleep_;
   uint32_t idle_rounds_ = 0;
 };
 

@@ -104,7 +104,7 @@ void Worker::open_domains() {
 }
 
 void Worker::loop() {
-  util::Idle idle(config_.worker_poll);
+  util::Idle idle(config_.worker_poll, config_.idle_sleep);
   uint32_t rounds = 0;
   while (!stopping_) {
     bool busy = take_requests();

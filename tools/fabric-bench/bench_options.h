@@ -14,7 +14,8 @@ namespace fabric::bench {
 struct Options {
   std::string provider = "tcp;ofi_rxm";
   std::vector<std::string> nics = {"127.0.0.1"};  // one source address per NIC ("" for shm)
-  bool busy = false;
+  bool busy = false;         // the client's worker busy-polls
+  bool server_busy = false;  // the server's first engine busy-polls (the others never do)
   size_t peers = 8;               // server engines for scatter and barrier
   uint64_t buffer_mib = 1024;     // destination region of the first server engine
   uint64_t peer_buffer_mib = 16;  // of the other server engines
@@ -30,7 +31,14 @@ struct Options {
   std::vector<uint64_t> page_sizes;
   std::vector<uint64_t> page_counts = {100, 10000};
   uint64_t scatter_len = 16384;
+  uint64_t peer_idle_us = 50;  // idle sleep of the server's extra engines (many peers, few cores)
 
+  EngineConfig server_engine_config(size_t index) const {
+    EngineConfig c = engine_config();
+    c.worker_poll = index == 0 && server_busy ? PollMode::kBusy : PollMode::kAdaptive;
+    if (index > 0) c.idle_sleep = std::chrono::microseconds(peer_idle_us);
+    return c;
+  }
   EngineConfig engine_config() const {
     EngineConfig c;
     c.provider = provider;

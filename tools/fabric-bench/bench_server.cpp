@@ -58,7 +58,7 @@ bool check_range(const uint8_t* got, uint64_t src_off, uint64_t len) {
 int run_server(const Options& o, const std::function<void(const std::string&)>& on_ready) {
   std::vector<Target> targets(std::max<size_t>(o.peers, 1));
   for (size_t p = 0; p < targets.size(); p++) {
-    targets[p].engine = std::make_unique<TransferEngine>(o.engine_config());
+    targets[p].engine = std::make_unique<TransferEngine>(o.server_engine_config(p));
     targets[p].buf.assign((p == 0 ? o.buffer_mib : o.peer_buffer_mib) << 20, 0);
     targets[p].desc = targets[p].engine->reg_mr(targets[p].buf.data(), targets[p].buf.size()).second;
   }

@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
   auto add_common = [&](CLI::App* c) {
     c->add_option("--provider", o.provider, "libfabric provider (tcp;ofi_rxm, shm, efa)");
     c->add_option("--nics", o.nics, "one source address per NIC (tcp); '' for the default")->expected(1, 4);
-    c->add_flag("--busy", o.busy, "busy-poll the workers");
+    c->add_flag("--busy", o.busy, "busy-poll the client's worker");
+    c->add_flag("--server-busy", o.server_busy, "busy-poll the server's first engine");
     c->add_option("--peers", o.peers, "server engines (scatter and barrier destinations)");
     c->add_option("--buffer-mib", o.buffer_mib, "destination region of the first server engine");
     c->add_option("--peer-buffer-mib", o.peer_buffer_mib, "destination region of the other server engines");
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
     c->add_option("--page-sizes", o.page_sizes, "bytes");
     c->add_option("--page-counts", o.page_counts);
     c->add_option("--scatter-len", o.scatter_len, "bytes to each scatter destination");
+    c->add_option("--peer-idle-us", o.peer_idle_us, "idle sleep of the server's extra engines");
   };
   auto* server = app.add_subcommand("server", "host the destinations; prints the address to pass to the client");
   auto* client = app.add_subcommand("client", "run the sweeps against a server");
