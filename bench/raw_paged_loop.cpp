@@ -18,7 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "paged_rounds.h"
 #include "process_pair.h"
+
+using fabric::tools::pattern;
+using fabric::tools::round_permutation;
 
 using fabric::tools::Channel;
 using Clock = std::chrono::steady_clock;
@@ -35,21 +39,6 @@ struct Options {
 };
 
 constexpr uint64_t kImm = 0xFAB00001;
-
-// Same byte pattern and page permutation as tools/demo/fabric_demo.cpp, so both move identical
-// data.
-uint8_t pattern(uint64_t byte_index) {
-  return static_cast<uint8_t>(byte_index * 131 + (byte_index >> 13) + 7);
-}
-
-std::vector<uint32_t> round_permutation(uint32_t round, uint32_t pages) {
-  std::vector<uint32_t> p(pages);
-  for (uint32_t i = 0; i < pages; i++) p[i] = i;
-  std::mt19937 rng(1234 + round);
-  std::shuffle(p.begin(), p.end(), rng);
-  for (auto& x : p) x += (round % 2) * pages;
-  return p;
-}
 
 void check(const char* call, long rc) {
   if (rc != 0)

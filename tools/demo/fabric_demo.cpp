@@ -12,7 +12,11 @@
 #include <thread>
 
 #include "fabric/fabric.h"
+#include "paged_rounds.h"
 #include "process_pair.h"
+
+using fabric::tools::pattern;
+using fabric::tools::round_permutation;
 
 using namespace fabric;
 using tools::Channel;
@@ -41,19 +45,6 @@ EngineConfig engine_config(const Options& o) {
   c.callback_poll = PollMode::kAdaptive;
   c.max_in_flight_per_nic = o.window;
   return c;
-}
-
-uint8_t pattern(uint64_t byte_index) { return static_cast<uint8_t>(byte_index * 131 + (byte_index >> 13) + 7); }
-
-// Round r writes source page i to destination page perm_r[i] of half (r % 2); consecutive rounds
-// use disjoint halves so one can be in flight while the next is posted.
-std::vector<uint32_t> round_permutation(uint32_t round, uint32_t pages) {
-  std::vector<uint32_t> p(pages);
-  for (uint32_t i = 0; i < pages; i++) p[i] = i;
-  std::mt19937 rng(1234 + round);
-  std::shuffle(p.begin(), p.end(), rng);
-  for (auto& x : p) x += (round % 2) * pages;
-  return p;
 }
 
 int run_receiver(const Options& o, Channel& ch) {
