@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import sys
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -182,7 +182,3 @@ class TransferEngine(_Engine):
         self.expect_imm_count(imm, count, on_done)
         await fut
 
-
-def peer_addresses(descs: Iterable[MrDesc]) -> list[NetAddr]:
-    """The owners of some descriptors, e.g. to build a peer group."""
-    return [d.owner for d in descs]
