@@ -51,13 +51,23 @@ struct EngineConfig {
 
   ReorderConfig reorder;
 
+  // The CUDA device (GPU) this engine serves, if any. With it, NIC providers are asked for GPU
+  // memory support (libfabric FI_HMEM) and the cuda_ipc domain and GPU signals use this device.
+  std::optional<int> cuda_device;
+  // Also reach GPU peers on this host through CUDA IPC (copies over NVLink or PCIe by the GPU),
+  // chosen per destination when both engines offer it. Needs cuda_device and a CUDA build.
+  bool cuda_ipc = false;
+  // UVM watchers' polling thread: pinned to this core if given; polls as worker_poll says.
+  std::optional<int> watcher_cpu;
+
   // Record, per transfer, the time from the submit call to its first and its last WRITE handed to
   // the provider (TransferEngine::take_post_timings). For benchmarks; costs two clock reads per
   // transfer when on.
   bool record_post_timings = false;
 
-  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes), FABRIC_POLL (busy|adaptive)
-  // on top of the defaults; used by examples and tests.
+  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes), FABRIC_POLL (busy|adaptive),
+  // FABRIC_CUDA_DEVICE (index) and FABRIC_CUDA_IPC (1) on top of the defaults; used by examples
+  // and tests.
   static EngineConfig from_env();
 };
 

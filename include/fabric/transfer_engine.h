@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -19,6 +20,24 @@
 namespace fabric {
 
 class EngineImpl;
+
+// A 64-bit word of pinned, device-mapped host memory: GPU kernels (also inside CUDA graphs) use
+// `device`, the CPU uses `host`. Its 64-byte line is its own.
+struct UvmWatcher {
+  uint64_t* device = nullptr;
+  volatile uint64_t* host = nullptr;
+  uint32_t id = UINT32_MAX;
+};
+// Runs on the engine's watcher thread on every change of the word: keep it short (submit work).
+using UvmCallback = std::function<void(uint64_t old_value, uint64_t new_value)>;
+
+// A completion counter in pinned, device-mapped host memory: give `host` to OnDone::counter and
+// let a kernel spin on `device`, or a stream wait with gpu_stream_wait(), until it reaches a value.
+struct GpuCounter {
+  std::atomic<uint64_t>* host = nullptr;
+  const uint64_t* device = nullptr;
+  uint32_t id = UINT32_MAX;
+};
 
 // Counters of one NIC, as seen by this engine.
 struct NicStats {
@@ -98,7 +117,19 @@ class TransferEngine {
                       const std::vector<MrDesc>& dsts, OnDone on_done,
                       std::optional<uint8_t> nic = std::nullopt);
 
+  // One entry per NIC, then one for the cuda_ipc domain where EngineConfig::cuda_ipc is on.
   std::vector<NicStats> nic_stats();
+
+  // GPU signals (CUDA builds, EngineConfig::cuda_device set; kUnsupported otherwise).
+  // The word starts at 0; cb(old, new) runs once per change the watcher thread observes (a GPU
+  // that writes faster than the thread polls may have intermediate values coalesced).
+  UvmWatcher alloc_uvm_watcher(UvmCallback cb);
+  void free_uvm_watcher(const UvmWatcher& watcher);  // also allowed from inside a callback
+  GpuCounter alloc_gpu_counter();  // starts at 0
+  void free_gpu_counter(const GpuCounter& counter);
+  // Makes CUDA stream `cuda_stream` (a cudaStream_t) wait until *counter.device >= at_least, so a
+  // kernel queued behind it starts the moment its data has landed (cuStreamWaitValue64).
+  static void gpu_stream_wait(void* cuda_stream, const GpuCounter& counter, uint64_t at_least);
   // Timings recorded since the last call (at most the latest 65536).
   std::vector<PostTiming> take_post_timings();
 

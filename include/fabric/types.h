@@ -15,7 +15,7 @@ inline constexpr size_t kMaxNics = 4;           // NICs per engine (per GPU), as
 inline constexpr size_t kMaxNicAddrLen = 256;  // longest provider endpoint name we accept
 inline constexpr size_t kMaxProviderNameLen = 64;
 
-// Where memory lives. Host memory now; CUDA devices are added by the GPU support work.
+// Where memory lives: host memory, or the memory of CUDA device `index`.
 struct Device {
   enum class Kind : uint8_t { kHost, kCuda };
   Kind kind = Kind::kHost;
@@ -25,16 +25,19 @@ struct Device {
   bool operator==(const Device&) const = default;
 };
 
-// Opaque, serializable address of one engine: the provider name and one endpoint name per NIC.
+// Opaque, serializable address of one engine: the provider name, one endpoint name per NIC and,
+// where the engine serves same-host GPU peers through CUDA IPC, its local endpoint.
 // Exchanged out of band (a TCP store, a file, a command line) as bytes or hex.
 class NetAddr {
  public:
   NetAddr() = default;
-  NetAddr(std::string provider, std::vector<std::string> nic_addrs);
+  NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::string local = {});
 
   const std::string& provider() const { return provider_; }
   size_t nic_count() const { return nics_.size(); }
   const std::string& nic(size_t i) const { return nics_.at(i); }
+  // The cuda_ipc endpoint ("<host id>/..."), empty when the engine does not offer one.
+  const std::string& local() const { return local_; }
 
   std::vector<uint8_t> to_bytes() const;
   std::string to_hex() const;
@@ -47,6 +50,7 @@ class NetAddr {
  private:
   std::string provider_;
   std::vector<std::string> nics_;
+  std::string local_;
 };
 
 // Local handle of a registered memory region (source of writes). Cheap to copy.
@@ -65,18 +69,23 @@ struct RemoteKey {
   bool operator==(const RemoteKey&) const = default;
 };
 
-// Serializable remote descriptor of a region: its owner, its length, one key per NIC.
+// Serializable remote descriptor of a region: its owner, its length, one key per NIC and, for GPU
+// memory of an engine that offers CUDA IPC, the key of its local (same-host) endpoint.
+// `keys` is empty when the owner's NICs cannot reach the region (a NIC provider without GPU
+// memory support): then only same-host peers can write it, through CUDA IPC.
 // Destinations are given as offsets into the region; the length lets the initiator reject an
 // out-of-bounds write at submit time (the providers do not report it, they drop the connection).
 class MrDesc {
  public:
   MrDesc() = default;
-  MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys);
+  MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
+         std::optional<RemoteKey> local_key = std::nullopt);
 
   const NetAddr& owner() const { return owner_; }
   uint64_t addr() const { return addr_; }  // the owner's virtual address, for logs only
   uint64_t len() const { return len_; }
   const std::vector<RemoteKey>& keys() const { return keys_; }
+  const std::optional<RemoteKey>& local_key() const { return local_key_; }
 
   std::vector<uint8_t> to_bytes() const;
   std::string to_hex() const;
@@ -90,6 +99,7 @@ class MrDesc {
   uint64_t addr_ = 0;
   uint64_t len_ = 0;
   std::vector<RemoteKey> keys_;
+  std::optional<RemoteKey> local_key_;
 };
 
 // Page i of a paged transfer lives at offset + stride * indices[i] in its region.

@@ -28,11 +28,15 @@ struct OpContext {
 // Handle of a peer inside one Domain (libfabric fi_addr_t, verbs QP index).
 using PeerId = uint64_t;
 
+// Domains per worker: its NICs, and one local (cuda_ipc) domain for same-host GPU peers.
+inline constexpr size_t kMaxDomains = kMaxNics + 1;
+
 // One registration of a region with one Domain.
 struct DomainRegion {
-  void* desc = nullptr;     // local descriptor to pass with posts (may be null where unused)
-  RemoteKey remote;         // what a peer needs to write here
-  void* provider = nullptr; // provider's handle (fid_mr*)
+  void* desc = nullptr;        // local descriptor to pass with posts (may be null where unused)
+  RemoteKey remote;            // what a peer needs to write here
+  bool remote_access = true;   // false: usable as a source only (cuda_ipc and host memory)
+  void* provider = nullptr;    // provider's handle (fid_mr*, cuda_ipc region)
 };
 
 struct WriteOp {
@@ -65,7 +69,8 @@ class Domain {
   virtual const std::string& address() const = 0;  // endpoint name, bytes
   // Largest immediate the provider carries is at least 32 bits; remote CQ data is masked to 32.
 
-  // Throw fabric::Error on failure.
+  // Throw fabric::Error on failure; kUnsupported when the provider cannot reach that device's
+  // memory (the engine may then register it with its other domains only).
   virtual DomainRegion register_memory(void* ptr, size_t len, Device device) = 0;
   virtual void deregister_memory(DomainRegion& region) = 0;
   // Cached: the same address gives the same PeerId without a new insertion.
@@ -73,6 +78,8 @@ class Domain {
 
   // kRetry: queue full or connection being set up (-FI_EAGAIN); poll and try again later.
   // kFailed: the message is in last_error().
+  // A provider may hold posted work back until its next poll() and hand it to the hardware as
+  // one batch (cuda_ipc gathers many WRITEs into one kernel launch); poll() must flush it.
   virtual PostResult post_write(const WriteOp& op, OpContext* ctx) = 0;
   virtual PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
                                OpContext* ctx) = 0;
@@ -85,8 +92,16 @@ class Domain {
   // descriptor on every write).
   virtual void* scratch_desc() const = 0;
   virtual void* scratch_buffer() const = 0;
+  // Operations the engine may keep posted and uncompleted here; 0: EngineConfig's per-NIC limit.
+  virtual size_t max_in_flight() const { return 0; }
 };
 
+// NIC `nic_index` of the configured provider (wrapped for fault injection where configured).
 std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index);
+// The local domain for same-host GPU peers (cuda_ipc). Its address is "<host scope>/<endpoint>":
+// two local domains reach each other exactly when their host scopes are equal.
+std::unique_ptr<Domain> open_local_domain(const EngineConfig& config);
+// The host scope of a local address (the part before the first '/').
+std::string_view local_scope(std::string_view local_address);
 
 }  // namespace fabric

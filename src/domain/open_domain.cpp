@@ -2,6 +2,9 @@
 #include "domain/domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
+#ifdef FABRIC_WITH_CUDA
+#include "providers/cuda_ipc/cuda_ipc_domain.h"
+#endif
 
 namespace fabric {
 
@@ -9,6 +12,25 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
   std::unique_ptr<Domain> domain = open_libfabric_domain(config, nic_index);
   if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, nic_index);
   return domain;
+}
+
+std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
+  if (!config.cuda_device)
+    throw Error(ErrorCode::kInvalidArgument,
+                "EngineConfig::cuda_ipc needs EngineConfig::cuda_device (the GPU this engine serves)");
+#ifdef FABRIC_WITH_CUDA
+  std::unique_ptr<Domain> domain = open_cuda_ipc_domain(config);
+  if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, kMaxNics);
+  return domain;
+#else
+  throw Error(ErrorCode::kUnsupported,
+              "EngineConfig::cuda_ipc: this fabric-lib was built without CUDA (nvcc not found at "
+              "configure time); rebuild with the CUDA toolkit installed");
+#endif
+}
+
+std::string_view local_scope(std::string_view local_address) {
+  return local_address.substr(0, local_address.find('/'));
 }
 
 }  // namespace fabric

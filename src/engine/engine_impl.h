@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "cuda/gpu_signals.h"
 #include "engine/callback_thread.h"
 #include "engine/mr_table.h"
 #include "fabric/transfer_engine.h"
@@ -47,6 +48,7 @@ class EngineImpl {
   void barrier(std::optional<PeerGroupHandle> group, uint32_t imm, const std::vector<MrDesc>& dsts,
                OnDone on_done, std::optional<uint8_t> nic);
   std::vector<NicStats> nic_stats() const;
+  GpuSignals& signals();  // created on first use
   std::vector<PostTiming> take_post_timings() {
     return worker_->call([&] { return worker_->take_post_timings(); });
   }
@@ -55,6 +57,7 @@ class EngineImpl {
   const RegionSlot& source(const MrHandle& h) const;
   void check_peer(const NetAddr& peer, const char* what) const;
   void check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const;
+  bool reachable_locally(const MrDesc& dst) const;
   void check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const;
   TransferRequest make_request(TransferKind kind, OnDone on_done, const WriteOptions& opts) const;
 
@@ -67,6 +70,8 @@ class EngineImpl {
   static constexpr size_t kMaxGroups = 1024;
   std::array<std::atomic<const PeerGroup*>, kMaxGroups> groups_{};
   std::vector<std::unique_ptr<PeerGroup>> group_storage_;
+  std::mutex signals_mu_;
+  std::unique_ptr<GpuSignals> signals_;
 };
 
 }  // namespace fabric

@@ -21,7 +21,7 @@ struct RegionSlot {
   uint8_t* ptr = nullptr;
   uint64_t len = 0;
   Device device;
-  std::array<DomainRegion, kMaxNics> per_nic{};
+  std::array<DomainRegion, kMaxDomains> per_nic{};  // NICs, then the local domain
 };
 
 class MrTable {

@@ -46,10 +46,11 @@ EngineImpl::EngineImpl(EngineConfig config)
     callbacks_.reset();
     throw;
   }
-  address_ = NetAddr(worker_->provider(), worker_->nic_addresses());
+  address_ = NetAddr(worker_->provider(), worker_->nic_addresses(), worker_->local_address());
 }
 
 EngineImpl::~EngineImpl() {
+  signals_.reset();  // watcher callbacks may submit: stop them while the engine still works
   worker_.reset();  // fails what is pending (events queued), closes NICs, joins
   callbacks_->stop();
   callbacks_.reset();  // runs every queued callback, joins
@@ -67,22 +68,40 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
                               "EngineConfig::max_regions",
                               mrs_.capacity()));
     RegionSlot& slot = mrs_.slot(*s);
+    // Every domain registers the region. A NIC provider that cannot reach GPU memory is skipped
+    // when the local domain can serve it: the region is then writable by same-host peers only.
+    std::string nic_refusal;
     size_t done = 0;
     try {
-      for (; done < nic_count(); done++)
-        slot.per_nic[done] = worker_->register_on(done, ptr, len, device);
+      for (; done < worker_->domain_count(); done++) {
+        try {
+          slot.per_nic[done] = worker_->register_on(done, ptr, len, device);
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kUnsupported || done >= nic_count() || !worker_->has_local())
+            throw;
+          nic_refusal = e.what();
+          slot.per_nic[done] = {};
+        }
+      }
     } catch (...) {
       while (done-- > 0) worker_->deregister_on(done, slot.per_nic[done]);
       mrs_.return_slot(*s);
       throw;
     }
+    if (!nic_refusal.empty())
+      log::info("reg_mr: {}; the region is reachable through cuda_ipc only", nic_refusal);
     slot.ptr = static_cast<uint8_t*>(ptr);
     slot.len = len;
     slot.device = device;
     uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
     std::vector<RemoteKey> keys;
-    for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
-    return {MrHandle{*s, gen}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys)};
+    if (nic_refusal.empty())
+      for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
+    std::optional<RemoteKey> local_key;
+    if (worker_->has_local() && slot.per_nic[nic_count()].remote_access)
+      local_key = slot.per_nic[nic_count()].remote;
+    return {MrHandle{*s, gen},
+            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key)};
   });
 }
 
@@ -93,7 +112,7 @@ void EngineImpl::dereg_mr(MrHandle handle) {
     RegionSlot* slot = const_cast<RegionSlot*>(mrs_.find(handle));
     if (!slot) return;
     slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
-    for (size_t i = 0; i < nic_count(); i++) worker_->deregister_on(i, slot->per_nic[i]);
+    for (size_t i = 0; i < worker_->domain_count(); i++) worker_->deregister_on(i, slot->per_nic[i]);
     mrs_.return_slot(handle.slot);
   });
 }
@@ -122,10 +141,22 @@ void EngineImpl::check_peer(const NetAddr& peer, const char* what) const {
 
 void EngineImpl::check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const {
   check_peer(dst.owner(), what);
+  if (dst.keys().empty() && !reachable_locally(dst))
+    throw Error(ErrorCode::kUnsupported,
+                fmt::format("{}: the destination region has no NIC keys (its owner's NIC provider "
+                            "cannot reach that memory) and this engine cannot reach it through "
+                            "cuda_ipc (needs EngineConfig::cuda_ipc on both engines, one host)",
+                            what));
   if (!in_bounds(offset, len, dst.len()))
     throw Error(ErrorCode::kOutOfBounds,
                 fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
                             what, offset, offset, len, dst.len()));
+}
+
+bool EngineImpl::reachable_locally(const MrDesc& dst) const {
+  const std::string& ours = address_.local();
+  return !ours.empty() && dst.local_key() &&
+         local_scope(dst.owner().local()) == local_scope(ours);
 }
 
 void EngineImpl::check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const {
@@ -278,7 +309,7 @@ void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
                          const std::vector<MrDesc>& dsts, OnDone on_done,
                          std::optional<uint8_t> nic) {
   for (auto& d : dsts) {
-    check_peer(d.owner(), "submit_barrier");
+    check_dst(d, 0, 0, "submit_barrier");
     check_group_member(group, d.owner());
   }
   TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), {imm, nic});
@@ -288,12 +319,18 @@ void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
 
 std::vector<NicStats> EngineImpl::nic_stats() const {
   std::vector<NicStats> out;
-  for (size_t i = 0; i < nic_count(); i++) {
+  for (size_t i = 0; i < worker_->domain_count(); i++) {
     const AtomicNicStats& a = worker_->stats(i);
     out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
                    a.imms_received.load(), a.messages_received.load(), a.errors.load()});
   }
   return out;
+}
+
+GpuSignals& EngineImpl::signals() {
+  std::lock_guard lock(signals_mu_);
+  if (!signals_) signals_ = make_gpu_signals(config_);
+  return *signals_;
 }
 
 // ---- TransferEngine: the public face ----
@@ -346,6 +383,15 @@ void TransferEngine::submit_barrier(std::optional<PeerGroupHandle> group, uint32
   impl_->barrier(group, imm, dsts, std::move(on_done), nic);
 }
 std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
+UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb) {
+  return impl_->signals().add_watcher(std::move(cb));
+}
+void TransferEngine::free_uvm_watcher(const UvmWatcher& w) { impl_->signals().remove_watcher(w); }
+GpuCounter TransferEngine::alloc_gpu_counter() { return impl_->signals().add_counter(); }
+void TransferEngine::free_gpu_counter(const GpuCounter& c) { impl_->signals().remove_counter(c); }
+void TransferEngine::gpu_stream_wait(void* cuda_stream, const GpuCounter& counter, uint64_t at_least) {
+  fabric::gpu_stream_wait(cuda_stream, counter, at_least);
+}
 std::vector<PostTiming> TransferEngine::take_post_timings() { return impl_->take_post_timings(); }
 
 // ---- configuration from the environment ----
@@ -366,6 +412,8 @@ EngineConfig EngineConfig::from_env() {
   }
   if (c.nics.empty())
     c.nics.push_back(c.provider.rfind("tcp", 0) == 0 ? NicConfig{"", "127.0.0.1"} : NicConfig{});
+  if (const char* d = std::getenv("FABRIC_CUDA_DEVICE")) c.cuda_device = std::atoi(d);
+  if (const char* i = std::getenv("FABRIC_CUDA_IPC")) c.cuda_ipc = std::strcmp(i, "1") == 0;
   if (const char* m = std::getenv("FABRIC_POLL"))
     c.worker_poll = c.callback_poll = std::strcmp(m, "busy") == 0 ? PollMode::kBusy : PollMode::kAdaptive;
   return c;

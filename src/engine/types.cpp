@@ -1,7 +1,9 @@
 // Wire formats of NetAddr and MrDesc, with strict validation of everything that comes back in.
 //
 // NetAddr: "FBNA" u8 version u8 provider_len provider u8 nic_count { u16 len, bytes }*
+//          u16 local_len local
 // MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u64 addr u64 len u8 n { u64 rkey u64 base }*
+//          u8 has_local [u64 rkey u64 base]
 #include "fabric/types.h"
 
 #include <cstring>
@@ -13,7 +15,7 @@ namespace fabric {
 namespace {
 constexpr char kAddrMagic[4] = {'F', 'B', 'N', 'A'};
 constexpr char kDescMagic[4] = {'F', 'B', 'M', 'D'};
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;
 
 void check_magic(util::ByteReader& r, const char (&magic)[4]) {
   for (char m : magic)
@@ -29,14 +31,16 @@ void validate_nic_count(size_t n, const char* what) {
 }
 }  // namespace
 
-NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs)
-    : provider_(std::move(provider)), nics_(std::move(nic_addrs)) {
+NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::string local)
+    : provider_(std::move(provider)), nics_(std::move(nic_addrs)), local_(std::move(local)) {
   validate_nic_count(nics_.size(), "NetAddr");
   if (provider_.empty() || provider_.size() > kMaxProviderNameLen)
     throw Error(ErrorCode::kInvalidArgument, "NetAddr: provider name length must be 1..64");
   for (auto& n : nics_)
     if (n.empty() || n.size() > kMaxNicAddrLen)
       throw Error(ErrorCode::kInvalidArgument, "NetAddr: NIC address length must be 1..256");
+  if (local_.size() > kMaxNicAddrLen)
+    throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint longer than 256 bytes");
 }
 
 std::vector<uint8_t> NetAddr::to_bytes() const {
@@ -50,6 +54,8 @@ std::vector<uint8_t> NetAddr::to_bytes() const {
     w.u16(static_cast<uint16_t>(n.size()));
     w.raw(n.data(), n.size());
   }
+  w.u16(static_cast<uint16_t>(local_.size()));
+  w.raw(local_.data(), local_.size());
   return w.take();
 }
 
@@ -66,7 +72,10 @@ static NetAddr read_net_addr(util::ByteReader& r) {
     if (len == 0 || len > kMaxNicAddrLen) r.fail("NIC address length " + std::to_string(len));
     nics.push_back(r.str(len, "NIC address"));
   }
-  return NetAddr(std::move(provider), std::move(nics));
+  uint16_t local_len = r.u16("local endpoint length");
+  if (local_len > kMaxNicAddrLen) r.fail("local endpoint length " + std::to_string(local_len));
+  std::string local = r.str(local_len, "local endpoint");
+  return NetAddr(std::move(provider), std::move(nics), std::move(local));
 }
 
 NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {
@@ -79,12 +88,15 @@ NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {
 std::string NetAddr::to_hex() const { return util::to_hex(to_bytes()); }
 NetAddr NetAddr::from_hex(std::string_view hex) { return from_bytes(util::from_hex(hex, "NetAddr")); }
 
-MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys)
-    : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)) {
-  if (keys_.size() != owner_.nic_count())
+MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
+               std::optional<RemoteKey> local_key)
+    : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)), local_key_(local_key) {
+  if (keys_.size() != owner_.nic_count() && !(keys_.empty() && local_key_))
     throw Error(ErrorCode::kInvalidArgument,
                 "MrDesc: " + std::to_string(keys_.size()) + " keys for an owner with " +
                     std::to_string(owner_.nic_count()) + " NICs");
+  if (local_key_ && owner_.local().empty())
+    throw Error(ErrorCode::kInvalidArgument, "MrDesc: a local key for an owner with no local endpoint");
 }
 
 std::vector<uint8_t> MrDesc::to_bytes() const {
@@ -101,6 +113,11 @@ std::vector<uint8_t> MrDesc::to_bytes() const {
     w.u64(k.rkey);
     w.u64(k.base);
   }
+  w.u8(local_key_ ? 1 : 0);
+  if (local_key_) {
+    w.u64(local_key_->rkey);
+    w.u64(local_key_->base);
+  }
   return w.take();
 }
 
@@ -115,7 +132,7 @@ MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
   uint64_t addr = r.u64("addr");
   uint64_t len = r.u64("len");
   uint8_t n = r.u8("key count");
-  if (n != owner.nic_count())
+  if (n != owner.nic_count() && n != 0)
     r.fail("key count " + std::to_string(n) + " does not match the owner's NIC count " +
            std::to_string(owner.nic_count()));
   std::vector<RemoteKey> keys(n);
@@ -123,9 +140,15 @@ MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
     k.rkey = r.u64("rkey");
     k.base = r.u64("base");
   }
+  std::optional<RemoteKey> local;
+  uint8_t has_local = r.u8("local key flag");
+  if (has_local > 1) r.fail("local key flag " + std::to_string(has_local));
+  if (has_local) local = RemoteKey{r.u64("local rkey"), r.u64("local base")};
+  if (n == 0 && !local) r.fail("no key at all (neither NIC keys nor a local key)");
+  if (local && owner.local().empty()) r.fail("a local key for an owner with no local endpoint");
   if (addr + len < addr) r.fail("addr + len overflows");
   r.expect_end();
-  return MrDesc(std::move(owner), addr, len, std::move(keys));
+  return MrDesc(std::move(owner), addr, len, std::move(keys), local);
 }
 
 std::string MrDesc::to_hex() const { return util::to_hex(to_bytes()); }

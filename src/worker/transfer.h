@@ -13,10 +13,12 @@ namespace fabric {
 
 struct RegionSlot;
 
-// Where one destination region is reached through each NIC (rail-aligned: NIC k to NIC k).
+// Where one destination region is reached through each NIC (rail-aligned: NIC k to NIC k), or,
+// when `local`, through the local (cuda_ipc) domain at the worker's local index.
 struct ResolvedTarget {
-  std::array<PeerId, kMaxNics> peer{};
-  std::array<RemoteKey, kMaxNics> key{};
+  std::array<PeerId, kMaxDomains> peer{};
+  std::array<RemoteKey, kMaxDomains> key{};
+  bool local = false;
 };
 
 struct Transfer {

@@ -18,7 +18,7 @@ namespace {
 enum OpKind : uint32_t { kOpWrite = 1, kOpSend = 2, kOpRecv = 3 };
 
 std::string peer_key(const NetAddr& a) {
-  std::string key;
+  std::string key = a.local();
   for (size_t i = 0; i < a.nic_count(); i++) {
     key += std::to_string(a.nic(i).size());
     key += ':';
@@ -41,7 +41,7 @@ Worker::Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbac
       mrs_(mrs),
       callbacks_(callbacks),
       requests_(config.request_queue_capacity),
-      stats_(std::make_unique<AtomicNicStats[]>(config.nics.size())) {
+      stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)) {
   std::promise<void> opened;
   auto ready = opened.get_future();
   thread_ = std::thread([this, p = std::move(opened)]() mutable { run(std::move(p)); });
@@ -95,6 +95,14 @@ void Worker::open_domains() {
     nic_addresses_.push_back(domains_.back()->address());
   }
   provider_ = domains_[0]->provider_name();
+  if (config_.cuda_ipc) {
+    domains_.push_back(open_local_domain(config_));
+    local_address_ = domains_.back()->address();
+  }
+  for (size_t i = 0; i < domains_.size(); i++) {
+    size_t limit = domains_[i]->max_in_flight();
+    max_in_flight_[i] = limit ? limit : config_.max_in_flight_per_nic;
+  }
   completions_.resize(config_.cq_batch);
 
   // Send buffers: a copy of each message waits here until its SEND completes.
@@ -138,12 +146,27 @@ ResolvedTarget Worker::resolve(const NetAddr& peer) {
   auto it = peers_.find(key);
   if (it != peers_.end()) return it->second;
   ResolvedTarget t;
-  for (size_t i = 0; i < domains_.size(); i++) t.peer[i] = domains_[i]->insert_peer(peer.nic(i));
+  for (size_t i = 0; i < nic_count(); i++) t.peer[i] = domains_[i]->insert_peer(peer.nic(i));
+  if (has_local() && !peer.local().empty() &&
+      local_scope(peer.local()) == local_scope(local_address_)) {
+    t.peer[nic_count()] = domains_[nic_count()]->insert_peer(peer.local());
+    t.local = true;
+  }
   peers_.emplace(std::move(key), t);
   return t;
 }
 
-static ResolvedTarget with_keys(ResolvedTarget t, const MrDesc& d) {
+ResolvedTarget Worker::route(const NetAddr& owner, const MrDesc& d) {
+  ResolvedTarget t = resolve(owner);
+  if (t.local && d.local_key()) {
+    t.key[nic_count()] = *d.local_key();
+    return t;
+  }
+  t.local = false;
+  if (d.keys().empty())
+    throw Error(ErrorCode::kUnsupported,
+                "the destination region has no NIC keys (its owner's NICs cannot reach that memory) "
+                "and is not reachable through cuda_ipc from this engine");
   for (size_t i = 0; i < d.keys().size(); i++) t.key[i] = d.keys()[i];
   return t;
 }
@@ -152,7 +175,7 @@ void Worker::handle(TransferRequest&& r) {
   Transfer& t = *transfers_.acquire();
   t.req = std::move(r);
   link(t);
-  const size_t nics = domains_.size();
+  const size_t nics = nic_count();
   const TransferRequest& q = t.req;
   try {
     if (q.kind != TransferKind::kSend && q.kind != TransferKind::kBarrier) {
@@ -162,19 +185,19 @@ void Worker::handle(TransferRequest&& r) {
     }
     switch (q.kind) {
       case TransferKind::kSingle:
-        t.targets.push_back(with_keys(resolve(q.dst.owner()), q.dst));
+        t.targets.push_back(route(q.dst.owner(), q.dst));
         t.total_ops = static_cast<uint32_t>(single_write_shards(q.len, nics, q.pinned_nic >= 0));
         break;
       case TransferKind::kPaged:
-        t.targets.push_back(with_keys(resolve(q.dst.owner()), q.dst));
+        t.targets.push_back(route(q.dst.owner(), q.dst));
         t.total_ops = static_cast<uint32_t>(q.src_pages.indices.size());
         break;
       case TransferKind::kScatter:
-        for (auto& d : q.scatter) t.targets.push_back(with_keys(resolve(d.dst.owner()), d.dst));
+        for (auto& d : q.scatter) t.targets.push_back(route(d.dst.owner(), d.dst));
         t.total_ops = static_cast<uint32_t>(q.scatter.size());
         break;
       case TransferKind::kBarrier:
-        for (auto& d : q.barrier) t.targets.push_back(with_keys(resolve(d.owner()), d));
+        for (auto& d : q.barrier) t.targets.push_back(route(d.owner(), d));
         t.total_ops = static_cast<uint32_t>(q.barrier.size());
         break;
       case TransferKind::kSend:
@@ -204,11 +227,16 @@ bool Worker::pump(Transfer& t) {
 // Builds and posts WRITE (or SEND) number t.next_op. Returns false on back-pressure.
 bool Worker::post_next(Transfer& t) {
   const TransferRequest& q = t.req;
-  const size_t nics = domains_.size();
   const uint32_t i = t.next_op;
-  size_t nic = q.kind == TransferKind::kSend ? 0 : nic_for_op(i, nics, q.pinned_nic);
+  const bool per_destination = q.kind == TransferKind::kScatter || q.kind == TransferKind::kBarrier;
+  const ResolvedTarget* target = per_destination ? &t.targets[i] : &t.targets[0];
+  // Same-host GPU peers take the local domain (sharded writes keep their shard count, so the
+  // receiver's immediate count does not depend on the route); others NIC by NIC.
+  size_t nic = q.kind == TransferKind::kSend ? 0
+               : target->local             ? nic_count()
+                                           : nic_for_op(i, nic_count(), q.pinned_nic);
   // The NIC pushed back or is full: wait for its completions.
-  if (backoff_[nic] > 0 || in_flight_[nic] >= config_.max_in_flight_per_nic) return false;
+  if (backoff_[nic] > 0 || in_flight_[nic] >= max_in_flight_[nic]) return false;
   Domain& d = *domains_[nic];
   OpContext* ctx = contexts_.acquire();
   ctx->owner = &t;
@@ -234,7 +262,6 @@ bool Worker::post_next(Transfer& t) {
     WriteOp op;
     op.has_imm = q.has_imm;
     op.imm = q.imm;
-    const ResolvedTarget* target = &t.targets[0];
     uint64_t src_off = 0, dst_off = 0;
     switch (q.kind) {
       case TransferKind::kSingle: {
@@ -250,13 +277,11 @@ bool Worker::post_next(Transfer& t) {
         op.len = q.len;
         break;
       case TransferKind::kScatter:
-        target = &t.targets[i];
         src_off = q.scatter[i].src_offset;
         dst_off = q.scatter[i].dst_offset;
         op.len = q.scatter[i].len;
         break;
       default:  // barrier: immediate only
-        target = &t.targets[i];
         break;
     }
     if (q.kind == TransferKind::kBarrier) {

@@ -39,7 +39,11 @@ class Worker {
   const std::vector<std::string>& nic_addresses() const { return nic_addresses_; }
   const std::string& provider() const { return provider_; }
   size_t nic_count() const { return nic_addresses_.size(); }
-  const AtomicNicStats& stats(size_t nic) const { return stats_[nic]; }
+  // The local (cuda_ipc) domain: its address ("" without one) and its index after the NICs.
+  const std::string& local_address() const { return local_address_; }
+  bool has_local() const { return !local_address_.empty(); }
+  size_t domain_count() const { return nic_count() + (has_local() ? 1 : 0); }
+  const AtomicNicStats& stats(size_t domain) const { return stats_[domain]; }
 
   // Any thread. Waits (yielding) while the queue is full.
   void submit(Request&& request);
@@ -58,6 +62,8 @@ class Worker {
   DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
   void deregister_on(size_t nic, DomainRegion& region);
   ResolvedTarget resolve(const NetAddr& peer);
+  // The route to one destination region: the local domain where both ends offer it, else NICs.
+  ResolvedTarget route(const NetAddr& owner, const MrDesc& dst);
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
   std::vector<PostTiming> take_post_timings() { return std::exchange(post_timings_, {}); }
 
@@ -95,6 +101,7 @@ class Worker {
   CallbackThread& callbacks_;
   util::MpscQueue<Request> requests_;
   std::vector<std::string> nic_addresses_;
+  std::string local_address_;
   std::string provider_;
   std::unique_ptr<AtomicNicStats[]> stats_;
   std::thread thread_;
@@ -120,8 +127,9 @@ class Worker {
   // completion on that NIC resets it; the countdown covers back-pressure that no completion of
   // ours will lift (a connection still being set up).
   static constexpr uint32_t kRetryBackoffPolls = 16;
-  std::array<uint32_t, kMaxNics> backoff_{};
-  std::array<size_t, kMaxNics> in_flight_{};  // posted, not completed
+  std::array<uint32_t, kMaxDomains> backoff_{};
+  std::array<size_t, kMaxDomains> in_flight_{};  // posted, not completed
+  std::array<size_t, kMaxDomains> max_in_flight_{};
   bool stopping_ = false;
 };
 

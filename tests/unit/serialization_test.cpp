@@ -82,10 +82,28 @@ TEST(Serialization, BadMagicVersionAndCountsAreRejected) {
 
   auto d = sample_desc(2).to_bytes();
   auto bad_d = d;
-  bad_d[d.size() - 2 * 16 - 1] = 3;  // key count no longer matches the owner's NIC count
+  bad_d[d.size() - 1 - 2 * 16 - 1] = 3;  // (flag byte last) key count no longer matches the owner's NIC count
   expect_malformed(bad_d, true);
   expect_malformed(a, true);  // a NetAddr is not an MrDesc
   expect_malformed(d, false);
+}
+
+TEST(Serialization, LocalEndpointAndLocalKeyRoundTrip) {
+  NetAddr a("tcp;ofi_rxm", {"nic0"}, "host-1/ipc-2");
+  EXPECT_EQ(NetAddr::from_bytes(a.to_bytes()), a);
+  EXPECT_EQ(NetAddr::from_bytes(a.to_bytes()).local(), "host-1/ipc-2");
+  MrDesc with_both(a, 0x1000, 4096, {RemoteKey{7, 0}}, RemoteKey{(3ull << 32) | 1, 0});
+  EXPECT_EQ(MrDesc::from_bytes(with_both.to_bytes()), with_both);
+  MrDesc local_only(a, 0x1000, 4096, {}, RemoteKey{9, 0});  // NICs cannot reach this memory
+  MrDesc back = MrDesc::from_bytes(local_only.to_bytes());
+  EXPECT_EQ(back, local_only);
+  EXPECT_TRUE(back.keys().empty());
+  // A local key needs an owner with a local endpoint; no key at all is malformed.
+  EXPECT_THROW(MrDesc(sample_addr(1), 0, 1, {}, RemoteKey{1, 0}), Error);
+  auto bytes = local_only.to_bytes();
+  bytes[bytes.size() - 17] = 0;  // clear the local-key flag: no key left
+  bytes.resize(bytes.size() - 16);
+  expect_malformed(bytes, true);
 }
 
 TEST(Serialization, BadHexIsRejected) {

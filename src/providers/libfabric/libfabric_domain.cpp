@@ -20,7 +20,7 @@ namespace fabric {
 namespace {
 
 constexpr uint64_t kSupportedMrMode =
-    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
 constexpr size_t kScratchLen = 64;
 
 std::string fi_message(const char* call, long rc) {
@@ -35,7 +35,16 @@ class LibfabricDomain final : public Domain {
  public:
   LibfabricDomain(const EngineConfig& config, size_t nic_index) {
     const NicConfig& nic = config.nics.at(nic_index);
-    info_ = pick_info(config.provider, nic);
+    // An engine that serves a GPU asks for FI_HMEM (GPU memory registration, EFA and verbs-based
+    // providers have it); a provider without it still serves host memory.
+    if (config.cuda_device) {
+      try {
+        info_ = pick_info(config.provider, nic, FI_HMEM);
+      } catch (const Error&) {
+        log::info("nic {}: provider {} offers no FI_HMEM: host memory only", nic_index, config.provider);
+      }
+    }
+    if (!info_) info_ = pick_info(config.provider, nic, 0);
     provider_ = info_->fabric_attr->prov_name;
     mr_mode_ = info_->domain_attr->mr_mode;
     if (info_->mode & FI_RX_CQ_DATA)
@@ -91,13 +100,26 @@ class LibfabricDomain final : public Domain {
   const std::string& address() const override { return address_; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    if (device.kind != Device::Kind::kHost)
-      throw Error(ErrorCode::kUnsupported, "GPU memory registration is not built in yet");
+    if (device.kind == Device::Kind::kCuda && !(info_->caps & FI_HMEM))
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("provider {} cannot register CUDA memory (no FI_HMEM; set "
+                              "EngineConfig::cuda_device so it is asked for, or use efa/verbs)",
+                              provider_));
     fid_mr* mr = nullptr;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     // Without FI_MR_PROV_KEY the application chooses keys, and they must be unique per domain.
     uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
-    check("fi_mr_reg", fi_mr_reg(domain_, ptr, len, access, 0, requested_key, 0, &mr, nullptr));
+    iovec iov{ptr, len};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = requested_key;
+    if (device.kind == Device::Kind::kCuda) {
+      attr.iface = FI_HMEM_CUDA;
+      attr.device.cuda = device.index;
+    }
+    check("fi_mr_regattr", fi_mr_regattr(domain_, &attr, 0, &mr));
     if (mr_mode_ & FI_MR_ENDPOINT) {
       long rc = fi_mr_bind(mr, &ep_->fid, 0);
       if (rc == 0) rc = fi_mr_enable(mr);
@@ -186,10 +208,10 @@ class LibfabricDomain final : public Domain {
   void* scratch_buffer() const override { return scratch_; }
 
  private:
-  static fi_info* pick_info(const std::string& provider, const NicConfig& nic) {
+  static fi_info* pick_info(const std::string& provider, const NicConfig& nic, uint64_t extra_caps) {
     fi_info* hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG | FI_RMA;
+    hints->caps = FI_MSG | FI_RMA | extra_caps;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode = kSupportedMrMode;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;  // one worker thread owns the domain

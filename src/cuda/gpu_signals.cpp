@@ -1,0 +1,201 @@
+// GpuSignals on CUDA: an arena of 64-byte lines from cudaHostAlloc (mapped, portable), one word
+// per line, and one watcher thread that scans the active watchers' words and calls back.
+#include "cuda/gpu_signals.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/driver_api.h"
+#include "util/idle.h"
+#include "util/log.h"
+
+namespace fabric {
+namespace {
+
+constexpr uint32_t kSlots = 4096;
+constexpr size_t kLine = 64;
+
+class CudaGpuSignals final : public GpuSignals {
+ public:
+  explicit CudaGpuSignals(const EngineConfig& config) : config_(config), slots_(kSlots) {
+    cuda::use_device(*config.cuda_device);
+    void* arena = nullptr;
+    cuda::check("cudaHostAlloc(GPU signals)",
+                cudaHostAlloc(&arena, kSlots * kLine, cudaHostAllocMapped | cudaHostAllocPortable));
+    host_ = static_cast<uint8_t*>(arena);
+    void* dev = nullptr;
+    cuda::check("cudaHostGetDevicePointer", cudaHostGetDevicePointer(&dev, arena, 0));
+    device_ = static_cast<uint8_t*>(dev);
+    std::memset(host_, 0, kSlots * kLine);
+    for (uint32_t i = kSlots; i-- > 0;) free_.push_back(i);
+  }
+
+  ~CudaGpuSignals() override {
+    if (thread_.joinable()) {
+      stop_.store(true, std::memory_order_relaxed);
+      thread_.join();
+    }
+    cudaFreeHost(host_);
+  }
+
+  UvmWatcher add_watcher(UvmCallback cb) override {
+    if (!cb) throw Error(ErrorCode::kInvalidArgument, "alloc_uvm_watcher: the callback is empty");
+    std::lock_guard lock(mu_);
+    uint32_t id = take_slot("alloc_uvm_watcher");
+    Slot& s = slots_[id];
+    s.cb = std::move(cb);
+    s.last = 0;
+    s.active.store(true, std::memory_order_release);
+    if (id >= scan_end_.load(std::memory_order_relaxed))
+      scan_end_.store(id + 1, std::memory_order_release);
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    return {reinterpret_cast<uint64_t*>(device_ + id * kLine), word(id), id};
+  }
+
+  void remove_watcher(const UvmWatcher& w) override {
+    std::lock_guard lock(mu_);
+    Slot& s = check_slot(w.id, "free_uvm_watcher");
+    s.active.store(false, std::memory_order_release);
+    // Wait until the thread has finished any scan that saw the watcher active (unless this is
+    // that thread, inside a callback: it reads the flag again before the next call).
+    if (std::this_thread::get_id() != thread_.get_id()) {
+      uint64_t seen = epoch_.load(std::memory_order_acquire);
+      while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
+      s.cb = nullptr;
+    } else {
+      retired_.push_back(w.id);  // its callback is running now: cleared by the thread later
+      return;
+    }
+    release_slot(w.id);
+  }
+
+  GpuCounter add_counter() override {
+    std::lock_guard lock(mu_);
+    uint32_t id = take_slot("alloc_gpu_counter");
+    slots_[id].counter = true;
+    auto* a = new (host_ + id * kLine) std::atomic<uint64_t>(0);
+    return {a, reinterpret_cast<const uint64_t*>(device_ + id * kLine), id};
+  }
+
+  void remove_counter(const GpuCounter& c) override {
+    std::lock_guard lock(mu_);
+    Slot& s = check_slot(c.id, "free_gpu_counter");
+    if (!s.counter) throw Error(ErrorCode::kInvalidArgument, "free_gpu_counter: not a GPU counter");
+    release_slot(c.id);
+  }
+
+ private:
+  struct Slot {
+    std::atomic<bool> active{false};
+    bool in_use = false;
+    bool counter = false;
+    uint64_t last = 0;
+    UvmCallback cb;
+  };
+
+  volatile uint64_t* word(uint32_t id) const { return reinterpret_cast<volatile uint64_t*>(host_ + id * kLine); }
+
+  uint32_t take_slot(const char* what) {
+    reclaim_retired();
+    if (free_.empty())
+      throw Error(ErrorCode::kResourceExhausted,
+                  fmt::format("{}: all {} GPU signal words are in use", what, kSlots));
+    uint32_t id = free_.back();
+    free_.pop_back();
+    slots_[id].in_use = true;
+    *word(id) = 0;
+    return id;
+  }
+
+  Slot& check_slot(uint32_t id, const char* what) {
+    if (id >= kSlots || !slots_[id].in_use)
+      throw Error(ErrorCode::kNotFound, fmt::format("{}: unknown or already freed id {}", what, id));
+    return slots_[id];
+  }
+
+  void release_slot(uint32_t id) {
+    Slot& s = slots_[id];
+    s.in_use = s.counter = false;
+    *word(id) = 0;
+    free_.push_back(id);
+  }
+
+  // Watchers freed from inside their own callback: by now the thread has left that callback.
+  void reclaim_retired() {
+    if (retired_.empty() || std::this_thread::get_id() == thread_.get_id()) return;
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
+    for (uint32_t id : retired_) {
+      slots_[id].cb = nullptr;
+      release_slot(id);
+    }
+    retired_.clear();
+  }
+
+  void run() {
+    if (config_.watcher_cpu) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(*config_.watcher_cpu, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    util::Idle idle(config_.worker_poll, config_.idle_sleep);
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool any = false;
+      uint32_t end = scan_end_.load(std::memory_order_acquire);
+      for (uint32_t id = 0; id < end; id++) {
+        Slot& s = slots_[id];
+        if (!s.active.load(std::memory_order_acquire)) continue;
+        uint64_t v = *word(id);
+        if (v == s.last) continue;
+        uint64_t old = s.last;
+        s.last = v;
+        any = true;
+        try {
+          s.cb(old, v);
+        } catch (const std::exception& e) {
+          log::error("UVM watcher {} callback threw: {}", id, e.what());
+        }
+      }
+      epoch_.fetch_add(1, std::memory_order_release);
+      if (any) {
+        idle.reset();
+      } else {
+        idle.wait();
+      }
+    }
+  }
+
+  EngineConfig config_;
+  uint8_t* host_ = nullptr;
+  uint8_t* device_ = nullptr;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;
+  std::vector<uint32_t> retired_;
+  std::mutex mu_;  // allocation and release (control path)
+  std::atomic<uint32_t> scan_end_{0};
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<GpuSignals> make_gpu_signals(const EngineConfig& config) {
+  if (!config.cuda_device)
+    throw Error(ErrorCode::kInvalidArgument,
+                "GPU signals need EngineConfig::cuda_device (the GPU this engine serves)");
+  return std::make_unique<CudaGpuSignals>(config);
+}
+
+void gpu_stream_wait(void* cuda_stream, const GpuCounter& counter, uint64_t at_least) {
+  cuda::stream_wait_geq(cuda_stream, counter.device, at_least);
+}
+
+}  // namespace fabric

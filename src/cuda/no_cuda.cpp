@@ -1,0 +1,16 @@
+// Builds without CUDA: every GPU-only call says so.
+#include "cuda/gpu_signals.h"
+
+namespace fabric {
+namespace {
+[[noreturn]] void unsupported(const char* what) {
+  throw Error(ErrorCode::kUnsupported,
+              std::string(what) + ": this fabric-lib was built without CUDA (nvcc not found at "
+                                  "configure time); rebuild with the CUDA toolkit installed");
+}
+}  // namespace
+
+std::unique_ptr<GpuSignals> make_gpu_signals(const EngineConfig&) { unsupported("GPU signals"); }
+void gpu_stream_wait(void*, const GpuCounter&, uint64_t) { unsupported("gpu_stream_wait"); }
+
+}  // namespace fabric
