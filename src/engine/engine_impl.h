@@ -58,6 +58,7 @@ class EngineImpl {
   void check_peer(const NetAddr& peer, const char* what) const;
   void check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const;
   bool reachable_locally(const MrDesc& dst) const;
+  void check_route(const RegionSlot& src, const MrDesc& dst, const char* what) const;
   void check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const;
   TransferRequest make_request(TransferKind kind, OnDone on_done, const WriteOptions& opts) const;
 

@@ -21,6 +21,7 @@ struct RegionSlot {
   uint8_t* ptr = nullptr;
   uint64_t len = 0;
   Device device;
+  bool on_nics = true;  // false: GPU memory the NICs cannot reach (cuda_ipc peers only)
   std::array<DomainRegion, kMaxDomains> per_nic{};  // NICs, then the local domain
 };
 

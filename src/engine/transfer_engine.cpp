@@ -93,6 +93,7 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
     slot.ptr = static_cast<uint8_t*>(ptr);
     slot.len = len;
     slot.device = device;
+    slot.on_nics = nic_refusal.empty();
     uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
     std::vector<RemoteKey> keys;
     if (nic_refusal.empty())
@@ -151,6 +152,14 @@ void EngineImpl::check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, con
     throw Error(ErrorCode::kOutOfBounds,
                 fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
                             what, offset, offset, len, dst.len()));
+}
+
+void EngineImpl::check_route(const RegionSlot& src, const MrDesc& dst, const char* what) const {
+  if (!src.on_nics && !reachable_locally(dst))
+    throw Error(ErrorCode::kUnsupported,
+                fmt::format("{}: the source is GPU memory that this engine's NICs cannot read, and "
+                            "the destination is not reachable through cuda_ipc",
+                            what));
 }
 
 bool EngineImpl::reachable_locally(const MrDesc& dst) const {
@@ -224,6 +233,7 @@ void EngineImpl::single_write(uint64_t len, const MrHandle& src, uint64_t src_of
                             "region of {} bytes",
                             src_offset, src_offset, len, s.len));
   check_dst(dst, dst_offset, len, "submit_single_write");
+  check_route(s, dst, "submit_single_write");
   TransferRequest r = make_request(TransferKind::kSingle, std::move(on_done), opts);
   r.src = src;
   r.len = len;
@@ -258,6 +268,8 @@ void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Page
                               "region of {} bytes (offset + stride * max index + page_len)",
                               dst.len()));
   }
+  if (dst.keys().empty() && !reachable_locally(dst)) check_dst(dst, 0, 0, "submit_paged_writes");
+  check_route(s, dst, "submit_paged_writes");
   TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), opts);
   r.src = src;
   r.len = page_len;
@@ -297,6 +309,7 @@ void EngineImpl::scatter(std::optional<PeerGroupHandle> group, const MrHandle& s
                               "registered region of {} bytes",
                               i, d.src_offset, d.src_offset, d.len, s.len));
     check_dst(d.dst, d.dst_offset, d.len, "submit_scatter");
+    check_route(s, d.dst, "submit_scatter");
     check_group_member(group, d.dst.owner());
   }
   TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), opts);

@@ -1,0 +1,83 @@
+// Kernels for the GPU tests and benchmark (see gpu_kernels.h).
+#include "gpu_kernels.h"
+
+namespace fabric::gpu_test {
+namespace {
+
+__device__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ void store_system(uint64_t* word, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(v) : "memory");
+}
+
+__global__ void bump(uint64_t* word, uint64_t n, uint64_t gap_ns) {
+  for (uint64_t i = 1; i <= n; i++) {
+    store_system(word, i);
+    uint64_t t0 = global_ns();
+    while (global_ns() - t0 < gap_ns) {
+    }
+  }
+}
+
+__global__ void ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t n, uint64_t* out) {
+  for (uint32_t i = 1; i <= n; i++) {
+    uint64_t t0 = global_ns();
+    store_system(word, i);
+    while (*ack != i) {
+    }
+    out[i - 1] = global_ns() - t0;
+  }
+}
+
+__device__ void sum_words(const uint8_t* data, uint64_t len, unsigned long long* sum) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(data);
+  unsigned long long local = 0;
+  for (uint64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < len / 8; i += gridDim.x * blockDim.x)
+    local += w[i];
+  atomicAdd(sum, local);
+}
+
+__global__ void wait_then_sum(const volatile uint64_t* counter, uint64_t target, const uint8_t* data,
+                              uint64_t len, unsigned long long* sum) {
+  // One thread per block spins; the rest wait at the barrier (no hammering of the PCIe link).
+  if (threadIdx.x == 0)
+    while (*counter < target) {
+    }
+  __syncthreads();
+  __threadfence_system();
+  sum_words(data, len, sum);
+}
+
+__global__ void sum(const uint8_t* data, uint64_t len, unsigned long long* out) { sum_words(data, len, out); }
+
+}  // namespace
+
+cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_t stream) {
+  bump<<<1, 1, 0, stream>>>(word, n, gap_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
+                             uint64_t* out_ns, cudaStream_t stream) {
+  ping_pong<<<1, 1, 0, stream>>>(word, ack, n, out_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t target,
+                                 const uint8_t* data, uint64_t len, uint64_t* out,
+                                 cudaStream_t stream) {
+  wait_then_sum<<<64, 256, 0, stream>>>(counter, target, data, len,
+                                        reinterpret_cast<unsigned long long*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_sum(const uint8_t* data, uint64_t len, uint64_t* out, cudaStream_t stream) {
+  sum<<<64, 256, 0, stream>>>(data, len, reinterpret_cast<unsigned long long*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace fabric::gpu_test

@@ -1,0 +1,26 @@
+// Small kernels the GPU tests and the GPU benchmark launch, behind plain C++ declarations (the
+// kernels build as CUDA C++17, the tests as C++20 with the public headers).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fabric::gpu_test {
+
+// word = 1, 2, ..., n, with ~gap_ns between stores (system-scope stores: the host sees them).
+cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_t stream);
+
+// n round trips: store i to word, spin until ack == i; out_ns[i-1] = the round trip, timed with
+// the GPU's global timer. The CPU side (a UVM watcher callback) answers by writing ack.
+cudaError_t launch_ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
+                             uint64_t* out_ns, cudaStream_t stream);
+
+// Spins until *counter >= target, then sums `len` bytes of data (as uint64 words) into *sum.
+cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t target,
+                                 const uint8_t* data, uint64_t len, uint64_t* sum,
+                                 cudaStream_t stream);
+// The same sum without waiting (queued behind a stream wait).
+cudaError_t launch_sum(const uint8_t* data, uint64_t len, uint64_t* sum, cudaStream_t stream);
+
+}  // namespace fabric::gpu_test

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU run, in one call on the lent GPU machine (it has CUDA and cmake but no libfabric headers
+# and no network): unpack the Debian packages that tests/gpu/fetch_deps.sh put in .gpudeps/, build
+# with CUDA for Hopper, run the GPU tests (and the CPU suite beside them), then the cuda_ipc
+# benchmark. Results go to $OUT (or ./gpu-results). Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+if [ -d .gpudeps ] && ls .gpudeps/*.deb >/dev/null 2>&1; then
+  P=/tmp/gpudeps
+  mkdir -p $P
+  for f in .gpudeps/*.deb; do dpkg -x "$f" $P; done
+  export PKG_CONFIG_PATH=$P/usr/lib/x86_64-linux-gnu/pkgconfig PKG_CONFIG_SYSROOT_DIR=$P
+  export CMAKE_PREFIX_PATH=$P/usr LD_LIBRARY_PATH=$P/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+fi
+nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/gpus.txt"
+BUILD=build-gpu
+cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_BUILD_TOOLS=OFF > "$OUT/configure.log" 2>&1 ||
+  { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build $BUILD -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
+status=0
+ctest --test-dir $BUILD -L gpu --output-on-failure --timeout 300 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 2>&1 | tail -3 | tee "$OUT/cpu_tests.log" || status=1
+$BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
+exit $status
