@@ -62,22 +62,23 @@ class Pages(_Pages):
         super().__init__(_as_page_indices(indices), stride, offset)
 
 
-def _buffer_address(obj: Any) -> tuple[int, int]:
-    """(address, byte length) of a contiguous, writable CPU buffer: torch tensor, numpy array,
-    bytearray or any writable buffer-protocol object."""
+def _buffer_address(obj: Any) -> tuple[int, int, Optional[int]]:
+    """(address, byte length, CUDA device or None) of a contiguous, writable buffer: torch tensor
+    (CPU or CUDA), numpy array, bytearray or any writable buffer-protocol object."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if not obj.is_contiguous():
             raise ValueError("the tensor is not contiguous: register tensor.contiguous() instead")
-        if obj.device.type != "cpu":
-            raise FabricError(f"unsupported: {obj.device} tensors need the GPU support of the engine")
-        return obj.data_ptr(), obj.numel() * obj.element_size()
+        if obj.device.type not in ("cpu", "cuda"):
+            raise FabricError(f"unsupported: {obj.device} tensors (CPU and CUDA only)")
+        device = obj.device.index if obj.device.type == "cuda" else None
+        return obj.data_ptr(), obj.numel() * obj.element_size(), device
     if isinstance(obj, np.ndarray):
         if not obj.flags["C_CONTIGUOUS"]:
             raise ValueError("the array is not C-contiguous: register np.ascontiguousarray(a)")
         if not obj.flags["WRITEABLE"]:
             raise ValueError("the array is read-only; remote peers write into registered memory")
-        return obj.ctypes.data, obj.nbytes
+        return obj.ctypes.data, obj.nbytes, None
     view = memoryview(obj)
     if not view.contiguous:
         raise ValueError("the buffer is not contiguous")
@@ -85,7 +86,7 @@ def _buffer_address(obj: Any) -> tuple[int, int]:
         raise ValueError("the buffer is read-only; remote peers write into registered memory")
     if view.nbytes == 0:
         raise ValueError("the buffer is empty")
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes, None
 
 
 class TransferEngine(_Engine):
@@ -113,10 +114,10 @@ class TransferEngine(_Engine):
     # ---- memory ----
 
     def register_tensor(self, obj: Any) -> tuple[MrHandle, MrDesc]:
-        """Registers a torch tensor, numpy array or writable buffer; keeps it alive until
-        dereg_mr."""
-        ptr, nbytes = _buffer_address(obj)
-        handle, desc = self.reg_mr(ptr, nbytes)
+        """Registers a torch tensor (CPU or CUDA), numpy array or writable buffer; keeps it alive
+        until dereg_mr."""
+        ptr, nbytes, cuda_device = _buffer_address(obj)
+        handle, desc = self.reg_mr(ptr, nbytes, cuda_device)
         self._registered[handle] = obj
         return handle, desc
 

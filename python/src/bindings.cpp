@@ -236,7 +236,8 @@ NB_MODULE(_fabric_lib, m) {
            [](PyEngine* self, const std::string& provider, std::vector<std::string> nics,
               const std::string& poll, const std::string& callback_poll,
               double transfer_timeout_s, size_t max_in_flight_per_nic, size_t max_message_size,
-              std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed) {
+              std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed,
+              std::optional<int> cuda_device, bool cuda_ipc) {
              EngineConfig c;
              c.provider = provider;
              c.nics.clear();
@@ -255,23 +256,28 @@ NB_MODULE(_fabric_lib, m) {
              c.worker_cpu = worker_cpu;
              c.reorder.enabled = reorder;
              c.reorder.seed = reorder_seed;
+             c.cuda_device = cuda_device;
+             c.cuda_ipc = cuda_ipc;
              new (self) PyEngine(std::move(c));
            },
            "provider"_a = "tcp;ofi_rxm", "nics"_a = std::vector<std::string>{"127.0.0.1"},
            "poll"_a = "adaptive", "callback_poll"_a = "adaptive", "transfer_timeout_s"_a = 30.0,
            "max_in_flight_per_nic"_a = 64, "max_message_size"_a = 16384,
-           "worker_cpu"_a = nb::none(), "reorder"_a = false, "reorder_seed"_a = 1)
+           "worker_cpu"_a = nb::none(), "reorder"_a = false, "reorder_seed"_a = 1,
+           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false)
       .def("close", &PyEngine::close, "Ends pending work with errors and joins the engine's threads.")
       .def_prop_ro("closed", &PyEngine::closed)
       .def("main_address", [](PyEngine& e) { return e.get().main_address(); })
       .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); })
       .def("reg_mr",
-           [](PyEngine& e, uintptr_t ptr, size_t len) {
+           [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
-             return eng.reg_mr(reinterpret_cast<void*>(ptr), len);
+             return eng.reg_mr(reinterpret_cast<void*>(ptr), len,
+                               cuda_device ? Device::cuda(*cuda_device) : Device::host());
            },
-           "ptr"_a, "length"_a, "Registers raw host memory; returns (MrHandle, MrDesc).")
+           "ptr"_a, "length"_a, "cuda_device"_a = nb::none(),
+           "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc).")
       .def("dereg_mr",
            [](PyEngine& e, MrHandle h) {
              TransferEngine& eng = e.get();

@@ -22,6 +22,7 @@ cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON
 cmake --build $BUILD -j "$(nproc)" > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
 status=0
 ctest --test-dir $BUILD -L gpu --output-on-failure --timeout 300 2>&1 | tee "$OUT/gpu_tests.log" || status=1
-ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 2>&1 | tail -3 | tee "$OUT/cpu_tests.log" || status=1
+ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
+grep -E "tests passed|Failed|\*\*\*" "$OUT/cpu_tests.log" || true
 $BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
 exit $status
