@@ -247,7 +247,7 @@ void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Page
                               const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
                               const WriteOptions& opts) {
   const RegionSlot& s = source(src);
-  check_peer(dst.owner(), "submit_paged_writes");
+  check_dst(dst, 0, 0, "submit_paged_writes");  // peer and route; pages are bounded below
   if (page_len == 0)
     throw Error(ErrorCode::kInvalidArgument, "submit_paged_writes: page_len must be > 0");
   if (src_pages.indices.size() != dst_pages.indices.size())
@@ -268,7 +268,6 @@ void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Page
                               "region of {} bytes (offset + stride * max index + page_len)",
                               dst.len()));
   }
-  if (dst.keys().empty() && !reachable_locally(dst)) check_dst(dst, 0, 0, "submit_paged_writes");
   check_route(s, dst, "submit_paged_writes");
   TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), opts);
   r.src = src;
