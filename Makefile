@@ -1,7 +1,7 @@
 # The README's two commands are `make demo` and `make test`; both install what they need first.
 BUILD ?= build
 DEB_PACKAGES := cmake ninja-build g++ pkg-config libfabric-dev libfabric-bin libfmt-dev \
-                libcli11-dev libgtest-dev googletest
+                libcli11-dev libgtest-dev googletest libibverbs-dev ibverbs-providers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps build demo test test-python clean format
@@ -21,6 +21,12 @@ demo: build
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
 	$(MAKE) test-python
+	$(MAKE) test-rxe
+
+# Verbs tests in a qemu VM with Soft-RoCE: this host has no RDMA NIC. See tests/rxe/README.md.
+.PHONY: test-rxe
+test-rxe: build
+	tests/rxe/run.sh $(BUILD)
 
 # The Python package, built and installed the way a user does it (pip install .), then pytest.
 test-python: deps
