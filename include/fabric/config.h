@@ -13,10 +13,30 @@ namespace fabric {
 // kAdaptive spins for a while, then yields, then sleeps briefly (for machines with few cores).
 enum class PollMode { kBusy, kAdaptive };
 
-// One NIC (one libfabric domain). Either field may be empty.
+// One NIC (one libfabric domain, or one verbs device). Either field may be empty.
 struct NicConfig {
-  std::string domain;  // provider domain name to pick (e.g. "rdmap16s27-rdm" on EFA, "lo")
-  std::string node;    // source address to bind (e.g. "127.0.0.2" for tcp on loopback)
+  // libfabric: the provider domain to pick (e.g. "rdmap16s27-rdm" on EFA, "lo").
+  // verbs: the device name (e.g. "mlx5_0", "rxe0"); empty picks the first device. Several NICs
+  // may name the same device (each opens its own context and queue pairs).
+  std::string domain;
+  std::string node;    // libfabric: source address to bind (e.g. "127.0.0.2" for tcp on loopback)
+};
+
+// The verbs provider (ConnectX and other RC NICs, Soft-RoCE).
+struct VerbsConfig {
+  uint8_t port = 1;
+  // RoCE: the GID table index to use. Default: the first RoCE v2 entry with an IPv4-mapped
+  // address, else the first RoCE v2 entry, else the first valid one (InfiniBand: index 0).
+  std::optional<int> gid_index;
+  // The connection handshake (over UD) repeats its message with backoff and fails the peer after
+  // this long: writes and sends to it then end with kProvider.
+  std::chrono::milliseconds handshake_timeout{10000};
+  // RC retransmission: 4.096 us * 2^ack_timeout per try, retry_count tries before the queue pair
+  // fails (a dead peer). 14 and 7 give about half a second.
+  uint8_t ack_timeout = 14;
+  uint8_t retry_count = 7;
+  // For tests: the first N handshake packets this domain sends are dropped (lost-packet recovery).
+  uint32_t drop_handshake_packets = 0;
 };
 
 // Deliberate disorder for tests: completions and immediates are held back and released
@@ -28,7 +48,9 @@ struct ReorderConfig {
 };
 
 struct EngineConfig {
-  std::string provider = "tcp;ofi_rxm";  // "efa" in production; "tcp;ofi_rxm" or "shm" here
+  // "efa" or "verbs" in production; "tcp;ofi_rxm" or "shm" here ("verbs" on Soft-RoCE in a VM).
+  // Any other name is a libfabric provider.
+  std::string provider = "tcp;ofi_rxm";
   std::vector<NicConfig> nics = {NicConfig{}};  // 1 to 4
   PollMode worker_poll = PollMode::kBusy;
   PollMode callback_poll = PollMode::kAdaptive;
@@ -50,6 +72,7 @@ struct EngineConfig {
   size_t max_in_flight_per_nic = 64;
 
   ReorderConfig reorder;
+  VerbsConfig verbs;
 
   // The CUDA device (GPU) this engine serves, if any. With it, NIC providers are asked for GPU
   // memory support (libfabric FI_HMEM) and the cuda_ipc domain and GPU signals use this device.
@@ -65,9 +88,9 @@ struct EngineConfig {
   // transfer when on.
   bool record_post_timings = false;
 
-  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes), FABRIC_POLL (busy|adaptive),
-  // FABRIC_CUDA_DEVICE (index) and FABRIC_CUDA_IPC (1) on top of the defaults; used by examples
-  // and tests.
+  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes; device names for verbs),
+  // FABRIC_GID_INDEX (verbs), FABRIC_POLL (busy|adaptive), FABRIC_CUDA_DEVICE (index) and
+  // FABRIC_CUDA_IPC (1) on top of the defaults; used by examples and tests.
   static EngineConfig from_env();
 };
 

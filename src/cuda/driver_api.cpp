@@ -36,6 +36,19 @@ AddressRange allocation_of(const void* ptr) {
   return {reinterpret_cast<uint8_t*>(base), size};
 }
 
+DmaBuf dmabuf_of(const void* ptr, size_t len) {
+  using Fn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+  static Fn fn = entry_point<Fn>("cuMemGetHandleForAddressRange");
+  constexpr uint64_t kPage = 4096;  // dma-buf export wants host-page-aligned ranges
+  auto addr = reinterpret_cast<uint64_t>(ptr);
+  uint64_t start = addr & ~(kPage - 1), end = (addr + len + kPage - 1) & ~(kPage - 1);
+  int fd = -1;
+  check_driver("cuMemGetHandleForAddressRange",
+               fn(&fd, static_cast<CUdeviceptr>(start), end - start,
+                  CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0));
+  return {fd, addr - start};
+}
+
 void stream_wait_geq(void* stream, const void* device_word, uint64_t value) {
   using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   static Fn fn = entry_point<Fn>("cuStreamWaitValue64");

@@ -2,6 +2,9 @@
 #include "domain/domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
+#ifdef FABRIC_WITH_VERBS
+#include "providers/verbs/verbs_domain.h"
+#endif
 #ifdef FABRIC_WITH_CUDA
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
 #endif
@@ -9,7 +12,18 @@
 namespace fabric {
 
 std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index) {
-  std::unique_ptr<Domain> domain = open_libfabric_domain(config, nic_index);
+  std::unique_ptr<Domain> domain;
+  if (config.provider == "verbs") {
+#ifdef FABRIC_WITH_VERBS
+    domain = open_verbs_domain(config, nic_index);
+#else
+    throw Error(ErrorCode::kUnsupported,
+                "provider 'verbs': this fabric-lib was built without libibverbs (install "
+                "libibverbs-dev and reconfigure)");
+#endif
+  } else {
+    domain = open_libfabric_domain(config, nic_index);
+  }
   if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, nic_index);
   return domain;
 }

@@ -418,12 +418,14 @@ EngineConfig EngineConfig::from_env() {
     while (start <= s.size()) {
       size_t end = s.find(',', start);
       if (end == std::string::npos) end = s.size();
-      if (end > start) c.nics.push_back(NicConfig{"", s.substr(start, end - start)});
+      std::string name = s.substr(start, end - start);
+      if (end > start) c.nics.push_back(c.provider == "verbs" ? NicConfig{name, ""} : NicConfig{"", name});
       start = end + 1;
     }
   }
   if (c.nics.empty())
     c.nics.push_back(c.provider.rfind("tcp", 0) == 0 ? NicConfig{"", "127.0.0.1"} : NicConfig{});
+  if (const char* g = std::getenv("FABRIC_GID_INDEX")) c.verbs.gid_index = std::atoi(g);
   if (const char* d = std::getenv("FABRIC_CUDA_DEVICE")) c.cuda_device = std::atoi(d);
   if (const char* i = std::getenv("FABRIC_CUDA_IPC")) c.cuda_ipc = std::strcmp(i, "1") == 0;
   if (const char* m = std::getenv("FABRIC_POLL"))

@@ -1,4 +1,5 @@
-// Two engine processes over a real libfabric provider (tcp;ofi_rxm, shm), 1/2/4 NICs per side,
+// Two engine processes over a real provider (libfabric tcp;ofi_rxm and shm, 1/2/4 NICs per side;
+// verbs on Soft-RoCE, 1/2 NICs, in the VM of tests/rxe),
 // with and without the reordering wrapper: every API call, every byte checked, immediate counts
 // exactly as documented.
 #include <gtest/gtest.h>
@@ -43,6 +44,7 @@ constexpr uint32_t kPageRange = 1000;
 
 TEST_P(EnginePair, SingleAndPagedWritesDeliverEveryByteAndExactImmCounts) {
   const ProviderCase pc = GetParam();
+  FABRIC_SKIP_WITHOUT_DEVICE(pc);
   const size_t nics = pc.nics;
   Pages src_pages{random_indices(kPages, kPageRange, 11), kPageStride, kPageOffset};
   Pages dst_pages{random_indices(kPages, kPageRange, 12), kPageStride, kPageOffset + 1};
@@ -149,6 +151,7 @@ TEST_P(EnginePair, SingleAndPagedWritesDeliverEveryByteAndExactImmCounts) {
 
 TEST_P(EnginePair, TenThousandMessagesArriveIntactAndOnce) {
   const ProviderCase pc = GetParam();
+  FABRIC_SKIP_WITHOUT_DEVICE(pc);
   constexpr uint32_t kMessages = 10000;
   auto message = [](uint32_t i) {
     std::string m(1 + (i * 37) % 200, static_cast<char>('a' + i % 26));
@@ -207,6 +210,7 @@ TEST_P(EnginePair, TenThousandMessagesArriveIntactAndOnce) {
 
 TEST_P(EnginePair, ScatterAndBarrierReachEightPeers) {
   const ProviderCase pc = GetParam();
+  FABRIC_SKIP_WITHOUT_DEVICE(pc);
   constexpr size_t kPeers = 8;
   constexpr uint64_t kDst = 1 << 20;
   constexpr uint32_t kScatterImm = 0x300, kBarrierImm = 0x301, kPlainScatterImm = 0x302;
@@ -282,7 +286,10 @@ INSTANTIATE_TEST_SUITE_P(Providers, EnginePair,
                                            ProviderCase{"tcp;ofi_rxm", 4, true},
                                            ProviderCase{"shm", 1, true},
                                            ProviderCase{"shm", 2, true},
-                                           ProviderCase{"shm", 4, true}),
+                                           ProviderCase{"shm", 4, true},
+                                           ProviderCase{"verbs", 1, false},
+                                           ProviderCase{"verbs", 2, false},
+                                           ProviderCase{"verbs", 2, true}),
                          case_name);
 
 // ---- a peer killed mid-transfer ----------------------------------------------------------
@@ -291,6 +298,7 @@ class KilledPeer : public ::testing::TestWithParam<ProviderCase> {};
 
 TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
   const ProviderCase pc = GetParam();
+  FABRIC_SKIP_WITHOUT_DEVICE(pc);
   constexpr uint64_t kLen = 1 << 20;
   constexpr uint32_t kBefore = 20, kAfter = 30;
 
@@ -364,7 +372,8 @@ TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
 INSTANTIATE_TEST_SUITE_P(Providers, KilledPeer,
                          ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
                                            ProviderCase{"tcp;ofi_rxm", 2, false},
-                                           ProviderCase{"shm", 1, false}),
+                                           ProviderCase{"shm", 1, false},
+                                           ProviderCase{"verbs", 1, false}),
                          case_name);
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <string>
@@ -22,17 +24,38 @@ struct ProviderCase {
 };
 
 inline std::string case_name(const ::testing::TestParamInfo<ProviderCase>& info) {
-  std::string p = info.param.provider == "shm" ? "shm" : "tcp";
+  const std::string& name = info.param.provider;
+  std::string p = name == "shm" || name == "verbs" ? name : "tcp";
   return p + "_" + std::to_string(info.param.nics) + "nic" + (info.param.reorder ? "_reordered" : "");
 }
 
+// verbs needs an RDMA device: on hosts without one (CI outside the Soft-RoCE VM) its cases skip.
+inline bool verbs_device_present() {
+  std::error_code ec;
+  return std::filesystem::exists("/sys/class/infiniband", ec) &&
+         !std::filesystem::is_empty("/sys/class/infiniband", ec);
+}
+#define FABRIC_SKIP_WITHOUT_DEVICE(pc)                                                       \
+  if ((pc).provider == "verbs" && !::fabric::testing::verbs_device_present())               \
+  GTEST_SKIP() << "no RDMA device (the verbs cases run in the Soft-RoCE VM: make test-rxe)"
+
+// The verbs device the tests use: FABRIC_VERBS_DEVICE, else the first one.
+inline std::string verbs_device() {
+  const char* d = std::getenv("FABRIC_VERBS_DEVICE");
+  return d ? d : "";
+}
+
 // tcp: NIC k of every engine binds 127.0.0.(2+k), so several domains act as several NICs.
+// verbs: every NIC opens the same device (one rxe device per VM), each with its own queue pairs.
 inline EngineConfig config_for(const ProviderCase& c) {
   EngineConfig cfg;
   cfg.provider = c.provider;
   cfg.nics.clear();
-  for (size_t k = 0; k < c.nics; k++)
-    cfg.nics.push_back(c.provider == "shm" ? NicConfig{} : NicConfig{"", "127.0.0." + std::to_string(2 + k)});
+  for (size_t k = 0; k < c.nics; k++) {
+    if (c.provider == "shm") cfg.nics.push_back(NicConfig{});
+    else if (c.provider == "verbs") cfg.nics.push_back(NicConfig{verbs_device(), ""});
+    else cfg.nics.push_back(NicConfig{"", "127.0.0." + std::to_string(2 + k)});
+  }
   cfg.worker_poll = PollMode::kAdaptive;  // 2 cores, several engines
   cfg.callback_poll = PollMode::kAdaptive;
   cfg.reorder.enabled = c.reorder;

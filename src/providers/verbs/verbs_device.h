@@ -1,0 +1,33 @@
+// One opened verbs device port: context, protection domain, attributes, and the GID to use.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <optional>
+#include <string>
+
+namespace fabric::verbs {
+
+struct DeviceContext {
+  // Opens `name` (empty: the first device) and queries port `port`; picks the GID (see
+  // VerbsConfig::gid_index). Throws fabric::Error naming what is missing.
+  DeviceContext(const std::string& name, uint8_t port, std::optional<int> gid_index);
+  ~DeviceContext();
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+
+  bool roce() const { return port_attr.link_layer == IBV_LINK_LAYER_ETHERNET; }
+  // Address vector towards a peer's port (GRH on RoCE, LID on InfiniBand).
+  ibv_ah_attr ah_attr(const ibv_gid& dgid, uint16_t dlid) const;
+
+  std::string name;
+  uint8_t port = 1;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_device_attr dev_attr{};
+  ibv_port_attr port_attr{};
+  int gid_index = 0;
+  ibv_gid gid{};
+};
+
+}  // namespace fabric::verbs

@@ -1,0 +1,720 @@
+// verbs Domain: one device port, reliable-connected (RC) queue pairs per peer, connected by a
+// handshake over an unreliable-datagram (UD) queue pair.
+//
+// Per peer: one RC QP for SEND/RECV and one for WRITE/WRITE_WITH_IMM, so that immediates (which
+// consume a receive on the target) never take the application's message buffers. All message QPs
+// share one receive queue (SRQ) of application buffers, all write QPs one SRQ of zero-length
+// receives that this domain refills itself. Every QP completes into one send CQ and one receive
+// CQ whose sizes are bounded by this domain's in-flight limit and the two SRQ depths, never by the
+// number of peers, so any number of peers cannot overrun them.
+//
+// Posting: work requests wait in a per-QP chain and go to the NIC four at a time, or at the next
+// poll(), so one doorbell carries several requests. A WRITE longer than the port's largest message
+// is cut into several requests; its OpContext completes once, when the last of them has.
+#include "providers/verbs/verbs_domain.h"
+
+#include <arpa/inet.h>
+#include <infiniband/verbs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "providers/verbs/handshake.h"
+#include "providers/verbs/verbs_device.h"
+#include "providers/verbs/verbs_wire.h"
+#include "util/log.h"
+#ifdef FABRIC_WITH_CUDA
+#include "cuda/driver_api.h"
+#endif
+
+namespace fabric {
+namespace verbs {
+namespace {
+
+constexpr uint32_t kChain = 4;             // work requests per doorbell
+constexpr uint32_t kQkey = 0x0FAB1C00;     // UD queue key of handshake QPs (high bit clear: unprivileged)
+constexpr uint32_t kUdRecvs = 256;         // handshake receive buffers
+constexpr uint32_t kUdSends = 64;          // handshake send buffers
+constexpr size_t kGrh = 40;                // UD receives start with room for the global route header
+constexpr size_t kUdSlot = 128;            // >= HandshakeMsg::kSize
+constexpr size_t kScratchLen = 64;
+constexpr uint64_t kImmRecvId = 1;         // wr_id of the zero-length receives (contexts are aligned)
+constexpr uint64_t kUdSendTag = 1ull << 32;
+constexpr size_t kMaxPeers = 65536;        // peers a domain accepts (inserted or connecting to us)
+constexpr uint32_t kMaxInline = 64;
+
+static_assert(HandshakeMsg::kSize <= kUdSlot);
+
+int access_flags() {
+  // Relaxed ordering lets PCIe reorder the NIC's writes to memory (faster on many hosts); our
+  // completions never depend on the order of bytes within a WRITE. It is an optional flag:
+  // libibverbs drops it where the device or kernel does not support it.
+  return IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_RELAXED_ORDERING;
+}
+
+std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
+
+[[noreturn]] void fail(const char* call, int err, const std::string& device) {
+  throw Error(ErrorCode::kProvider, fmt::format("verbs: {} on {} failed: {}", call, device, errno_text(err)));
+}
+
+template <class T>
+T* check_ptr(T* p, const char* call, const std::string& device) {
+  if (!p) fail(call, errno, device);
+  return p;
+}
+
+// The send side of one RC queue pair, with its chain of requests not yet handed to the NIC.
+struct SendQueue {
+  ibv_qp* qp = nullptr;
+  uint32_t psn = 0;
+  uint32_t depth = 0;        // max_send_wr
+  uint32_t outstanding = 0;  // posted or chained, not completed
+  uint32_t chained = 0;
+  bool dirty = false;  // listed for flushing at the next poll
+  ibv_send_wr wr[kChain]{};
+  ibv_sge sge[kChain]{};
+};
+
+struct Peer {
+  Peer(Handshake::Clock::time_point now, Handshake::Timing t) : hs(now, t) {}
+  VerbsAddress addr;
+  ibv_ah* ah = nullptr;  // towards the peer's handshake QP
+  SendQueue msg, write;
+  uint32_t remote_msg_qpn = 0, remote_write_qpn = 0;
+  Handshake hs;
+  std::string error;  // set once the peer is unreachable: every later post fails with it
+};
+
+// What an OpContext carries while its requests are out (provider_space).
+struct OpState {
+  uint64_t requests_left;
+  SendQueue* queue;
+  Peer* peer;
+  uint64_t failed;  // 1 once a request of it failed
+};
+static_assert(sizeof(OpState) <= sizeof(OpContext::provider_space));
+OpState& op_state(OpContext* ctx) { return *reinterpret_cast<OpState*>(ctx->provider_space); }
+
+class VerbsDomain final : public Domain {
+ public:
+  VerbsDomain(const EngineConfig& config, size_t nic_index)
+      : cfg_(config.verbs),
+        dev_(config.nics.at(nic_index).domain, config.verbs.port, config.verbs.gid_index),
+        max_in_flight_(config.max_in_flight_per_nic) {
+    timing_.timeout = cfg_.handshake_timeout;
+    drops_left_ = cfg_.drop_handshake_packets;
+    const ibv_device_attr& da = dev_.dev_attr;
+    max_msg_ = std::max<uint64_t>(dev_.port_attr.max_msg_sz, 4096);
+    qp_depth_ = static_cast<uint32_t>(std::min<int>(da.max_qp_wr, 1024));
+    msg_srq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_srq_wr, 8192));
+    imm_srq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_srq_wr, 4096));
+    send_cq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_cqe, 8192));
+    // Completions waiting in the receive CQ are at most the receives posted to both SRQs.
+    uint32_t recv_cq_depth = static_cast<uint32_t>(std::min<int>(da.max_cqe, msg_srq_depth_ + imm_srq_depth_));
+    if (recv_cq_depth < msg_srq_depth_ + imm_srq_depth_) {
+      msg_srq_depth_ = recv_cq_depth / 2;
+      imm_srq_depth_ = recv_cq_depth - msg_srq_depth_;
+    }
+    if (max_in_flight_ == 0 || max_in_flight_ > send_cq_depth_) max_in_flight_ = send_cq_depth_;
+
+    const std::string& d = dev_.name;
+    send_cq_ = check_ptr(ibv_create_cq(dev_.ctx, static_cast<int>(send_cq_depth_), nullptr, nullptr, 0), "ibv_create_cq(send)", d);
+    recv_cq_ = check_ptr(ibv_create_cq(dev_.ctx, static_cast<int>(recv_cq_depth), nullptr, nullptr, 0), "ibv_create_cq(recv)", d);
+    ud_cq_ = check_ptr(ibv_create_cq(dev_.ctx, kUdRecvs + kUdSends, nullptr, nullptr, 0), "ibv_create_cq(ud)", d);
+    msg_srq_ = create_srq(msg_srq_depth_);
+    imm_srq_ = create_srq(imm_srq_depth_);
+    for (uint32_t i = 0; i < imm_srq_depth_; i++) imm_reposts_++;
+    repost_imm_recvs();
+
+    scratch_ = std::aligned_alloc(64, kScratchLen);
+    std::memset(scratch_, 0, kScratchLen);
+    scratch_region_ = register_memory(scratch_, kScratchLen, Device::host());
+    open_handshake_qp();
+
+    std::random_device rd;
+    rng_.seed((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(getpid()));
+    VerbsAddress me;
+    std::memcpy(me.gid.data(), dev_.gid.raw, 16);
+    me.lid = dev_.roce() ? 0 : dev_.port_attr.lid;
+    me.ud_qpn = ud_qp_->qp_num;
+    me.nonce = rng_() | 1;  // never 0
+    me_ = me;
+    address_ = me.to_bytes();
+    log::info("nic {}: verbs {} {} (qp depth {}, max message {} B)", nic_index, d, me.describe(),
+              qp_depth_, max_msg_);
+  }
+
+  ~VerbsDomain() override {
+    for (auto& p : peers_) {
+      if (p->msg.qp) ibv_destroy_qp(p->msg.qp);
+      if (p->write.qp) ibv_destroy_qp(p->write.qp);
+      if (p->ah) ibv_destroy_ah(p->ah);
+    }
+    if (ud_qp_) ibv_destroy_qp(ud_qp_);
+    if (ud_mr_) ibv_dereg_mr(ud_mr_);
+    if (scratch_region_.provider) ibv_dereg_mr(static_cast<ibv_mr*>(scratch_region_.provider));
+    if (msg_srq_) ibv_destroy_srq(msg_srq_);
+    if (imm_srq_) ibv_destroy_srq(imm_srq_);
+    for (ibv_cq* cq : {send_cq_, recv_cq_, ud_cq_})
+      if (cq) ibv_destroy_cq(cq);
+    std::free(scratch_);
+  }
+
+  const std::string& provider_name() const override { return provider_; }
+  const std::string& address() const override { return address_; }
+  size_t max_in_flight() const override { return max_in_flight_; }
+  void* scratch_desc() const override { return scratch_region_.desc; }
+  void* scratch_buffer() const override { return scratch_; }
+  const std::string& last_error() const override { return last_error_; }
+
+  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
+    ibv_mr* mr = device.kind == Device::Kind::kCuda ? register_gpu(ptr, len)
+                                                     : ibv_reg_mr(dev_.pd, ptr, len, access_flags());
+    if (!mr)
+      throw Error(ErrorCode::kProvider, fmt::format("verbs: ibv_reg_mr of {} bytes on {} failed: {}{}", len,
+                                                    dev_.name, errno_text(errno),
+                                                    errno == ENOMEM ? " (locked-memory limit? see `ulimit -l`)" : ""));
+    DomainRegion r;
+    r.provider = mr;
+    r.desc = mr;
+    r.remote.rkey = mr->rkey;
+    r.remote.base = reinterpret_cast<uint64_t>(ptr);  // verbs addresses are virtual addresses
+    return r;
+  }
+
+  void deregister_memory(DomainRegion& region) override {
+    if (region.provider) {
+      int rc = ibv_dereg_mr(static_cast<ibv_mr*>(region.provider));
+      if (rc != 0) fail("ibv_dereg_mr", rc, dev_.name);
+    }
+    region = {};
+  }
+
+  PeerId insert_peer(const std::string& address) override {
+    auto it = peer_ids_.find(address);
+    if (it != peer_ids_.end()) return it->second;
+    VerbsAddress a = VerbsAddress::from_bytes(
+        std::span(reinterpret_cast<const uint8_t*>(address.data()), address.size()));
+    return add_peer(a, address);
+  }
+
+  PostResult post_write(const WriteOp& op, OpContext* ctx) override {
+    Peer& p = *peers_[op.peer];
+    if (PostResult r = check_peer(p); r != PostResult::kPosted) return r;
+    uint64_t requests = op.len <= max_msg_ ? 1 : (op.len + max_msg_ - 1) / max_msg_;
+    if (requests > qp_depth_) {
+      last_error_ = fmt::format("verbs: a WRITE of {} bytes needs {} requests of at most {} bytes, more than "
+                                "the queue pair holds ({})", op.len, requests, max_msg_, qp_depth_);
+      return PostResult::kFailed;
+    }
+    if (!room(p.write, requests)) return PostResult::kRetry;
+    op_state(ctx) = OpState{requests, &p.write, &p, 0};
+    auto lkey = op.desc ? static_cast<ibv_mr*>(op.desc)->lkey : 0;
+    for (uint64_t i = 0; i < requests; i++) {
+      uint64_t off = i * max_msg_;
+      uint64_t len = std::min<uint64_t>(op.len - off, max_msg_);
+      bool last = i + 1 == requests;
+      ibv_send_wr& wr = next_request(p.write, ctx, static_cast<const uint8_t*>(op.src) + off, len, lkey);
+      wr.opcode = last && op.has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+      wr.imm_data = htonl(op.imm);
+      wr.wr.rdma.remote_addr = op.remote_addr + off;
+      wr.wr.rdma.rkey = static_cast<uint32_t>(op.rkey);
+      commit_request(p.write);
+    }
+    return PostResult::kPosted;
+  }
+
+  PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
+    Peer& p = *peers_[peer];
+    if (PostResult r = check_peer(p); r != PostResult::kPosted) return r;
+    if (len > max_msg_) {
+      last_error_ = fmt::format("verbs: a SEND of {} bytes exceeds the port's largest message ({})", len, max_msg_);
+      return PostResult::kFailed;
+    }
+    if (!room(p.msg, 1)) return PostResult::kRetry;
+    op_state(ctx) = OpState{1, &p.msg, &p, 0};
+    ibv_send_wr& wr = next_request(p.msg, ctx, buf, len, desc ? static_cast<ibv_mr*>(desc)->lkey : 0);
+    wr.opcode = IBV_WR_SEND;
+    commit_request(p.msg);
+    return PostResult::kPosted;
+  }
+
+  PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) override {
+    ibv_sge sge{reinterpret_cast<uint64_t>(buf), static_cast<uint32_t>(len),
+                desc ? static_cast<ibv_mr*>(desc)->lkey : 0};
+    ibv_recv_wr wr{};
+    wr.wr_id = reinterpret_cast<uint64_t>(ctx);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    int rc = ibv_post_srq_recv(msg_srq_, &wr, &bad);
+    if (rc == 0) return PostResult::kPosted;
+    if (rc == ENOMEM) return PostResult::kRetry;
+    last_error_ = fmt::format("verbs: ibv_post_srq_recv on {} failed: {}", dev_.name, errno_text(rc));
+    return PostResult::kFailed;
+  }
+
+  size_t poll(std::span<Completion> out) override {
+    progress_handshakes();
+    for (SendQueue* q : dirty_) flush(*q);
+    dirty_.clear();
+    size_t n = 0;
+    while (n < out.size() && !synthetic_.empty()) {
+      out[n++] = std::move(synthetic_.front());
+      synthetic_.pop_front();
+    }
+    ibv_wc wcs[32];
+    while (n < out.size()) {
+      int got = ibv_poll_cq(send_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), out.size() - n)), wcs);
+      if (got <= 0) break;
+      for (int i = 0; i < got; i++) n += on_send_completion(wcs[i], out[n]);
+    }
+    while (n < out.size()) {
+      int got = ibv_poll_cq(recv_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), out.size() - n)), wcs);
+      if (got <= 0) break;
+      for (int i = 0; i < got; i++) n += on_recv_completion(wcs[i], out[n]);
+    }
+    if (imm_reposts_ >= kChain * 4) repost_imm_recvs();
+    return n;
+  }
+
+ private:
+  // ---- setup ---------------------------------------------------------------------------------
+
+  ibv_srq* create_srq(uint32_t depth) {
+    ibv_srq_init_attr a{};
+    a.attr.max_wr = depth;
+    a.attr.max_sge = 1;
+    return check_ptr(ibv_create_srq(dev_.pd, &a), "ibv_create_srq", dev_.name);
+  }
+
+  ibv_mr* register_gpu(void* ptr, size_t len) {
+#ifdef FABRIC_WITH_CUDA
+    // dma-buf first (no kernel module needed besides the GPU driver), then the peer-memory path
+    // (nvidia-peermem), which plain ibv_reg_mr takes for device pointers.
+    try {
+      cuda::DmaBuf buf = cuda::dmabuf_of(ptr, len);
+      ibv_mr* mr = ibv_reg_dmabuf_mr(dev_.pd, buf.offset, len, reinterpret_cast<uint64_t>(ptr), buf.fd,
+                                     access_flags());
+      int err = errno;
+      close(buf.fd);
+      if (mr) return mr;
+      log::info("verbs: ibv_reg_dmabuf_mr on {} failed ({}); trying peer memory", dev_.name, errno_text(err));
+    } catch (const Error& e) {
+      log::info("verbs: no dma-buf for GPU memory ({}); trying peer memory", e.what());
+    }
+    return ibv_reg_mr(dev_.pd, ptr, len, access_flags());
+#else
+    (void)ptr;
+    (void)len;
+    throw Error(ErrorCode::kUnsupported, "verbs: GPU memory needs a CUDA build of fabric-lib");
+#endif
+  }
+
+  ibv_qp* create_rc_qp(ibv_srq* srq, int remote_access) {
+    ibv_qp_init_attr a{};
+    a.send_cq = send_cq_;
+    a.recv_cq = recv_cq_;
+    a.srq = srq;
+    a.qp_type = IBV_QPT_RC;
+    a.cap.max_send_wr = qp_depth_;
+    a.cap.max_send_sge = 1;
+    a.cap.max_inline_data = kMaxInline;
+    ibv_qp* qp = ibv_create_qp(dev_.pd, &a);
+    if (!qp) {  // some devices have no inline data: ask again without
+      a.cap.max_inline_data = 0;
+      qp = check_ptr(ibv_create_qp(dev_.pd, &a), "ibv_create_qp(RC)", dev_.name);
+    }
+    max_inline_ = a.cap.max_inline_data;
+    ibv_qp_attr m{};
+    m.qp_state = IBV_QPS_INIT;
+    m.port_num = dev_.port;
+    m.qp_access_flags = static_cast<unsigned>(remote_access);
+    if (int rc = ibv_modify_qp(qp, &m, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+      ibv_destroy_qp(qp);
+      fail("ibv_modify_qp(RC INIT)", rc, dev_.name);
+    }
+    return qp;
+  }
+
+  void open_handshake_qp() {
+    ud_buf_.resize((kUdRecvs + kUdSends) * (kGrh + kUdSlot));
+    ud_mr_ = check_ptr(ibv_reg_mr(dev_.pd, ud_buf_.data(), ud_buf_.size(), IBV_ACCESS_LOCAL_WRITE), "ibv_reg_mr(ud)", dev_.name);
+    ibv_qp_init_attr a{};
+    a.send_cq = ud_cq_;
+    a.recv_cq = ud_cq_;
+    a.qp_type = IBV_QPT_UD;
+    a.cap.max_send_wr = kUdSends;
+    a.cap.max_recv_wr = kUdRecvs;
+    a.cap.max_send_sge = a.cap.max_recv_sge = 1;
+    ud_qp_ = check_ptr(ibv_create_qp(dev_.pd, &a), "ibv_create_qp(UD)", dev_.name);
+    ibv_qp_attr m{};
+    m.qp_state = IBV_QPS_INIT;
+    m.port_num = dev_.port;
+    m.qkey = kQkey;
+    int rc = ibv_modify_qp(ud_qp_, &m, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY);
+    m = {};
+    m.qp_state = IBV_QPS_RTR;
+    if (!rc) rc = ibv_modify_qp(ud_qp_, &m, IBV_QP_STATE);
+    m.qp_state = IBV_QPS_RTS;
+    m.sq_psn = 0;
+    if (!rc) rc = ibv_modify_qp(ud_qp_, &m, IBV_QP_STATE | IBV_QP_SQ_PSN);
+    if (rc) fail("ibv_modify_qp(UD)", rc, dev_.name);
+    for (uint32_t i = 0; i < kUdRecvs; i++) post_ud_recv(i);
+    for (uint32_t i = 0; i < kUdSends; i++) free_ud_sends_.push_back(i);
+  }
+
+  uint8_t* ud_slot(uint32_t i) { return ud_buf_.data() + i * (kGrh + kUdSlot); }
+
+  void post_ud_recv(uint32_t slot) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(ud_slot(slot)), kGrh + kUdSlot, ud_mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = slot;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (int rc = ibv_post_recv(ud_qp_, &wr, &bad)) log::error("verbs: handshake receive lost: {}", errno_text(rc));
+  }
+
+  // ---- peers and the handshake ---------------------------------------------------------------
+
+  PeerId add_peer(const VerbsAddress& a, const std::string& key) {
+    if (peers_.size() >= kMaxPeers)
+      throw Error(ErrorCode::kResourceExhausted, fmt::format("verbs: {} peers on {} already", kMaxPeers, dev_.name));
+    auto p = std::make_unique<Peer>(Handshake::Clock::now(), timing_);
+    p->addr = a;
+    ibv_gid dgid;
+    std::memcpy(dgid.raw, a.gid.data(), 16);
+    ibv_ah_attr ah = dev_.ah_attr(dgid, a.lid);
+    p->ah = check_ptr(ibv_create_ah(dev_.pd, &ah), "ibv_create_ah", dev_.name);
+    p->msg.qp = create_rc_qp(msg_srq_, 0);
+    p->write.qp = create_rc_qp(imm_srq_, IBV_ACCESS_REMOTE_WRITE);
+    p->msg.depth = p->write.depth = qp_depth_;
+    p->msg.psn = static_cast<uint32_t>(rng_()) & 0xFFFFFF;
+    p->write.psn = static_cast<uint32_t>(rng_()) & 0xFFFFFF;
+    PeerId id = peers_.size();
+    handshaking_.push_back(p.get());
+    peers_.push_back(std::move(p));
+    peer_ids_.emplace(key, id);
+    return id;
+  }
+
+  PostResult check_peer(Peer& p) {
+    if (!p.error.empty()) {
+      last_error_ = p.error;
+      return PostResult::kFailed;
+    }
+    return p.hs.ready() ? PostResult::kPosted : PostResult::kRetry;  // retried until the handshake ends
+  }
+
+  void progress_handshakes() {
+    ibv_wc wcs[16];
+    int got = ibv_poll_cq(ud_cq_, static_cast<int>(std::size(wcs)), wcs);
+    for (int i = 0; i < got; i++) {
+      const ibv_wc& wc = wcs[i];
+      if (wc.wr_id & kUdSendTag) {
+        free_ud_sends_.push_back(static_cast<uint32_t>(wc.wr_id & 0xFFFFFFFF));
+        continue;
+      }
+      auto slot = static_cast<uint32_t>(wc.wr_id);
+      if (wc.status == IBV_WC_SUCCESS && wc.byte_len > kGrh)
+        on_handshake(std::span<const uint8_t>(ud_slot(slot) + kGrh, wc.byte_len - kGrh));
+      post_ud_recv(slot);
+    }
+    if (handshaking_.empty()) return;
+    auto now = Handshake::Clock::now();
+    for (size_t i = 0; i < handshaking_.size();) {
+      Peer& p = *handshaking_[i];
+      if (p.hs.due(now)) send_handshake(p, now);
+      if (p.hs.failed() && p.error.empty())
+        p.error = fmt::format("verbs: no connection to peer {} on {}: handshake unanswered after {} messages "
+                              "in {} ms (is the peer alive, on the same fabric, with the same GID type?)",
+                              p.addr.describe(), dev_.name, p.hs.messages_sent(), cfg_.handshake_timeout.count());
+      if (p.hs.settled()) {
+        handshaking_[i] = handshaking_.back();
+        handshaking_.pop_back();
+      } else {
+        i++;
+      }
+    }
+  }
+
+  void on_handshake(std::span<const uint8_t> bytes) {
+    HandshakeMsg m;
+    try {
+      m = HandshakeMsg::from_bytes(bytes);
+    } catch (const Error& e) {
+      log::warn("verbs: dropped a handshake message on {}: {}", dev_.name, e.what());
+      return;
+    }
+    if (m.to_nonce != me_.nonce) return;  // meant for an earlier process at this QP number
+    std::string key = m.from.to_bytes();
+    auto it = peer_ids_.find(key);
+    PeerId id;
+    if (it != peer_ids_.end()) {
+      id = it->second;
+    } else {
+      try {
+        id = add_peer(m.from, key);  // the peer connects first: accept it
+      } catch (const Error& e) {
+        log::warn("verbs: refused a connection on {}: {}", dev_.name, e.what());
+        return;
+      }
+    }
+    Peer& p = *peers_[id];
+    if (p.hs.connected() && (m.msg_qpn != p.remote_msg_qpn || m.write_qpn != p.remote_write_qpn)) return;
+    Handshake::Actions a = p.hs.on_message(m.flags);
+    if (a.connect) {
+      p.remote_msg_qpn = m.msg_qpn;
+      p.remote_write_qpn = m.write_qpn;
+      auto mtu = static_cast<ibv_mtu>(std::min<int>(m.mtu, dev_.port_attr.active_mtu));
+      try {
+        connect(p.msg, m.msg_qpn, m.msg_psn, mtu, p.addr);
+        connect(p.write, m.write_qpn, m.write_psn, mtu, p.addr);
+      } catch (const Error& e) {
+        p.error = e.what();
+        return;
+      }
+    }
+    if (a.reply) send_handshake(p, Handshake::Clock::now());
+  }
+
+  void connect(SendQueue& q, uint32_t remote_qpn, uint32_t remote_psn, ibv_mtu mtu, const VerbsAddress& to) {
+    ibv_gid dgid;
+    std::memcpy(dgid.raw, to.gid.data(), 16);
+    ibv_qp_attr m{};
+    m.qp_state = IBV_QPS_RTR;
+    m.path_mtu = mtu;
+    m.dest_qp_num = remote_qpn;
+    m.rq_psn = remote_psn;
+    m.max_dest_rd_atomic = 1;
+    m.min_rnr_timer = 12;  // 0.64 ms: a receiver out of buffers is asked again soon
+    m.ah_attr = dev_.ah_attr(dgid, to.lid);
+    int rc = ibv_modify_qp(q.qp, &m, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                         IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+    if (rc) fail("ibv_modify_qp(RTR)", rc, dev_.name);
+    m = {};
+    m.qp_state = IBV_QPS_RTS;
+    m.sq_psn = q.psn;
+    m.timeout = cfg_.ack_timeout;
+    m.retry_cnt = cfg_.retry_count;
+    m.rnr_retry = 7;  // infinite: a receiver out of buffers is not dead
+    m.max_rd_atomic = 1;
+    rc = ibv_modify_qp(q.qp, &m, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                     IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+    if (rc) fail("ibv_modify_qp(RTS)", rc, dev_.name);
+  }
+
+  void send_handshake(Peer& p, Handshake::Clock::time_point now) {
+    p.hs.sent(now);  // a message that cannot go now is a lost one: the retransmission recovers it
+    if (drops_left_ > 0) {
+      drops_left_--;
+      return;
+    }
+    if (free_ud_sends_.empty()) return;
+    uint32_t slot = free_ud_sends_.back();
+    HandshakeMsg m;
+    m.flags = p.hs.flags();
+    m.mtu = static_cast<uint8_t>(dev_.port_attr.active_mtu);
+    m.from = me_;
+    m.to_nonce = p.addr.nonce;
+    m.msg_qpn = p.msg.qp->qp_num;
+    m.write_qpn = p.write.qp->qp_num;
+    m.msg_psn = p.msg.psn;
+    m.write_psn = p.write.psn;
+    std::vector<uint8_t> bytes = m.to_bytes();
+    uint8_t* buf = ud_slot(kUdRecvs + slot);
+    std::memcpy(buf, bytes.data(), bytes.size());
+    ibv_sge sge{reinterpret_cast<uint64_t>(buf), static_cast<uint32_t>(bytes.size()), ud_mr_->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = kUdSendTag | slot;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.ud.ah = p.ah;
+    wr.wr.ud.remote_qpn = p.addr.ud_qpn;
+    wr.wr.ud.remote_qkey = kQkey;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ud_qp_, &wr, &bad)) {
+      log::warn("verbs: handshake send on {} failed: {}", dev_.name, errno_text(rc));
+      return;
+    }
+    free_ud_sends_.pop_back();
+  }
+
+  // ---- posting -------------------------------------------------------------------------------
+
+  bool room(const SendQueue& q, uint64_t requests) const {
+    return q.outstanding + requests <= q.depth && send_outstanding_ + requests <= send_cq_depth_;
+  }
+
+  ibv_send_wr& next_request(SendQueue& q, OpContext* ctx, const void* src, uint64_t len, uint32_t lkey) {
+    if (q.chained == kChain) flush(q);
+    uint32_t i = q.chained;
+    ibv_sge& sge = q.sge[i];
+    sge = {reinterpret_cast<uint64_t>(src), static_cast<uint32_t>(len), lkey};
+    ibv_send_wr& wr = q.wr[i];
+    wr = {};
+    wr.wr_id = reinterpret_cast<uint64_t>(ctx);
+    wr.sg_list = &sge;
+    wr.num_sge = len ? 1 : 0;
+    wr.send_flags = IBV_SEND_SIGNALED | (len <= max_inline_ ? IBV_SEND_INLINE : 0);
+    return wr;
+  }
+
+  void commit_request(SendQueue& q) {
+    q.chained++;
+    q.outstanding++;
+    send_outstanding_++;
+    if (!q.dirty) {
+      q.dirty = true;
+      dirty_.push_back(&q);
+    }
+  }
+
+  void flush(SendQueue& q) {
+    q.dirty = false;  // (poll() clears dirty_ after flushing every listed queue)
+    if (q.chained == 0) return;
+    for (uint32_t i = 0; i + 1 < q.chained; i++) q.wr[i].next = &q.wr[i + 1];
+    q.wr[q.chained - 1].next = nullptr;
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(q.qp, q.wr, &bad);
+    if (rc) {  // requests from `bad` on never reached the NIC: they fail here, once each
+      std::string why = fmt::format("verbs: ibv_post_send on {} failed: {}", dev_.name, errno_text(rc));
+      for (ibv_send_wr* w = bad; w; w = w->next) {
+        Completion c;
+        if (request_done(reinterpret_cast<OpContext*>(w->wr_id), &why, c)) synthetic_.push_back(std::move(c));
+      }
+    }
+    q.chained = 0;
+  }
+
+  // One request of an operation ended; true (and `c` filled) when it was the operation's last.
+  bool request_done(OpContext* ctx, const std::string* error, Completion& c) {
+    OpState& s = op_state(ctx);
+    s.queue->outstanding--;
+    send_outstanding_--;
+    if (error) {
+      if (!s.failed) op_errors_[ctx] = *error;
+      s.failed = 1;
+    }
+    if (--s.requests_left > 0) return false;
+    c.context = ctx;
+    c.error.clear();
+    if (s.failed) {
+      c.kind = Completion::Kind::kError;
+      auto it = op_errors_.find(ctx);
+      c.error = std::move(it->second);
+      op_errors_.erase(it);
+    } else {
+      c.kind = Completion::Kind::kLocal;
+    }
+    return true;
+  }
+
+  size_t on_send_completion(const ibv_wc& wc, Completion& c) {
+    auto* ctx = reinterpret_cast<OpContext*>(wc.wr_id);
+    if (wc.status == IBV_WC_SUCCESS) return request_done(ctx, nullptr, c);
+    Peer& p = *op_state(ctx).peer;
+    if (p.error.empty())  // the first failure says why; the requests flushed after it repeat it
+      p.error = fmt::format("verbs: peer {} on {} failed: {} (vendor error 0x{:x})", p.addr.describe(), dev_.name,
+                            ibv_wc_status_str(wc.status), wc.vendor_err);
+    return request_done(ctx, &p.error, c);
+  }
+
+  size_t on_recv_completion(const ibv_wc& wc, Completion& c) {
+    if (wc.wr_id == kImmRecvId) {
+      imm_reposts_++;
+      if (wc.status != IBV_WC_SUCCESS) {
+        log::warn("verbs: immediate receive on {} failed: {}", dev_.name, ibv_wc_status_str(wc.status));
+        return 0;
+      }
+      c.kind = Completion::Kind::kRemoteImm;
+      c.context = nullptr;
+      c.imm = ntohl(wc.imm_data);
+      c.error.clear();
+      return 1;
+    }
+    c.context = reinterpret_cast<OpContext*>(wc.wr_id);
+    c.error.clear();
+    if (wc.status == IBV_WC_SUCCESS) {
+      c.kind = Completion::Kind::kRecv;
+      c.len = wc.byte_len;
+    } else {
+      c.kind = Completion::Kind::kError;
+      c.error = fmt::format("verbs: receive on {} failed: {}", dev_.name, ibv_wc_status_str(wc.status));
+    }
+    return 1;
+  }
+
+  void repost_imm_recvs() {
+    ibv_recv_wr wrs[64];
+    while (imm_reposts_ > 0) {
+      uint32_t n = std::min<uint32_t>(imm_reposts_, std::size(wrs));
+      for (uint32_t i = 0; i < n; i++) {
+        wrs[i] = {};
+        wrs[i].wr_id = kImmRecvId;
+        wrs[i].num_sge = 0;  // WRITE_WITH_IMM carries no payload into the receive
+        wrs[i].next = i + 1 < n ? &wrs[i + 1] : nullptr;
+      }
+      ibv_recv_wr* bad = nullptr;
+      if (int rc = ibv_post_srq_recv(imm_srq_, wrs, &bad)) {
+        log::error("verbs: refilling immediate receives on {} failed: {}", dev_.name, errno_text(rc));
+        return;
+      }
+      imm_reposts_ -= n;
+    }
+  }
+
+  VerbsConfig cfg_;
+  DeviceContext dev_;
+  Handshake::Timing timing_;
+  uint32_t drops_left_ = 0;
+  std::string provider_ = "verbs";
+  std::string address_;
+  VerbsAddress me_;
+  std::mt19937_64 rng_;
+  uint64_t max_msg_ = 0;
+  uint32_t qp_depth_ = 0, msg_srq_depth_ = 0, imm_srq_depth_ = 0, send_cq_depth_ = 0;
+  uint32_t max_inline_ = 0;
+  size_t max_in_flight_ = 0;
+  uint32_t send_outstanding_ = 0;
+  uint32_t imm_reposts_ = 0;
+
+  ibv_cq* send_cq_ = nullptr;
+  ibv_cq* recv_cq_ = nullptr;
+  ibv_cq* ud_cq_ = nullptr;
+  ibv_srq* msg_srq_ = nullptr;
+  ibv_srq* imm_srq_ = nullptr;
+  ibv_qp* ud_qp_ = nullptr;
+  ibv_mr* ud_mr_ = nullptr;
+  std::vector<uint8_t> ud_buf_;
+  std::vector<uint32_t> free_ud_sends_;
+  void* scratch_ = nullptr;
+  DomainRegion scratch_region_;
+
+  std::vector<std::unique_ptr<Peer>> peers_;
+  std::unordered_map<std::string, PeerId> peer_ids_;
+  std::vector<Peer*> handshaking_;
+  std::vector<SendQueue*> dirty_;
+  std::deque<Completion> synthetic_;
+  std::unordered_map<OpContext*, std::string> op_errors_;
+  std::string last_error_;
+};
+
+}  // namespace
+}  // namespace verbs
+
+std::unique_ptr<Domain> open_verbs_domain(const EngineConfig& config, size_t nic_index) {
+  return std::make_unique<verbs::VerbsDomain>(config, nic_index);
+}
+
+}  // namespace fabric
