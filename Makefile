@@ -28,6 +28,12 @@ test: build
 test-rxe: build
 	tests/rxe/run.sh $(BUILD)
 
+# Engine against ib_write_bw on Soft-RoCE, same VM, same run; ends with a `ratio ...` line.
+.PHONY: bench-rxe
+bench-rxe: build
+	tests/rxe/run.sh $(BUILD) tests/rxe/bench_steps.sh
+	tests/rxe/compare.sh $(BUILD)/rxe
+
 # The Python package, built and installed the way a user does it (pip install .), then pytest.
 test-python: deps
 	python3 -m pip install --quiet ".[test]"

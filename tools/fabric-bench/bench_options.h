@@ -13,7 +13,8 @@ namespace fabric::bench {
 
 struct Options {
   std::string provider = "tcp;ofi_rxm";
-  std::vector<std::string> nics = {"127.0.0.1"};  // one source address per NIC ("" for shm)
+  // One entry per NIC: a source address (tcp), "" (shm), a device name or "" (verbs).
+  std::vector<std::string> nics = {"127.0.0.1"};
   bool busy = false;         // the client's worker busy-polls
   bool server_busy = false;  // the server's first engine busy-polls (the others never do)
   size_t peers = 8;               // server engines for scatter and barrier
@@ -43,7 +44,7 @@ struct Options {
     EngineConfig c;
     c.provider = provider;
     c.nics.clear();
-    for (auto& n : nics) c.nics.push_back(NicConfig{"", n});
+    for (auto& n : nics) c.nics.push_back(provider == "verbs" ? NicConfig{n, ""} : NicConfig{"", n});
     c.worker_poll = busy ? PollMode::kBusy : PollMode::kAdaptive;
     c.callback_poll = PollMode::kAdaptive;
     c.max_message_size = 65536;

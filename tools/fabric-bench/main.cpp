@@ -26,8 +26,9 @@ int main(int argc, char** argv) {
   CLI::App app{"fabric-bench: TransferEngine benchmarks (single, paged, scatter, barrier, latency)"};
   app.require_subcommand(1);
   auto add_common = [&](CLI::App* c) {
-    c->add_option("--provider", o.provider, "libfabric provider (tcp;ofi_rxm, shm, efa)");
-    c->add_option("--nics", o.nics, "one source address per NIC (tcp); '' for the default")->expected(1, 4);
+    c->add_option("--provider", o.provider, "verbs, or a libfabric provider (tcp;ofi_rxm, shm, efa)");
+    c->add_option("--nics", o.nics, "per NIC: a source address (tcp), a device name (verbs); '' for the default")
+        ->expected(1, 4);
     c->add_flag("--busy", o.busy, "busy-poll the client's worker");
     c->add_flag("--server-busy", o.server_busy, "busy-poll the server's first engine");
     c->add_option("--peers", o.peers, "server engines (scatter and barrier destinations)");
@@ -54,7 +55,9 @@ int main(int argc, char** argv) {
   auto* local = app.add_subcommand("local", "server and client as two processes on this machine");
   for (auto* c : {server, client, local}) add_common(c);
   CLI11_PARSE(app, argc, argv);
-  if (o.provider == "shm") o.nics.assign(o.nics.size(), "");
+  bool nics_given = false;
+  for (auto* c : {server, client, local}) nics_given |= c->count("--nics") > 0;
+  if (o.provider == "shm" || (o.provider == "verbs" && !nics_given)) o.nics.assign(o.nics.size(), "");
   std::signal(SIGALRM, on_alarm);
 
   try {
