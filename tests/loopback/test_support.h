@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,6 +23,11 @@ struct ProviderCase {
   size_t nics;
   bool reorder;
 };
+
+// Readable in ctest's listing (gtest would print the raw bytes of the struct).
+inline void PrintTo(const ProviderCase& c, std::ostream* os) {
+  *os << c.provider << ", " << c.nics << " NIC(s)" << (c.reorder ? ", reordered" : "");
+}
 
 inline std::string case_name(const ::testing::TestParamInfo<ProviderCase>& info) {
   const std::string& name = info.param.provider;

@@ -566,7 +566,7 @@ class VerbsDomain final : public Domain {
     wr.wr_id = reinterpret_cast<uint64_t>(ctx);
     wr.sg_list = &sge;
     wr.num_sge = len ? 1 : 0;
-    wr.send_flags = IBV_SEND_SIGNALED | (len <= max_inline_ ? IBV_SEND_INLINE : 0);
+    wr.send_flags = IBV_SEND_SIGNALED | (len > 0 && len <= max_inline_ ? IBV_SEND_INLINE : 0);
     return wr;
   }
 
