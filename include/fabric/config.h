@@ -47,6 +47,20 @@ struct ReorderConfig {
   uint32_t max_hold_polls = 8;  // a completion is held for 0..max_hold_polls polls
 };
 
+// Injected faults, for tests and the soak (seeded, reproducible; every probability is per
+// operation or per arriving immediate, 0 to 1). The engine must report each affected transfer's
+// error exactly once and keep serving everything else.
+struct FaultConfig {
+  bool enabled = false;
+  uint64_t seed = 1;
+  double post_failure = 0;      // a WRITE or SEND is refused at post time (nothing is sent)
+  double completion_error = 0;  // the operation runs, but its completion reports an error
+  double stuck = 0;             // the operation runs, and its completion never comes
+  double duplicate_imm = 0;     // an arriving immediate is reported twice
+  double delay_imm = 0;         // an arriving immediate is held back for 1..max_delay_polls polls
+  uint32_t max_delay_polls = 256;
+};
+
 struct EngineConfig {
   // "efa" or "verbs" in production; "tcp;ofi_rxm" or "shm" here ("verbs" on Soft-RoCE in a VM).
   // Any other name is a libfabric provider.
@@ -72,6 +86,7 @@ struct EngineConfig {
   size_t max_in_flight_per_nic = 64;
 
   ReorderConfig reorder;
+  FaultConfig faults;
   VerbsConfig verbs;
 
   // The CUDA device (GPU) this engine serves, if any. With it, NIC providers are asked for GPU

@@ -47,6 +47,10 @@ struct NicStats {
   uint64_t imms_received = 0;
   uint64_t messages_received = 0;
   uint64_t errors = 0;
+  // Faults injected on this NIC by EngineConfig::faults (0 otherwise), and of those the
+  // immediates reported twice: imms_received counts each arrival, duplicates included.
+  uint64_t faults_injected = 0;
+  uint64_t imms_duplicated = 0;
 };
 
 // The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver

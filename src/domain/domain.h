@@ -94,6 +94,13 @@ class Domain {
   virtual void* scratch_buffer() const = 0;
   // Operations the engine may keep posted and uncompleted here; 0: EngineConfig's per-NIC limit.
   virtual size_t max_in_flight() const { return 0; }
+
+  // Faults a test wrapper injected (zero for real providers). Any thread may read them.
+  struct InjectedFaults {
+    uint64_t total = 0;
+    uint64_t duplicated_imms = 0;
+  };
+  virtual InjectedFaults injected_faults() const { return {}; }
 };
 
 // NIC `nic_index` of the configured provider (wrapped for fault injection where configured).

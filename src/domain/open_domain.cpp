@@ -1,5 +1,6 @@
 // The one place where providers are chosen. Adding a NIC type means adding a line here.
 #include "domain/domain.h"
+#include "providers/fault/fault_domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
 #ifdef FABRIC_WITH_VERBS
@@ -24,6 +25,7 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
   } else {
     domain = open_libfabric_domain(config, nic_index);
   }
+  if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, nic_index);
   if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, nic_index);
   return domain;
 }
@@ -34,6 +36,7 @@ std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
                 "EngineConfig::cuda_ipc needs EngineConfig::cuda_device (the GPU this engine serves)");
 #ifdef FABRIC_WITH_CUDA
   std::unique_ptr<Domain> domain = open_cuda_ipc_domain(config);
+  if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, kMaxNics);
   if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, kMaxNics);
   return domain;
 #else

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "engine/engine_impl.h"
 #include "util/log.h"
@@ -108,7 +109,15 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
 
 void EngineImpl::dereg_mr(MrHandle handle) {
   std::lock_guard lock(control_mu_);
-  source(handle);
+  const RegionSlot* src = &source(handle);
+  // Transfers still reading from the region fail now (each reported once, with a message that
+  // says why); the WRITEs they already handed to a NIC may still be reading the memory, so the
+  // region stays registered until those complete (at most the transfer timeout: a WRITE that
+  // never completes is abandoned there too).
+  auto deadline = std::chrono::steady_clock::now() + config_.transfer_timeout;
+  while (worker_->call([&] { return worker_->fail_transfers_from(src); }) > 0 &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
   worker_->call([&] {
     RegionSlot* slot = const_cast<RegionSlot*>(mrs_.find(handle));
     if (!slot) return;
@@ -333,8 +342,10 @@ std::vector<NicStats> EngineImpl::nic_stats() const {
   std::vector<NicStats> out;
   for (size_t i = 0; i < worker_->domain_count(); i++) {
     const AtomicNicStats& a = worker_->stats(i);
+    Domain::InjectedFaults f = worker_->injected_faults(i);
     out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
-                   a.imms_received.load(), a.messages_received.load(), a.errors.load()});
+                   a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
+                   f.duplicated_imms});
   }
   return out;
 }

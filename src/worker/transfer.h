@@ -28,10 +28,14 @@ struct Transfer {
   uint32_t total_ops = 0;
   uint32_t next_op = 0;       // next WRITE to post
   uint32_t outstanding = 0;   // posted, not completed
+  std::array<uint32_t, kMaxDomains> outstanding_on{};  // the same, per domain
   uint32_t send_slot = UINT32_MAX;
   bool failed = false;        // stop posting
   bool reported = false;      // on_done has fired
   bool queued = false;        // in the worker's pending list
+  // Timed out with WRITEs outstanding: they no longer count against the NICs' in-flight limits
+  // (a completion that never comes must not block a NIC forever).
+  bool abandoned = false;
   Status error;
   uint64_t first_post_ns = 0;  // record_post_timings only
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline

@@ -314,6 +314,7 @@ bool Worker::post_next(Transfer& t) {
   }
   t.next_op++;
   t.outstanding++;
+  t.outstanding_on[nic]++;
   in_flight_[nic]++;
   if (config_.record_post_timings) record_post_timing(t);
   return true;
@@ -398,9 +399,10 @@ void Worker::on_completion(size_t nic, Completion& c) {
       } else {
         fail(*t, Status(ErrorCode::kProvider, c.error));
       }
-      in_flight_[ctx->nic]--;
+      if (!t->abandoned) in_flight_[ctx->nic]--;
       contexts_.release(ctx);
       t->outstanding--;
+      t->outstanding_on[ctx->nic]--;
       maybe_finish(*t);
       return;
     }
@@ -490,7 +492,10 @@ void Worker::check_deadlines() {
     unlink(t);
     report(t.req.on_done, t.error);
     // Outstanding WRITEs keep their context; the transfer is freed when they complete or at
-    // shutdown.
+    // shutdown. They stop counting against the in-flight limits: a completion that never comes
+    // (a stuck operation) must not take a NIC's budget for good.
+    for (size_t d = 0; d < domains_.size(); d++) in_flight_[d] -= t.outstanding_on[d];
+    t.abandoned = true;
   }
 }
 
@@ -528,6 +533,23 @@ DomainRegion Worker::register_on(size_t nic, void* ptr, size_t len, Device devic
 
 void Worker::deregister_on(size_t nic, DomainRegion& region) {
   domains_[nic]->deregister_memory(region);
+}
+
+size_t Worker::fail_transfers_from(const RegionSlot* src) {
+  size_t outstanding = 0;
+  for (Transfer* t = oldest_; t;) {
+    Transfer* next = t->next;  // maybe_finish may unlink and free t
+    if (t->src == src) {
+      fail(*t, Status(ErrorCode::kNotFound,
+                      fmt::format("the source region was deregistered while this transfer was in "
+                                  "flight ({} of {} WRITEs posted)",
+                                  t->next_op, t->total_ops)));
+      outstanding += t->outstanding;
+      maybe_finish(*t);
+    }
+    t = next;
+  }
+  return outstanding;
 }
 
 void Worker::shutdown() {

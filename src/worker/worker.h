@@ -44,6 +44,8 @@ class Worker {
   bool has_local() const { return !local_address_.empty(); }
   size_t domain_count() const { return nic_count() + (has_local() ? 1 : 0); }
   const AtomicNicStats& stats(size_t domain) const { return stats_[domain]; }
+  // Any thread: the domains live as long as the worker.
+  Domain::InjectedFaults injected_faults(size_t domain) const { return domains_[domain]->injected_faults(); }
 
   // Any thread. Waits (yielding) while the queue is full.
   void submit(Request&& request);
@@ -61,6 +63,9 @@ class Worker {
   // Worker thread only (through call()).
   DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
   void deregister_on(size_t nic, DomainRegion& region);
+  // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
+  // how many of their WRITEs are still with the NICs, which may be reading the memory.
+  size_t fail_transfers_from(const RegionSlot* src);
   ResolvedTarget resolve(const NetAddr& peer);
   // The route to one destination region: the local domain where both ends offer it, else NICs.
   ResolvedTarget route(const NetAddr& owner, const MrDesc& dst);

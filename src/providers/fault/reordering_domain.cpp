@@ -33,6 +33,8 @@ class ReorderingDomain final : public Domain {
   const std::string& last_error() const override { return inner_->last_error(); }
   void* scratch_desc() const override { return inner_->scratch_desc(); }
   void* scratch_buffer() const override { return inner_->scratch_buffer(); }
+  size_t max_in_flight() const override { return inner_->max_in_flight(); }
+  InjectedFaults injected_faults() const override { return inner_->injected_faults(); }
 
   size_t poll(std::span<Completion> out) override {
     Completion fresh[64];
