@@ -79,3 +79,16 @@ format:
 
 clean:
 	rm -rf $(BUILD)
+
+# libFuzzer targets for every parser of outside bytes (tests/fuzz, a standalone clang build of the
+# wire-format sources only), each run FUZZ_RUNS times on a copy of its seed corpus; fails on a crash.
+FUZZ_BUILD ?= build-fuzz
+FUZZ_RUNS ?= 10000000
+.PHONY: fuzz
+fuzz:
+	@dpkg -s clang libclang-rt-14-dev libfmt-dev cmake ninja-build >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq clang libclang-rt-14-dev libfmt-dev cmake ninja-build; }
+	cmake -S tests/fuzz -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++
+	cmake --build $(FUZZ_BUILD)
+	tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_RUNS)
