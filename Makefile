@@ -28,6 +28,25 @@ test: build
 test-rxe: build
 	tests/rxe/run.sh $(BUILD)
 
+# Network faults (tc netem: loss, delay, reordering, duplication, corruption; link down/up) between
+# two network namespaces over tcp;ofi_rxm; in the qemu VM when this kernel has no netem. About 2.5 min.
+# See tests/netem/README.md.
+.PHONY: test-netem
+test-netem: build
+	tests/netem/run.sh $(BUILD)
+
+# The C++ suites under ASan+UBSan and under TSan (own Debug builds: build-asan, build-tsan).
+.PHONY: test-sanitize
+test-sanitize: deps
+	tests/sanitize/run.sh
+
+# Mixed traffic to 4 peers with injected faults and a peer restart, every byte checked; ends with
+# `soak transfers=... bytes=... faults=... lost=0 leaked_kib=...`.
+SOAK_MINUTES ?= 10
+.PHONY: soak
+soak: build
+	$(BUILD)/tools/soak/fabric-soak --minutes $(SOAK_MINUTES)
+
 # Engine against ib_write_bw on Soft-RoCE, same VM, same run; ends with a `ratio ...` line.
 .PHONY: bench-rxe
 bench-rxe: build

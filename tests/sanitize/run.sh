@@ -1,0 +1,23 @@
+#!/bin/bash
+# make test-sanitize: the C++ suites under AddressSanitizer + UndefinedBehaviorSanitizer, then
+# under ThreadSanitizer, each in its own Debug build (CUDA, tools and Python off: they add build
+# time and nothing the suites exercise here). Any report fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HERE=$PWD/tests/sanitize
+COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DFABRIC_CUDA=OFF -DFABRIC_BUILD_TOOLS=OFF)
+
+run_suite() {  # run_suite <name> <sanitizers> <env...>
+  local name=$1 san=$2; shift 2
+  local dir=build-$name start=$SECONDS
+  cmake -S . -B "$dir" "${COMMON[@]}" -DFABRIC_SANITIZE="$san" >/dev/null
+  cmake --build "$dir"
+  env "$@" ctest --test-dir "$dir" --output-on-failure --timeout 900
+  echo "sanitize $name ($san): clean in $((SECONDS - start)) s"
+}
+
+run_suite asan address,undefined \
+  ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 \
+  LSAN_OPTIONS=suppressions=$HERE/lsan.supp \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+run_suite tsan thread TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
