@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <unordered_map>
 
@@ -106,20 +107,28 @@ class LibfabricDomain final : public Domain {
                               "EngineConfig::cuda_device so it is asked for, or use efa/verbs)",
                               provider_));
     fid_mr* mr = nullptr;
-    uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    // Without FI_MR_PROV_KEY the application chooses keys, and they must be unique per domain.
-    uint64_t requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : next_key_++;
+    // Least privilege: the engine only WRITEs and SENDs. No FI_REMOTE_READ: a peer cannot read
+    // a registered region, only write it.
+    uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     iovec iov{ptr, len};
     fi_mr_attr attr{};
     attr.mr_iov = &iov;
     attr.iov_count = 1;
     attr.access = access;
-    attr.requested_key = requested_key;
     if (device.kind == Device::Kind::kCuda) {
       attr.iface = FI_HMEM_CUDA;
       attr.device.cuda = device.index;
     }
-    check("fi_mr_regattr", fi_mr_regattr(domain_, &attr, 0, &mr));
+    // Without FI_MR_PROV_KEY the application chooses keys; they must be unique per domain. Random
+    // keys (as wide as the provider allows) are not guessable by a peer that was never given the
+    // region's MrDesc; a collision (-FI_ENOKEY) draws again.
+    int rc = 0;
+    for (int attempt = 0; attempt < 8; attempt++) {
+      attr.requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : random_key();
+      rc = fi_mr_regattr(domain_, &attr, 0, &mr);
+      if (rc != -FI_ENOKEY) break;
+    }
+    check("fi_mr_regattr", rc);
     if (mr_mode_ & FI_MR_ENDPOINT) {
       long rc = fi_mr_bind(mr, &ep_->fid, 0);
       if (rc == 0) rc = fi_mr_enable(mr);
@@ -244,6 +253,14 @@ class LibfabricDomain final : public Domain {
     return info;
   }
 
+  uint64_t random_key() {
+    size_t bytes = std::min<size_t>(info_->domain_attr->mr_key_size, 8);
+    uint64_t mask = bytes >= 8 ? ~0ull : (1ull << (8 * bytes)) - 1;
+    uint64_t key = 0;
+    while (key == 0) key = key_rng_() & mask;
+    return key;
+  }
+
   PostResult result(const char* call, ssize_t rc) {
     if (rc == 0) return PostResult::kPosted;
     if (rc == -FI_EAGAIN) return PostResult::kRetry;  // the worker keeps polling: progress
@@ -273,7 +290,7 @@ class LibfabricDomain final : public Domain {
   std::string provider_;
   std::string address_;
   uint64_t mr_mode_ = 0;
-  uint64_t next_key_ = 1;
+  std::mt19937_64 key_rng_{std::random_device{}()};
   std::unordered_map<std::string, fi_addr_t> peers_;
   std::string last_error_;
   void* scratch_ = nullptr;
