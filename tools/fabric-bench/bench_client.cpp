@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <numeric>
+#include <thread>
 
 #include "bench_options.h"
 #include "control.h"
@@ -40,6 +41,7 @@ class Client {
   Client(const Options& o, const std::string& server_hex)
       : o_(o), engine_(o.engine_config()), ctl_(engine_) {
     ctl_.set_peer(NetAddr::from_hex(server_hex));
+    if (o.timeout_ms) ctl_.set_reply_timeout(std::chrono::milliseconds(o.timeout_ms));
     auto w = split(ctl_.call("hello " + engine_.main_address().to_hex(), "descs"));
     for (size_t i = 1; i < w.size(); i++) descs_.push_back(MrDesc::from_hex(w[i]));
     uint64_t src_len = std::max<uint64_t>(descs_[0].len(), descs_.size() * o.scatter_len);
@@ -106,17 +108,45 @@ class Client {
 
     r.iters = iters_for(r.bytes);
     ctl_.call(fmt::format("expect {} {} {}", expect_scope, imm, r.iters * imms_per_transfer), "armed");
-    std::atomic<uint64_t> done{0}, failed{0};
+    // On the heap, kept alive by every transfer: a failed pass ends before the others complete.
+    struct Counters {
+      std::atomic<uint64_t> done{0}, failed{0};
+    };
+    auto counters = std::make_shared<Counters>();
+    std::atomic<uint64_t>& done = counters->done;
+    std::atomic<uint64_t>& failed = counters->failed;
+    // A failure bumps `failed`, which does not wake a wait on `done`: this thread passes it on
+    // (by moving `done`, so the wake cannot be lost), and a failed pass ends at once instead of
+    // waiting forever. StopRelay ends it however the pass ends (a throw included), before the join.
+    std::jthread relay([&] {
+      failed.wait(0);
+      done.fetch_add(uint64_t{1} << 62);
+      done.notify_all();
+    });
+    struct StopRelay {
+      std::atomic<uint64_t>& failed;
+      ~StopRelay() {
+        failed.fetch_add(uint64_t{1} << 62);
+        failed.notify_all();
+      }
+    } stop_relay{failed};
+    auto fail_pass = [&](const std::string& why) {
+      uint64_t n = failed.load();
+      throw Error(ErrorCode::kProvider, fmt::format("{}: {} ({} transfers failed)", r.test, why, n));
+    };
+    auto wait_done_while = [&](auto cond) {  // `done` is read before `failed`: no lost wake
+      for (uint64_t d = done.load(); !failed.load() && cond(d); d = done.load()) done.wait(d);
+    };
     double t0 = now_us();
     for (uint64_t i = 0; i < r.iters; i++) {
-      while (i - done.load() - failed.load() >= o_.window) done.wait(done.load());
-      submit(OnDone::counter(&done, &failed), imm);
+      wait_done_while([&](uint64_t d) { return i - d >= o_.window; });
+      if (failed.load()) fail_pass("transfer failed");
+      submit(OnDone::counter(&done, &failed).keep_alive(counters), imm);
     }
     std::string reached = ctl_.recv();
     double secs = (now_us() - t0) / 1e6;
-    while (done.load() + failed.load() < r.iters) done.wait(done.load());
-    if (failed.load() || reached.find(" ok") == std::string::npos)
-      throw Error(ErrorCode::kProvider, r.test + ": " + reached);
+    wait_done_while([&](uint64_t d) { return d < r.iters; });
+    if (failed.load() || reached.find(" ok") == std::string::npos) fail_pass(reached);
     r.gbps = r.iters * r.bytes * 8 / secs / 1e9;
     r.mops = r.iters * r.writes / secs / 1e6;
     if (o_.verify && !verify_cmd.empty())

@@ -26,6 +26,7 @@ struct Options {
   uint64_t warmup = 2;
   size_t window = 16;             // transfers in flight in bandwidth passes
   bool verify = false;
+  uint64_t timeout_ms = 0;        // EngineConfig::transfer_timeout and control replies (0: defaults)
   std::string json;
   std::vector<std::string> only;  // test families to run (single, paged, scatter, barrier, imm, msg, post)
   std::vector<uint64_t> single_sizes;
@@ -50,6 +51,7 @@ struct Options {
     c.max_message_size = 65536;
     c.send_slots = 64;
     c.record_post_timings = true;
+    if (timeout_ms) c.transfer_timeout = std::chrono::milliseconds(timeout_ms);
     return c;
   }
   bool wants(const std::string& family) const {

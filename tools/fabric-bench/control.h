@@ -27,6 +27,7 @@ class Control {
     });
   }
   void set_peer(const NetAddr& peer) { peer_ = peer; }
+  void set_reply_timeout(std::chrono::milliseconds t) { reply_timeout_ = t; }
 
   void send(const std::string& msg) {
     std::atomic<int> done{kDonePending};
@@ -35,10 +36,12 @@ class Control {
     if (done.load() != kDoneSucceeded) throw Error(ErrorCode::kProvider, "control message lost");
   }
 
-  std::string recv(std::chrono::seconds timeout = std::chrono::seconds(300)) {
+  std::string recv() { return recv(reply_timeout_); }
+  std::string recv(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mu_);
     if (!cv_.wait_for(lock, timeout, [&] { return !inbox_.empty(); }))
-      throw Error(ErrorCode::kTimeout, "no control message from the peer (is it running?)");
+      throw Error(ErrorCode::kTimeout, "no control message from the peer within " +
+                                           std::to_string(timeout.count()) + " ms (is it running?)");
     std::string m = std::move(inbox_.front());
     inbox_.pop_front();
     return m;
@@ -56,6 +59,7 @@ class Control {
  private:
   TransferEngine& engine_;
   NetAddr peer_;
+  std::chrono::milliseconds reply_timeout_ = std::chrono::seconds(300);
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::string> inbox_;

@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
     c->add_option("--warmup", o.warmup, "untimed transfers before each latency pass");
     c->add_option("--window", o.window, "transfers in flight in bandwidth passes");
     c->add_flag("--verify", o.verify, "check every byte on the server after each bandwidth pass");
+    c->add_option("--timeout-ms", o.timeout_ms,
+                  "fail a transfer, and the client's wait for a control reply, after this long "
+                  "(EngineConfig::transfer_timeout; default 30000 and 300 s)");
     c->add_option("--json", o.json, "write every figure to this file");
     c->add_option("--only", o.only, "single paged scatter barrier imm msg post");
     c->add_option("--single-sizes", o.single_sizes, "bytes");
