@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 
 #include "bench_options.h"
@@ -66,6 +67,21 @@ int run_server(const Options& o, const std::function<void(const std::string&)>& 
   std::vector<uint8_t> pong_src(4096, 1);
   MrHandle pong_handle = main.reg_mr(pong_src.data(), pong_src.size()).first;
   Control ctl(main);
+  // The engines outlive `ctl` (they are declared first). When the server ends on an error (e.g. a
+  // reply to a client that is gone), their shutdown fails the pending expectations, whose callbacks
+  // must then not send through `ctl` or the dying engine: they check `replies` under its lock.
+  struct Replies {
+    std::mutex mu;
+    bool open = true;
+  };
+  auto replies = std::make_shared<Replies>();
+  struct CloseReplies {
+    Replies& r;
+    ~CloseReplies() {
+      std::lock_guard lock(r.mu);
+      r.open = false;
+    }
+  } close_replies{*replies};
   on_ready(main.main_address().to_hex());
 
   for (;;) {
@@ -84,8 +100,10 @@ int run_server(const Options& o, const std::function<void(const std::string&)>& 
       size_t n = w[1] == "all" ? targets.size() : 1;
       auto left = std::make_shared<std::atomic<size_t>>(n);
       for (size_t p = 0; p < n; p++)
-        targets[p].engine->expect_imm_count(imm, count, OnDone::callback([&ctl, left, imm](const Status& s) {
-          if (--*left == 0) ctl.send(fmt::format("reached {} {}", imm, s.ok() ? "ok" : s.message()));
+        targets[p].engine->expect_imm_count(imm, count, OnDone::callback([&ctl, left, imm, replies](const Status& s) {
+          std::lock_guard lock(replies->mu);
+          if (--*left == 0 && replies->open)
+            ctl.send(fmt::format("reached {} {}", imm, s.ok() ? "ok" : s.message()));
         }));
       ctl.send("armed");
     } else if (cmd == "pong") {  // pong <in> <out> <iters> <client desc hex>
