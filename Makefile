@@ -29,7 +29,8 @@ test-rxe: build
 	tests/rxe/run.sh $(BUILD)
 
 # Network faults (tc netem: loss, delay, reordering, duplication, corruption; link down/up) between
-# two network namespaces over tcp;ofi_rxm; in the qemu VM when this kernel has no netem. About 2.5 min.
+# two network namespaces over tcp;ofi_rxm; in the qemu VM when this kernel has no netem. About 1.5 min
+# (up to 3 on a loaded host).
 # See tests/netem/README.md.
 .PHONY: test-netem
 test-netem: build
