@@ -50,10 +50,12 @@ class EngineImpl {
   std::vector<NicStats> nic_stats() const;
   GpuSignals& signals();  // created on first use
   std::vector<PostTiming> take_post_timings() {
+    check_open();
     return worker_->call([&] { return worker_->take_post_timings(); });
   }
 
  private:
+  void check_open() const;  // throws kShutdown once destruction has begun
   const RegionSlot& source(const MrHandle& h) const;
   void check_peer(const NetAddr& peer, const char* what) const;
   void check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const;
@@ -67,6 +69,7 @@ class EngineImpl {
   std::unique_ptr<CallbackThread> callbacks_;
   std::unique_ptr<Worker> worker_;
   NetAddr address_;
+  std::atomic<bool> closing_{false};
   std::mutex control_mu_;  // registration and peer groups only (control path)
   static constexpr size_t kMaxGroups = 1024;
   std::array<std::atomic<const PeerGroup*>, kMaxGroups> groups_{};

@@ -52,12 +52,23 @@ EngineImpl::EngineImpl(EngineConfig config)
 
 EngineImpl::~EngineImpl() {
   signals_.reset();  // watcher callbacks may submit: stop them while the engine still works
-  worker_.reset();  // fails what is pending (events queued), closes NICs, joins
+  // From here on every call throws kShutdown, callbacks of the failed transfers included (they
+  // run below, after the worker is gone but before its object is).
+  closing_.store(true, std::memory_order_release);
+  worker_->stop();  // fails what is pending (events queued), closes NICs, joins
   callbacks_->stop();
   callbacks_.reset();  // runs every queued callback, joins
+  worker_.reset();
+}
+
+void EngineImpl::check_open() const {
+  if (closing_.load(std::memory_order_acquire))
+    throw Error(ErrorCode::kShutdown, "the engine is shutting down (called from a completion callback "
+                                      "during its destruction?)");
 }
 
 std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device device) {
+  check_open();
   if (!ptr || len == 0)
     throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
   std::lock_guard lock(control_mu_);
@@ -108,6 +119,7 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
 }
 
 void EngineImpl::dereg_mr(MrHandle handle) {
+  check_open();
   std::lock_guard lock(control_mu_);
   const RegionSlot* src = &source(handle);
   // Transfers still reading from the region fail now (each reported once, with a message that
@@ -204,6 +216,7 @@ TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
 }
 
 void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
+  check_open();
   check_peer(dst, "submit_send");
   if (bytes.size() > config_.max_message_size)
     throw Error(ErrorCode::kInvalidArgument,
@@ -217,6 +230,7 @@ void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDo
 }
 
 void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv) {
+  check_open();
   if (len == 0 || count == 0 || !on_recv)
     throw Error(ErrorCode::kInvalidArgument,
                 "submit_recvs: needs len > 0, count > 0 and a callback");
@@ -225,16 +239,19 @@ void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on
 }
 
 void EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done) {
+  check_open();
   worker_->submit(ExpectRequest{imm, count, std::move(on_done)});
 }
 
 uint64_t EngineImpl::imm_count(uint32_t imm) {
+  check_open();
   return worker_->call([&] { return worker_->imm_count(imm); });
 }
 
 void EngineImpl::single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
                               const MrDesc& dst, uint64_t dst_offset, OnDone on_done,
                               const WriteOptions& opts) {
+  check_open();
   const RegionSlot& s = source(src);
   if (!in_bounds(src_offset, len, s.len))
     throw Error(ErrorCode::kOutOfBounds,
@@ -255,6 +272,7 @@ void EngineImpl::single_write(uint64_t len, const MrHandle& src, uint64_t src_of
 void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
                               const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
                               const WriteOptions& opts) {
+  check_open();
   const RegionSlot& s = source(src);
   check_dst(dst, 0, 0, "submit_paged_writes");  // peer and route; pages are bounded below
   if (page_len == 0)
@@ -288,6 +306,7 @@ void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Page
 }
 
 PeerGroupHandle EngineImpl::add_peer_group(const std::vector<NetAddr>& peers) {
+  check_open();
   for (auto& p : peers) check_peer(p, "add_peer_group");
   std::lock_guard lock(control_mu_);
   if (group_storage_.size() >= kMaxGroups)
@@ -308,6 +327,7 @@ PeerGroupHandle EngineImpl::add_peer_group(const std::vector<NetAddr>& peers) {
 void EngineImpl::scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
                          const std::vector<ScatterDst>& dsts, OnDone on_done,
                          const WriteOptions& opts) {
+  check_open();
   const RegionSlot& s = source(src);
   for (size_t i = 0; i < dsts.size(); i++) {
     const ScatterDst& d = dsts[i];
@@ -329,6 +349,7 @@ void EngineImpl::scatter(std::optional<PeerGroupHandle> group, const MrHandle& s
 void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
                          const std::vector<MrDesc>& dsts, OnDone on_done,
                          std::optional<uint8_t> nic) {
+  check_open();
   for (auto& d : dsts) {
     check_dst(d, 0, 0, "submit_barrier");
     check_group_member(group, d.owner());
@@ -339,6 +360,7 @@ void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
 }
 
 std::vector<NicStats> EngineImpl::nic_stats() const {
+  check_open();
   std::vector<NicStats> out;
   for (size_t i = 0; i < worker_->domain_count(); i++) {
     const AtomicNicStats& a = worker_->stats(i);

@@ -53,7 +53,9 @@ Worker::Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbac
   }
 }
 
-Worker::~Worker() {
+Worker::~Worker() { stop(); }
+
+void Worker::stop() {
   if (thread_.joinable()) {
     submit(StopRequest{});
     thread_.join();

@@ -34,7 +34,10 @@ class Worker {
   // Starts the thread, which pins itself, opens every NIC and only then allocates its state.
   // Throws the error that opening a NIC raised.
   Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbacks);
-  ~Worker();  // fails everything pending with kShutdown and joins
+  ~Worker();  // stop(), if not done
+  // Fails everything pending with kShutdown, closes the NICs and joins the thread. The object
+  // stays (other threads may still look at it) but takes no more work.
+  void stop();
 
   const std::vector<std::string>& nic_addresses() const { return nic_addresses_; }
   const std::string& provider() const { return provider_; }

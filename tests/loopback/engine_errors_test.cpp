@@ -153,6 +153,30 @@ TEST(EngineErrors, ShutdownEndsEveryPendingTransferAndExpectationOnce) {
   EXPECT_GE(shutdown, 1u);  // at least the expectation
 }
 
+TEST(EngineErrors, CallsFromCallbacksDuringDestructionAreRefusedNotCrashed) {
+  std::atomic<int> refused{0}, other{0};
+  {
+    auto engine = std::make_unique<TransferEngine>(config_for(kTcp1));
+    std::vector<uint8_t> buf(4096);
+    auto [h, d] = engine->reg_mr(buf.data(), buf.size());
+    TransferEngine* e = engine.get();
+    for (uint32_t imm = 0; imm < 8; imm++)
+      engine->expect_imm_count(imm, 1, OnDone::callback([&, e, h, d](const Status&) {
+        // Runs during ~TransferEngine (the expectation ends with kShutdown).
+        try {
+          e->submit_single_write(16, h, 0, d, 0, OnDone::none());
+          e->expect_imm_count(100, 1, OnDone::none());
+          other++;
+        } catch (const Error& err) {
+          (err.code() == ErrorCode::kShutdown ? refused : other)++;
+        }
+      }));
+    engine.reset();
+  }
+  EXPECT_EQ(refused.load(), 8);
+  EXPECT_EQ(other.load(), 0);
+}
+
 TEST(EngineErrors, CallbackExceptionsDoNotKillTheEngine) {
   TransferEngine a(config_for(kTcp1));
   std::vector<uint8_t> buf(4096, 1), dst(4096, 0);
