@@ -18,10 +18,16 @@ build: deps
 demo: build
 	$(BUILD)/tools/demo/fabric-demo
 
+# Everything CI runs: the C++ suites, the Python suite, verbs on Soft-RoCE, network faults, a
+# 1-minute soak, a short run of every fuzz target, and the suites under sanitizers.
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
 	$(MAKE) test-python
 	$(MAKE) test-rxe
+	$(MAKE) test-netem
+	$(MAKE) soak SOAK_MINUTES=1
+	$(MAKE) fuzz FUZZ_RUNS=200000
+	$(MAKE) test-sanitize
 
 # Verbs tests in a qemu VM with Soft-RoCE: this host has no RDMA NIC. See tests/rxe/README.md.
 .PHONY: test-rxe

@@ -51,8 +51,8 @@ TEST_P(Faults, EveryTransferEndsOnceAndEveryArrivingImmediateIsCountedOnce) {
   auto receiver = [&](Channel& ch) {
     EngineConfig cfg = config_for(pc);
     cfg.faults = FaultConfig{true, 9, 0, 0, 0, /*duplicate_imm=*/0.05, /*delay_imm=*/0.2, 200};
-    TransferEngine engine(cfg);
     std::vector<uint8_t> dst(kSlot * kTransfers, 0);
+    TransferEngine engine(cfg);
     auto [h, d] = engine.reg_mr(dst.data(), dst.size());
     ch.send(d.to_bytes());
     std::string fates = ch.recv();
@@ -171,16 +171,16 @@ TEST(Reliability, DeregisteringASourceFailsItsTransfersInFlightCleanly) {
   constexpr uint64_t kBig = 1 << 20;
   const ProviderCase pc{"tcp;ofi_rxm", 1, false};
   auto receiver = [&](Channel& ch) {
+    std::vector<uint8_t> dst(kBig, 0);  // outlives the engine: WRITEs may land until it closes
     TransferEngine engine(config_for(pc));
-    std::vector<uint8_t> dst(kBig, 0);
     auto [h, d] = engine.reg_mr(dst.data(), kBig);
     ch.send(d.to_bytes());
     EXPECT_EQ(ch.recv(), "done");
     return role_result();
   };
   auto sender = [&](Channel& ch) {
-    TransferEngine engine(config_for(pc));
     auto src = random_bytes(kBig, 4);
+    TransferEngine engine(config_for(pc));
     auto [h, d] = engine.reg_mr(src.data(), kBig);
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
     std::mutex mu;
