@@ -225,7 +225,9 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("sends_posted", &NicStats::sends_posted)
       .def_ro("imms_received", &NicStats::imms_received)
       .def_ro("messages_received", &NicStats::messages_received)
-      .def_ro("errors", &NicStats::errors);
+      .def_ro("errors", &NicStats::errors)
+      .def_ro("faults_injected", &NicStats::faults_injected)
+      .def_ro("imms_duplicated", &NicStats::imms_duplicated);
 
   m.def("single_write_imm_count", &single_write_imm_count, "len"_a, "nic_count"_a,
         "pinned_to_one_nic"_a = false,

@@ -78,6 +78,9 @@ TEST_P(Faults, EveryTransferEndsOnceAndEveryArrivingImmediateIsCountedOnce) {
     })) << "arrived " << totals().imms_received << ", expected " << posted << " + duplicates";
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // nothing more may come
     NicStats t = totals();
+    std::fprintf(stderr, "receiver: %lu WRITEs posted to it, %lu immediates counted, %lu duplicated, %lu faults injected\n",
+                 static_cast<unsigned long>(posted), static_cast<unsigned long>(t.imms_received),
+                 static_cast<unsigned long>(t.imms_duplicated), static_cast<unsigned long>(t.faults_injected));
     EXPECT_EQ(t.imms_received - t.imms_duplicated, posted);
     EXPECT_GT(t.imms_duplicated, 0u);
     EXPECT_GT(t.faults_injected, t.imms_duplicated) << "delays were injected too";
