@@ -2,6 +2,8 @@
 // completion comes back; immediates are duplicated or delayed as they arrive.
 #include "providers/fault/fault_domain.h"
 
+#include "providers/fault/forwarding_domain.h"
+
 #include <fmt/format.h>
 
 #include <atomic>
@@ -13,21 +15,11 @@
 namespace fabric {
 namespace {
 
-class FaultDomain final : public Domain {
+class FaultDomain final : public ForwardingDomain {
  public:
   FaultDomain(std::unique_ptr<Domain> inner, const FaultConfig& config, size_t nic_index)
-      : inner_(std::move(inner)), config_(config), rng_(config.seed * 1000003 + nic_index) {}
+      : ForwardingDomain(std::move(inner)), config_(config), rng_(config.seed * 1000003 + nic_index) {}
 
-  const std::string& provider_name() const override { return inner_->provider_name(); }
-  const std::string& address() const override { return inner_->address(); }
-  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    return inner_->register_memory(ptr, len, device);
-  }
-  void deregister_memory(DomainRegion& region) override { inner_->deregister_memory(region); }
-  PeerId insert_peer(const std::string& address) override { return inner_->insert_peer(address); }
-  void* scratch_desc() const override { return inner_->scratch_desc(); }
-  void* scratch_buffer() const override { return inner_->scratch_buffer(); }
-  size_t max_in_flight() const override { return inner_->max_in_flight(); }
   const std::string& last_error() const override { return injected_error_ ? error_ : inner_->last_error(); }
   InjectedFaults injected_faults() const override {
     return {total_.load(std::memory_order_relaxed), duplicated_.load(std::memory_order_relaxed)};
@@ -39,10 +31,6 @@ class FaultDomain final : public Domain {
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
     return post(ctx, "SEND", [&] { return inner_->post_send(peer, buf, len, desc, ctx); });
   }
-  PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) override {
-    return inner_->post_recv(buf, len, desc, ctx);
-  }
-
   size_t poll(std::span<Completion> out) override {
     Completion fresh[64];
     size_t n = inner_->poll(std::span(fresh, std::min(out.size(), std::size(fresh))));
@@ -124,7 +112,6 @@ class FaultDomain final : public Domain {
     Completion completion;
     uint32_t polls_left;
   };
-  std::unique_ptr<Domain> inner_;
   FaultConfig config_;
   std::mt19937_64 rng_;
   std::unordered_map<OpContext*, Fate> fates_;

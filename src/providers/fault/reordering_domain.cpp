@@ -1,6 +1,8 @@
 // Reordering wrapper: forwards posts unchanged, shuffles and delays what poll() returns.
 #include "providers/fault/reordering_domain.h"
 
+#include "providers/fault/forwarding_domain.h"
+
 #include <algorithm>
 #include <random>
 #include <vector>
@@ -8,33 +10,10 @@
 namespace fabric {
 namespace {
 
-class ReorderingDomain final : public Domain {
+class ReorderingDomain final : public ForwardingDomain {
  public:
   ReorderingDomain(std::unique_ptr<Domain> inner, const ReorderConfig& config, size_t nic_index)
-      : inner_(std::move(inner)), config_(config), rng_(config.seed * 1000003 + nic_index) {}
-
-  const std::string& provider_name() const override { return inner_->provider_name(); }
-  const std::string& address() const override { return inner_->address(); }
-  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    return inner_->register_memory(ptr, len, device);
-  }
-  void deregister_memory(DomainRegion& region) override { inner_->deregister_memory(region); }
-  PeerId insert_peer(const std::string& address) override { return inner_->insert_peer(address); }
-  PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    return inner_->post_write(op, ctx);
-  }
-  PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
-                       OpContext* ctx) override {
-    return inner_->post_send(peer, buf, len, desc, ctx);
-  }
-  PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) override {
-    return inner_->post_recv(buf, len, desc, ctx);
-  }
-  const std::string& last_error() const override { return inner_->last_error(); }
-  void* scratch_desc() const override { return inner_->scratch_desc(); }
-  void* scratch_buffer() const override { return inner_->scratch_buffer(); }
-  size_t max_in_flight() const override { return inner_->max_in_flight(); }
-  InjectedFaults injected_faults() const override { return inner_->injected_faults(); }
+      : ForwardingDomain(std::move(inner)), config_(config), rng_(config.seed * 1000003 + nic_index) {}
 
   size_t poll(std::span<Completion> out) override {
     Completion fresh[64];
@@ -63,7 +42,6 @@ class ReorderingDomain final : public Domain {
     Completion completion;
     uint32_t polls_left;
   };
-  std::unique_ptr<Domain> inner_;
   ReorderConfig config_;
   std::mt19937_64 rng_;
   std::vector<Held> held_;
