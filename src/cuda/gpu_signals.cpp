@@ -59,19 +59,25 @@ class CudaGpuSignals final : public GpuSignals {
   }
 
   void remove_watcher(const UvmWatcher& w) override {
-    std::lock_guard lock(mu_);
-    Slot& s = check_slot(w.id, "free_uvm_watcher");
-    s.active.store(false, std::memory_order_release);
-    // Wait until the thread has finished any scan that saw the watcher active (unless this is
-    // that thread, inside a callback: it reads the flag again before the next call).
-    if (std::this_thread::get_id() != thread_.get_id()) {
-      uint64_t seen = epoch_.load(std::memory_order_acquire);
-      while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
-      s.cb = nullptr;
-    } else {
-      retired_.push_back(w.id);  // its callback is running now: cleared by the thread later
-      return;
+    {
+      std::lock_guard lock(mu_);
+      Slot& s = check_slot(w.id, "free_uvm_watcher");
+      s.retiring = true;  // a second free of this id fails from now on
+      s.active.store(false, std::memory_order_release);
+      // Inside a callback, on the watcher thread: the thread releases the slot itself once it
+      // has left the callback (it reads the flag again before any further call).
+      if (std::this_thread::get_id() == thread_.get_id()) {
+        retired_.push_back(w.id);
+        has_retired_.store(true, std::memory_order_release);
+        return;
+      }
     }
+    // Wait, without the lock (a callback may be allocating a watcher right now), until the thread
+    // has finished any scan that saw the watcher active.
+    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
+    std::lock_guard lock(mu_);
+    slots_[w.id].cb = nullptr;
     release_slot(w.id);
   }
 
@@ -94,6 +100,7 @@ class CudaGpuSignals final : public GpuSignals {
   struct Slot {
     std::atomic<bool> active{false};
     bool in_use = false;
+    bool retiring = false;  // freed, waiting for the watcher thread to let go of it
     bool counter = false;
     uint64_t last = 0;
     UvmCallback cb;
@@ -102,7 +109,6 @@ class CudaGpuSignals final : public GpuSignals {
   volatile uint64_t* word(uint32_t id) const { return reinterpret_cast<volatile uint64_t*>(host_ + id * kLine); }
 
   uint32_t take_slot(const char* what) {
-    reclaim_retired();
     if (free_.empty())
       throw Error(ErrorCode::kResourceExhausted,
                   fmt::format("{}: all {} GPU signal words are in use", what, kSlots));
@@ -114,28 +120,27 @@ class CudaGpuSignals final : public GpuSignals {
   }
 
   Slot& check_slot(uint32_t id, const char* what) {
-    if (id >= kSlots || !slots_[id].in_use)
+    if (id >= kSlots || !slots_[id].in_use || slots_[id].retiring)
       throw Error(ErrorCode::kNotFound, fmt::format("{}: unknown or already freed id {}", what, id));
     return slots_[id];
   }
 
   void release_slot(uint32_t id) {
     Slot& s = slots_[id];
-    s.in_use = s.counter = false;
+    s.in_use = s.retiring = s.counter = false;
     *word(id) = 0;
     free_.push_back(id);
   }
 
-  // Watchers freed from inside their own callback: by now the thread has left that callback.
-  void reclaim_retired() {
-    if (retired_.empty() || std::this_thread::get_id() == thread_.get_id()) return;
-    uint64_t seen = epoch_.load(std::memory_order_acquire);
-    while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
+  // Watcher thread, between scans: watchers freed from inside their own callbacks.
+  void release_retired() {
+    std::lock_guard lock(mu_);
     for (uint32_t id : retired_) {
       slots_[id].cb = nullptr;
       release_slot(id);
     }
     retired_.clear();
+    has_retired_.store(false, std::memory_order_relaxed);
   }
 
   void run() {
@@ -164,6 +169,7 @@ class CudaGpuSignals final : public GpuSignals {
         }
       }
       epoch_.fetch_add(1, std::memory_order_release);
+      if (has_retired_.load(std::memory_order_acquire)) release_retired();
       if (any) {
         idle.reset();
       } else {
@@ -181,6 +187,7 @@ class CudaGpuSignals final : public GpuSignals {
   std::mutex mu_;  // allocation and release (control path)
   std::atomic<uint32_t> scan_end_{0};
   std::atomic<uint64_t> epoch_{0};
+  std::atomic<bool> has_retired_{false};
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -309,5 +309,52 @@ TEST(GpuSignals, WatcherSeesEveryStoreFromACudaGraph) {
   EXPECT_TRUE(result.ok());
 }
 
+// Watchers allocated and freed from inside a callback while another thread does the same: freeing
+// once waited for the watcher thread while holding the allocation lock, which a callback that
+// allocates then waited for (a deadlock; this test hung then).
+TEST(GpuSignals, WatchersMayComeAndGoFromCallbacksAndOtherThreadsAtOnce) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(
+      [](Channel&) {
+        TransferEngine engine(gpu_engine_config(0, false));
+        std::atomic<uint64_t> callbacks{0}, churned{0};
+        UvmWatcher trigger = engine.alloc_uvm_watcher([&](uint64_t, uint64_t) {
+          UvmWatcher w = engine.alloc_uvm_watcher([](uint64_t, uint64_t) {});
+          engine.free_uvm_watcher(w);  // inside a callback: released by the thread afterwards
+          callbacks.fetch_add(1, std::memory_order_release);
+        });
+        std::atomic<bool> stop{false};
+        std::thread churn([&] {
+          while (!stop.load()) {
+            UvmWatcher w = engine.alloc_uvm_watcher([](uint64_t, uint64_t) {});
+            engine.free_uvm_watcher(w);
+            churned++;
+          }
+        });
+        constexpr uint64_t kRounds = 2000;
+        uint64_t answered = 0;
+        for (uint64_t v = 1; v <= kRounds; v++) {
+          uint64_t before = callbacks.load(std::memory_order_acquire);
+          *trigger.host = v;  // the watcher thread polls this word
+          auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (callbacks.load(std::memory_order_acquire) == before && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::yield();
+          answered += callbacks.load() > before;
+        }
+        stop = true;
+        churn.join();
+        EXPECT_EQ(answered, kRounds);
+        EXPECT_GT(churned.load(), 0u);
+        engine.free_uvm_watcher(trigger);
+        // Every slot came back: as many watchers as ever can be allocated again.
+        std::vector<UvmWatcher> all;
+        for (int i = 0; i < 4000; i++) all.push_back(engine.alloc_uvm_watcher([](uint64_t, uint64_t) {}));
+        for (auto& w : all) engine.free_uvm_watcher(w);
+        return ::testing::Test::HasFailure() ? 1 : 0;
+      },
+      [](Channel&) { return 0; });
+  EXPECT_TRUE(result.ok());
+}
+
 }  // namespace
 }  // namespace fabric::gpu_test
