@@ -2,8 +2,6 @@
 // completion comes back; immediates are duplicated or delayed as they arrive.
 #include "providers/fault/fault_domain.h"
 
-#include "providers/fault/forwarding_domain.h"
-
 #include <fmt/format.h>
 
 #include <atomic>
@@ -11,6 +9,8 @@
 #include <random>
 #include <unordered_map>
 #include <vector>
+
+#include "providers/fault/forwarding_domain.h"
 
 namespace fabric {
 namespace {
@@ -31,6 +31,7 @@ class FaultDomain final : public ForwardingDomain {
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
     return post(ctx, "SEND", [&] { return inner_->post_send(peer, buf, len, desc, ctx); });
   }
+
   size_t poll(std::span<Completion> out) override {
     Completion fresh[64];
     size_t n = inner_->poll(std::span(fresh, std::min(out.size(), std::size(fresh))));

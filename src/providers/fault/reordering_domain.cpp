@@ -1,11 +1,11 @@
 // Reordering wrapper: forwards posts unchanged, shuffles and delays what poll() returns.
 #include "providers/fault/reordering_domain.h"
 
-#include "providers/fault/forwarding_domain.h"
-
 #include <algorithm>
 #include <random>
 #include <vector>
+
+#include "providers/fault/forwarding_domain.h"
 
 namespace fabric {
 namespace {
