@@ -11,6 +11,17 @@
 #endif
 
 namespace fabric {
+namespace {
+
+// The test wrappers a configuration asks for, around domain `index`.
+std::unique_ptr<Domain> wrap_for_tests(std::unique_ptr<Domain> domain, const EngineConfig& config,
+                                       size_t index) {
+  if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, index);
+  if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, index);
+  return domain;
+}
+
+}  // namespace
 
 std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index) {
   std::unique_ptr<Domain> domain;
@@ -25,9 +36,7 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
   } else {
     domain = open_libfabric_domain(config, nic_index);
   }
-  if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, nic_index);
-  if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, nic_index);
-  return domain;
+  return wrap_for_tests(std::move(domain), config, nic_index);
 }
 
 std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
@@ -35,10 +44,7 @@ std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
     throw Error(ErrorCode::kInvalidArgument,
                 "EngineConfig::cuda_ipc needs EngineConfig::cuda_device (the GPU this engine serves)");
 #ifdef FABRIC_WITH_CUDA
-  std::unique_ptr<Domain> domain = open_cuda_ipc_domain(config);
-  if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, kMaxNics);
-  if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, kMaxNics);
-  return domain;
+  return wrap_for_tests(open_cuda_ipc_domain(config), config, kMaxNics);
 #else
   throw Error(ErrorCode::kUnsupported,
               "EngineConfig::cuda_ipc: this fabric-lib was built without CUDA (nvcc not found at "

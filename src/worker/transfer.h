@@ -33,9 +33,6 @@ struct Transfer {
   bool failed = false;        // stop posting
   bool reported = false;      // on_done has fired
   bool queued = false;        // in the worker's pending list
-  // Timed out with WRITEs outstanding: they no longer count against the NICs' in-flight limits
-  // (a completion that never comes must not block a NIC forever).
-  bool abandoned = false;
   Status error;
   uint64_t first_post_ns = 0;  // record_post_timings only
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline

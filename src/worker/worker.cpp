@@ -401,7 +401,8 @@ void Worker::on_completion(size_t nic, Completion& c) {
       } else {
         fail(*t, Status(ErrorCode::kProvider, c.error));
       }
-      if (!t->abandoned) in_flight_[ctx->nic]--;
+      // Reported with this WRITE outstanding means timed out: its budget was released then.
+      if (!t->reported) in_flight_[ctx->nic]--;
       contexts_.release(ctx);
       t->outstanding--;
       t->outstanding_on[ctx->nic]--;
@@ -497,7 +498,6 @@ void Worker::check_deadlines() {
     // shutdown. They stop counting against the in-flight limits: a completion that never comes
     // (a stuck operation) must not take a NIC's budget for good.
     for (size_t d = 0; d < domains_.size(); d++) in_flight_[d] -= t.outstanding_on[d];
-    t.abandoned = true;
   }
 }
 

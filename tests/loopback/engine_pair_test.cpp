@@ -350,17 +350,7 @@ TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
     }
     EXPECT_GT(n_failed, 0u) << "writes to a dead peer cannot all succeed";
 
-    // The survivor still works: a loopback write to itself. Local completion says the WRITE left
-    // (on tcp: reached the kernel); the immediate says it landed.
-    std::vector<uint8_t> mine(kLen, 0);
-    auto [h2, d2] = engine.reg_mr(mine.data(), kLen);
-    std::atomic<int> flag{kDonePending}, landed{kDonePending};
-    engine.expect_imm_count(0x55, single_write_imm_count(kLen, pc.nics, false), OnDone::flag(&landed));
-    engine.submit_single_write(kLen, h, 0, d2, 0, OnDone::flag(&flag), WriteOptions{0x55, std::nullopt});
-    EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending && landed.load() != kDonePending; }));
-    EXPECT_EQ(flag.load(), kDoneSucceeded);
-    EXPECT_EQ(landed.load(), kDoneSucceeded);
-    EXPECT_EQ(mine, src);
+    expect_write_to_self_works(engine, h, src, pc.nics);  // the survivor still works
     return role_result();
   };
 

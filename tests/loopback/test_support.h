@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -94,6 +95,24 @@ inline std::vector<uint32_t> random_indices(size_t n, uint32_t range, uint32_t s
   std::shuffle(all.begin(), all.end(), std::mt19937(seed));
   all.resize(n);
   return all;
+}
+
+// The engine still works (after a peer died, say): a WRITE from `src` (holding `bytes`) to a fresh
+// region of its own lands, its immediate is counted and every byte arrives. Local completion only
+// says the WRITE left (on tcp: reached the kernel); the immediate says it landed.
+inline void expect_write_to_self_works(TransferEngine& engine, const MrHandle& src,
+                                       const std::vector<uint8_t>& bytes, size_t nics) {
+  constexpr uint32_t kImm = 0x55;
+  std::vector<uint8_t> mine(bytes.size(), 0);
+  auto [h, d] = engine.reg_mr(mine.data(), mine.size());
+  std::atomic<int> flag{kDonePending}, landed{kDonePending};
+  engine.expect_imm_count(kImm, single_write_imm_count(bytes.size(), nics, false), OnDone::flag(&landed));
+  engine.submit_single_write(bytes.size(), src, 0, d, 0, OnDone::flag(&flag), WriteOptions{kImm, std::nullopt});
+  EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending && landed.load() != kDonePending; }));
+  EXPECT_EQ(flag.load(), kDoneSucceeded);
+  EXPECT_EQ(landed.load(), kDoneSucceeded);
+  EXPECT_EQ(mine, bytes);
+  engine.dereg_mr(h);
 }
 
 // The exit code of a test role: non-zero if any gtest expectation failed in this process.

@@ -196,7 +196,6 @@ int run_peer(const Options& o) {
 struct PeerProcess {
   pid_t pid = -1;
   std::unique_ptr<tools::Channel> ch;
-  int fd = -1;
   MrDesc desc;
   uint64_t warm_rss = 0, last_rss = 0, faults = 0;
 };
@@ -225,7 +224,6 @@ PeerProcess spawn_peer(const Options& o, uint32_t index) {
   close(sv[1]);
   PeerProcess p;
   p.pid = pid;
-  p.fd = sv[0];
   p.ch = std::make_unique<tools::Channel>(sv[0]);
   p.desc = MrDesc::from_bytes(p.ch->recv_bytes());
   return p;
@@ -338,7 +336,7 @@ int run_driver(const Options& o) {
       int status = 0;
       waitpid(peers[victim].pid, &status, 0);
       t.faults_of_dead += peers[victim].faults;
-      close(peers[victim].fd);
+      close(peers[victim].ch->fd());
       peers[victim] = spawn_peer(o, victim);
       group = make_group();  // the new incarnation's address
       restarted = true;

@@ -130,7 +130,7 @@ class VerbsDomain final : public Domain {
     ud_cq_ = check_ptr(ibv_create_cq(dev_.ctx, kUdRecvs + kUdSends, nullptr, nullptr, 0), "ibv_create_cq(ud)", d);
     msg_srq_ = create_srq(msg_srq_depth_);
     imm_srq_ = create_srq(imm_srq_depth_);
-    for (uint32_t i = 0; i < imm_srq_depth_; i++) imm_reposts_++;
+    imm_reposts_ = imm_srq_depth_;  // fill the immediate SRQ
     repost_imm_recvs();
 
     scratch_ = std::aligned_alloc(64, kScratchLen);
