@@ -50,7 +50,10 @@ struct WriteOp {
   uint32_t imm = 0;
 };
 
-enum class PostResult { kPosted, kRetry, kFailed };
+// kRetry: this domain cannot take work now (its queues are full): poll, then try again.
+// kRetryPeer: only this peer cannot take work now (its connection is being set up, its queue
+// pair or inbox is full); other peers of the domain can, and the engine keeps posting to them.
+enum class PostResult { kPosted, kRetry, kRetryPeer, kFailed };
 
 struct Completion {
   enum class Kind : uint8_t { kLocal, kRecv, kRemoteImm, kError };
@@ -75,8 +78,15 @@ class Domain {
   virtual void deregister_memory(DomainRegion& region) = 0;
   // Cached: the same address gives the same PeerId without a new insertion.
   virtual PeerId insert_peer(const std::string& address) = 0;
+  // Forgets a peer and releases what it holds here (address-vector entry, queue pairs, shared
+  // memory and IPC mappings). The engine calls it when the peer failed or the application
+  // removed it; operations still posted to it may complete later (with success or an error) and
+  // must still come back through poll() with their context, never touching released state.
+  // Inserting the same address again afterwards gives a working peer (a restarted process at the
+  // same address). An unknown id is ignored.
+  virtual void remove_peer(PeerId) {}  // pure once every provider implements it (in progress)
 
-  // kRetry: queue full or connection being set up (-FI_EAGAIN); poll and try again later.
+  // kRetry / kRetryPeer: see PostResult; poll and try again later.
   // kFailed: the message is in last_error().
   // A provider may hold posted work back until its next poll() and hand it to the hardware as
   // one batch (cuda_ipc gathers many WRITEs into one kernel launch); poll() must flush it.

@@ -301,7 +301,7 @@ bool Worker::post_next(Transfer& t) {
     result = d.post_write(op, ctx);
   }
 
-  if (result == PostResult::kRetry) {
+  if (result == PostResult::kRetry || result == PostResult::kRetryPeer) {
     // Retrying at once would only take the provider's locks again (shm shares one with the
     // peer): skip this NIC until it completes something or a few polls have passed.
     backoff_[nic] = kRetryBackoffPolls;

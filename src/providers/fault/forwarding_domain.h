@@ -19,6 +19,7 @@ class ForwardingDomain : public Domain {
   }
   void deregister_memory(DomainRegion& region) override { inner_->deregister_memory(region); }
   PeerId insert_peer(const std::string& address) override { return inner_->insert_peer(address); }
+  void remove_peer(PeerId peer) override { inner_->remove_peer(peer); }
   PostResult post_write(const WriteOp& op, OpContext* ctx) override { return inner_->post_write(op, ctx); }
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
     return inner_->post_send(peer, buf, len, desc, ctx);

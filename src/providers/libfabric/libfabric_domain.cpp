@@ -164,6 +164,18 @@ class LibfabricDomain final : public Domain {
     return fi_addr;
   }
 
+  // The AV entry goes; completions of operations still posted to it carry only our context.
+  void remove_peer(PeerId peer) override {
+    for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+      if (it->second != peer) continue;
+      fi_addr_t a = peer;
+      int rc = fi_av_remove(av_, &a, 1, 0);
+      if (rc != 0) log::warn("fi_av_remove failed: {}", fi_strerror(-rc));
+      peers_.erase(it);
+      return;
+    }
+  }
+
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
     ssize_t rc = op.has_imm
                      ? fi_writedata(ep_, op.src, op.len, op.desc, op.imm, op.peer, op.remote_addr,
