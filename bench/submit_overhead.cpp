@@ -18,13 +18,16 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch);
   CLI11_PARSE(app, argc, argv);
 
+  // The buffer and the counter outlive the engine (declared first, destroyed last): on tcp a
+  // local completion does not mean the target has written, so the worker may still touch both
+  // while the engine shuts down.
+  std::vector<uint8_t> buf(1 << 20);
+  std::atomic<uint64_t> done{0};
   fabric::EngineConfig cfg;
   cfg.nics = {{"", "127.0.0.1"}};
   cfg.worker_poll = fabric::PollMode::kAdaptive;
   fabric::TransferEngine engine(cfg);
-  std::vector<uint8_t> buf(1 << 20);
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
-  std::atomic<uint64_t> done{0};
   std::vector<double> per_call_ns;
   uint64_t submitted = 0;
   for (int b = 0; b < batches; b++) {
