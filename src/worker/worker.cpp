@@ -402,10 +402,11 @@ void Worker::on_completion(size_t nic, Completion& c) {
         fail(*t, Status(ErrorCode::kProvider, c.error));
       }
       // Reported with this WRITE outstanding means timed out: its budget was released then.
-      if (!t->reported) in_flight_[ctx->nic]--;
+      const uint32_t op_domain = ctx->nic;  // read before the context goes back to the pool
       contexts_.release(ctx);
+      if (!t->reported) in_flight_[op_domain]--;
       t->outstanding--;
-      t->outstanding_on[ctx->nic]--;
+      t->outstanding_on[op_domain]--;
       maybe_finish(*t);
       return;
     }

@@ -366,5 +366,87 @@ INSTANTIATE_TEST_SUITE_P(Providers, KilledPeer,
                                            ProviderCase{"verbs", 1, false}),
                          case_name);
 
+// ---- a peer killed with WRITEs in flight ---------------------------------------------------
+
+// The victim dies while hundreds of paged WRITEs to it are posted and uncompleted. Every
+// transfer to it ends in time, and afterwards the survivor posts again on every NIC (a
+// per-NIC in-flight count corrupted by the dead peer's completions once stopped it for good).
+class KilledMidTransfer : public ::testing::TestWithParam<ProviderCase> {};
+
+TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
+  const ProviderCase pc = GetParam();
+  FABRIC_SKIP_WITHOUT_DEVICE(pc);
+  constexpr uint64_t kPage = 256 << 10;
+  constexpr uint32_t kDstPages = 16, kTransfers = 16, kPagesEach = 32;
+
+  auto victim = [&](Channel& ch) {
+    TransferEngine engine(config_for(pc));
+    std::vector<uint8_t> dst(kPage * kDstPages, 0);
+    auto [h, d] = engine.reg_mr(dst.data(), dst.size());
+    ch.send(d.to_bytes());
+    ch.send(std::to_string(getpid()));
+    ch.recv();  // never answered: the survivor stops, then kills this process
+    return 0;
+  };
+
+  auto survivor = [&](Channel& ch) {
+    EngineConfig cfg = config_for(pc);
+    cfg.transfer_timeout = std::chrono::seconds(2);
+    auto src = random_bytes(kPage, 5);
+    std::atomic<uint64_t> done{0}, failed{0};
+    TransferEngine engine(cfg);
+    auto [h, d] = engine.reg_mr(src.data(), src.size());
+    MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
+    const pid_t victim_pid = std::stoi(ch.recv());
+    std::vector<uint32_t> src_idx(kPagesEach, 0), dst_idx(kPagesEach);
+    for (uint32_t i = 0; i < kPagesEach; i++) dst_idx[i] = i % kDstPages;
+    // One transfer first, so every NIC is connected and the next ones are really in flight.
+    engine.submit_paged_writes(kPage, h, Pages{src_idx, kPage, 0}, dst, Pages{dst_idx, kPage, 0},
+                               OnDone::counter(&done, &failed));
+    EXPECT_TRUE(wait_until([&] { return done.load() == 1; })) << "the warm-up transfer failed";
+    for (uint32_t t = 0; t < kTransfers; t++)
+      engine.submit_paged_writes(kPage, h, Pages{src_idx, kPage, 0}, dst, Pages{dst_idx, kPage, 0},
+                                 OnDone::counter(&done, &failed), WriteOptions{0x77, std::nullopt});
+    // Stopped, the victim stops reading its sockets: WRITEs stay with the NICs until the
+    // transfers time out. Killed then, its connections fail and those WRITEs complete late, with
+    // errors, after their transfers were reported.
+    kill(victim_pid, SIGSTOP);
+    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == 1 + kTransfers; },
+                           std::chrono::seconds(30)))
+        << done.load() << " done, " << failed.load() << " failed of " << kTransfers;
+    EXPECT_GT(failed.load(), 0u) << "the victim stopped: some transfers must time out";
+    kill(victim_pid, SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the late completions arrive
+    // Each NIC must still post: a write pinned to each, then a sharded one over all.
+    for (size_t nic = 0; nic < pc.nics; nic++) {
+      std::vector<uint8_t> mine(kPage, 0);
+      auto [mh, md] = engine.reg_mr(mine.data(), mine.size());
+      std::atomic<int> flag{kDonePending}, landed{kDonePending};
+      engine.expect_imm_count(0x88, 1, OnDone::flag(&landed));
+      engine.submit_single_write(kPage, h, 0, md, 0, OnDone::flag(&flag),
+                                 WriteOptions{0x88, static_cast<uint8_t>(nic)});
+      EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending && landed.load() != kDonePending; },
+                             std::chrono::seconds(10)))
+          << "NIC " << nic << " posts nothing after the peer died";
+      EXPECT_EQ(flag.load(), kDoneSucceeded) << "NIC " << nic;
+      EXPECT_EQ(mine, src) << "NIC " << nic;
+      engine.dereg_mr(mh);
+    }
+    expect_write_to_self_works(engine, h, src, pc.nics);
+    return role_result();
+  };
+
+  auto r = tools::run_process_pair(survivor, victim);
+  EXPECT_EQ(r.parent_rc, 0);
+  EXPECT_TRUE(WIFSIGNALED(r.child_status));
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, KilledMidTransfer,
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
+                                           ProviderCase{"tcp;ofi_rxm", 2, false},
+                                           ProviderCase{"tcp;ofi_rxm", 4, false},
+                                           ProviderCase{"verbs", 2, false}),
+                         case_name);
+
 }  // namespace
 }  // namespace fabric::testing
