@@ -1,5 +1,9 @@
 // Wire formats of NetAddr and MrDesc, with strict validation of everything that comes back in.
 //
+// Text fields (the provider name and the local endpoint "<scope>/<name>") must be well-formed UTF-8:
+// they end up in error messages and Python str. NIC endpoint addresses are binary (sockaddr bytes,
+// verbs addresses) and may hold any bytes.
+//
 // NetAddr: "FBNA" u8 version u8 provider_len provider u8 nic_count { u16 len, bytes }*
 //          u16 local_len local
 // MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u64 addr u64 len u8 n { u64 rkey u64 base }*
@@ -41,6 +45,10 @@ NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::
       throw Error(ErrorCode::kInvalidArgument, "NetAddr: NIC address length must be 1..256");
   if (local_.size() > kMaxNicAddrLen)
     throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint longer than 256 bytes");
+  if (!util::is_utf8(provider_))
+    throw Error(ErrorCode::kInvalidArgument, "NetAddr: provider name is not valid UTF-8");
+  if (!util::is_utf8(local_))
+    throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint is not valid UTF-8");
 }
 
 std::vector<uint8_t> NetAddr::to_bytes() const {
@@ -63,7 +71,7 @@ static NetAddr read_net_addr(util::ByteReader& r) {
   check_magic(r, kAddrMagic);
   uint8_t plen = r.u8("provider length");
   if (plen == 0 || plen > kMaxProviderNameLen) r.fail("provider name length " + std::to_string(plen));
-  std::string provider = r.str(plen, "provider");
+  std::string provider = r.text(plen, "provider");
   uint8_t n = r.u8("NIC count");
   if (n < 1 || n > kMaxNics) r.fail("NIC count " + std::to_string(n) + " outside 1..4");
   std::vector<std::string> nics;
@@ -74,7 +82,7 @@ static NetAddr read_net_addr(util::ByteReader& r) {
   }
   uint16_t local_len = r.u16("local endpoint length");
   if (local_len > kMaxNicAddrLen) r.fail("local endpoint length " + std::to_string(local_len));
-  std::string local = r.str(local_len, "local endpoint");
+  std::string local = r.text(local_len, "local endpoint");
   return NetAddr(std::move(provider), std::move(nics), std::move(local));
 }
 

@@ -28,6 +28,12 @@ class ByteWriter {
   std::vector<uint8_t> out_;  // little-endian hosts only (x86_64, aarch64)
 };
 
+// The offset of the first byte of `s` that does not start a well-formed UTF-8 sequence (Unicode
+// table 3-7: no overlong forms, no surrogates U+D800..U+DFFF, nothing above U+10FFFF, no truncated
+// sequence), or npos when all of `s` is well-formed.
+size_t utf8_error_offset(std::string_view s);
+inline bool is_utf8(std::string_view s) { return utf8_error_offset(s) == std::string_view::npos; }
+
 // Every read checks the remaining length; a short or malformed input throws kMalformed with
 // `what` (the type being parsed) and the field that failed.
 class ByteReader {
@@ -41,6 +47,15 @@ class ByteReader {
     need(n, field);
     std::string s(reinterpret_cast<const char*>(in_.data() + pos_), n);
     pos_ += n;
+    return s;
+  }
+  // A text field (it ends up in messages and in Python str): n bytes of well-formed UTF-8.
+  std::string text(size_t n, const char* field) {
+    std::string s = str(n, field);
+    size_t bad = utf8_error_offset(s);
+    if (bad != std::string_view::npos)
+      fail(std::string("field '") + field + "' is not valid UTF-8 (byte " + std::to_string(bad) +
+           " of " + std::to_string(n) + ")");
     return s;
   }
   size_t remaining() const { return in_.size() - pos_; }

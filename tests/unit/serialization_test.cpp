@@ -5,6 +5,7 @@
 
 #include "fabric/error.h"
 #include "fabric/types.h"
+#include "util/bytes.h"
 
 namespace fabric {
 namespace {
@@ -136,6 +137,146 @@ TEST(Serialization, ConstructorsRejectInconsistentValues) {
   EXPECT_THROW(NetAddr("tcp", {"a", "b", "c", "d", "e"}), Error);
   EXPECT_THROW(NetAddr("", {"a"}), Error);
   EXPECT_THROW(MrDesc(sample_addr(2), 0, 10, {RemoteKey{}}), Error);  // 1 key, 2 NICs
+}
+
+// --- Text fields must be UTF-8 (they reach error messages and Python str); NIC addresses are binary.
+
+// Byte sequences that are not well-formed UTF-8, and ones that are (the boundaries of each length).
+const std::vector<std::string> kNotUtf8 = {
+    "\xff", "\xfe", "\x80", "\xbf",          // never a lead byte / a lone continuation byte
+    "\xc0\xaf", "\xc1\xbf",                 // overlong two-byte forms ('/', U+007F)
+    "\xe0\x80\xaf", "\xe0\x9f\xbf",        // overlong three-byte forms
+    "\xf0\x80\x80\xaf", "\xf0\x8f\xbf\xbf", // overlong four-byte forms
+    "\xed\xa0\x80", "\xed\xbf\xbf",        // surrogates U+D800, U+DFFF
+    "\xf4\x90\x80\x80", "\xf5\x80\x80\x80", "\xf7\xbf\xbf\xbf",  // above U+10FFFF
+    "\xf8\x88\x80\x80\x80", "\xfc\x84\x80\x80\x80\x80",   // five- and six-byte forms
+    "\xc3", "\xe2\x82", "\xf0\x9f\x98",     // truncated at the end
+    "\xc3(", "\xe2\x82(", "\xf0\x9f\x98(",  // truncated before an ASCII byte
+};
+const std::vector<std::string> kUtf8 = {
+    std::string("\0", 1), "\x7f", "\xc2\x80", "\xc3\xa9", "\xdf\xbf", "\xe0\xa0\x80", "\xe2\x82\xac",
+    "\xed\x9f\xbf", "\xee\x80\x80", "\xef\xbf\xbf", "\xf0\x90\x80\x80", "\xf0\x9f\x98\x80",
+    "\xf4\x8f\xbf\xbf",
+};
+
+// An independent decoder: lead byte gives the length, continuation bytes 10xxxxxx, then the code
+// point must be minimal for its length, not a surrogate, at most U+10FFFF.
+bool oracle_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    auto b = static_cast<uint8_t>(s[i]);
+    size_t len = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
+    if (len == 0 || s.size() - i < len) return false;
+    uint32_t cp = b & (0xffu >> (len + (len > 1)));
+    for (size_t k = 1; k < len; k++) {
+      auto c = static_cast<uint8_t>(s[i + k]);
+      if ((c & 0xc0) != 0x80) return false;
+      cp = cp << 6 | (c & 0x3f);
+    }
+    const uint32_t min[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return false;
+    i += len;
+  }
+  return true;
+}
+
+TEST(Utf8, ValidatorAgreesWithAnIndependentDecoderOnEveryShortSequence) {
+  for (auto& s : kNotUtf8) EXPECT_FALSE(util::is_utf8(s)) << util::to_hex({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+  for (auto& s : kUtf8) EXPECT_TRUE(util::is_utf8(s)) << util::to_hex({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+  // Every string of 1, 2 and 3 bytes, and every 4-byte string with a lead byte >= 0xf0 (the
+  // only four-byte leads) over a spread of continuation bytes.
+  std::string s;
+  for (uint32_t v = 0; v < (1u << 24); v++) {
+    size_t len = v < 0x100 ? 1 : v < 0x10000 ? 2 : 3;
+    s.assign(len, 0);
+    for (size_t k = 0; k < len; k++) s[k] = static_cast<char>(v >> (8 * k));
+    ASSERT_EQ(util::is_utf8(s), oracle_utf8(s)) << std::hex << v;
+  }
+  s.assign(4, 0);
+  const uint8_t conts[] = {0x00, 0x7f, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0, 0xff};
+  for (uint32_t lead = 0xf0; lead <= 0xff; lead++)
+    for (uint32_t b1 = 0; b1 < 256; b1++)
+      for (uint8_t b2 : conts)
+        for (uint8_t b3 : conts) {
+          s = {static_cast<char>(lead), static_cast<char>(b1), static_cast<char>(b2), static_cast<char>(b3)};
+          ASSERT_EQ(util::is_utf8(s), oracle_utf8(s)) << std::hex << lead << " " << b1;
+        }
+  EXPECT_EQ(util::utf8_error_offset("ab\xc3\xa9\xff" "cd"), 4u);
+  EXPECT_EQ(util::utf8_error_offset("abc\xe2\x82"), 3u);
+  EXPECT_EQ(util::utf8_error_offset("abc"), std::string_view::npos);
+}
+
+// The bytes of sample_addr(2) with `field` ("provider" or "local") replaced by `text`, written
+// in place of a placeholder of the same length (the constructor refuses non-UTF-8 text).
+std::vector<uint8_t> addr_with_text(const std::string& field, const std::string& text) {
+  std::string placeholder(text.size(), 'x');
+  NetAddr a = field == "provider" ? NetAddr(placeholder, {"nic0", "nic1"}, "host/ipc")
+                                  : NetAddr("tcp;ofi_rxm", {"nic0", "nic1"}, placeholder);
+  auto b = a.to_bytes();
+  size_t at = field == "provider" ? 6 : b.size() - text.size();
+  std::copy(text.begin(), text.end(), b.begin() + static_cast<std::ptrdiff_t>(at));
+  return b;
+}
+
+void expect_rejected_naming(std::span<const uint8_t> bytes, bool desc, const std::string& field) {
+  try {
+    if (desc) MrDesc::from_bytes(bytes);
+    else NetAddr::from_bytes(bytes);
+    ADD_FAILURE() << "accepted a " << field << " that is not UTF-8";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kMalformed);
+    std::string what = e.what();
+    EXPECT_NE(what.find("'" + field + "'"), std::string::npos) << what;
+    EXPECT_NE(what.find("not valid UTF-8"), std::string::npos) << what;
+    EXPECT_TRUE(util::is_utf8(what)) << "the message itself must be UTF-8";
+  }
+}
+
+TEST(Serialization, TextFieldsThatAreNotUtf8AreRejectedNamingTheField) {
+  for (const std::string field : {"provider", "local"}) {
+    for (auto& bad : kNotUtf8) {
+      for (const std::string& text : {bad, "tcp" + bad, bad + "rxm", "a\xc3\xa9" + bad + "z"}) {
+        auto b = addr_with_text(field, text);
+        expect_rejected_naming(b, false, field == "provider" ? "provider" : "local endpoint");
+        // The same owner inside a descriptor.
+        NetAddr placeholder_owner = NetAddr::from_bytes(addr_with_text(field, std::string(text.size(), 'x')));
+        auto d = MrDesc(placeholder_owner, 0x1000, 64, {{1, 0}, {2, 0}}, RemoteKey{3, 0}).to_bytes();
+        std::copy(b.begin(), b.end(), d.begin() + 9);  // magic, version, u32 owner length
+        expect_rejected_naming(d, true, field == "provider" ? "provider" : "local endpoint");
+      }
+    }
+  }
+}
+
+TEST(Serialization, Utf8TextAndBinaryNicAddressesRoundTrip) {
+  for (auto& good : kUtf8) {
+    for (const std::string field : {"provider", "local"}) {
+      auto b = addr_with_text(field, "t" + good + "/x");
+      NetAddr a = NetAddr::from_bytes(b);
+      EXPECT_EQ(a.to_bytes(), b);
+      EXPECT_EQ(field == "provider" ? a.provider() : a.local(), "t" + good + "/x");
+    }
+  }
+  // NIC addresses are sockaddr / verbs bytes: anything goes, including what is not UTF-8.
+  std::vector<std::string> nics;
+  for (auto& bad : kNotUtf8) nics.push_back(bad + std::string("\0\xff", 2));
+  nics.resize(kMaxNics);
+  NetAddr a("efa", nics, "boot-id/fabric-ipc-1-0");
+  EXPECT_EQ(NetAddr::from_bytes(a.to_bytes()), a);
+  MrDesc d(a, 0x1000, 64, {{1, 0}, {2, 0}, {3, 0}, {4, 0}}, RemoteKey{5, 0});
+  EXPECT_EQ(MrDesc::from_bytes(d.to_bytes()), d);
+}
+
+TEST(Serialization, ConstructorsRejectTextThatIsNotUtf8) {
+  for (auto& bad : kNotUtf8) {
+    try {
+      NetAddr("tcp" + bad, {"nic0"});
+      ADD_FAILURE() << "constructed a provider that is not UTF-8";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    }
+    EXPECT_THROW(NetAddr("tcp", {"nic0"}, "host/" + bad), Error);
+    EXPECT_NO_THROW(NetAddr("tcp", {"nic" + bad}));
+  }
 }
 
 }  // namespace
