@@ -53,6 +53,30 @@ auto must(F&& f) -> decltype(f()) {
   }
 }
 
+// An oracle for UTF-8 well-formedness written differently from util::utf8_error_offset (which
+// checks byte ranges, Unicode table 3-7): decode each code point from its lead byte's length, then
+// reject overlong forms (a code point below the minimum for its length), surrogates and values above
+// U+10FFFF. Returns the offset of the first sequence that does not decode, or npos.
+inline size_t utf8_oracle_error(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    auto b = static_cast<uint8_t>(s[i]);
+    size_t len = b < 0x80 ? 1 : (b >> 5) == 0x6 ? 2 : (b >> 4) == 0xe ? 3 : (b >> 3) == 0x1e ? 4 : 0;
+    if (len == 0 || s.size() - i < len) return i;
+    uint32_t cp = len == 1 ? b : len == 2 ? (b & 0x1fu) : len == 3 ? (b & 0x0fu) : (b & 0x07u);
+    for (size_t k = 1; k < len; k++) {
+      auto c = static_cast<uint8_t>(s[i + k]);
+      if ((c >> 6) != 0x2) return i;
+      cp = (cp << 6) | (c & 0x3fu);
+    }
+    static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+inline bool utf8_oracle(std::string_view s) { return utf8_oracle_error(s) == std::string_view::npos; }
+
 inline std::span<const uint8_t> bytes_of(std::string_view s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
 }

@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
                                   "host-7f3a/cuda_ipc/0")},
       {"verbs-1nic", NetAddr("verbs", {vb})},
       {"max-lengths", NetAddr(std::string(64, 'p'), {std::string(256, 'n')}, std::string(100, 'l'))},
+      // Text fields in multi-byte UTF-8 (2, 3 and 4 bytes, U+10FFFF); NIC addresses are binary and
+      // may hold bytes that are not UTF-8 at all.
+      {"utf8-text-binary-nic", NetAddr("tcp-\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80",
+                                       {std::string("\xff\x00\xc0\xaf\xed\xa0\x80\xf4\x90", 9)},
+                                       "host-\xf4\x8f\xbf\xbf/cuda_ipc/0")},
   };
   for (auto& [name, a] : addrs) put("netaddr_fuzz", "valid-" + name, a.to_bytes());
   Bytes a1 = addrs[0].second.to_bytes();
@@ -128,6 +133,15 @@ int main(int argc, char** argv) {
   put("netaddr_fuzz", "bad-nic-count-5", set(a1, nic_count_at, 5));
   put("netaddr_fuzz", "bad-nic-len-0", set(set(a1, nic_count_at + 1, 0), nic_count_at + 2, 0));
   put("netaddr_fuzz", "bad-empty", Bytes{});
+  // Text fields that are not UTF-8 (provider "tcp;ofi_rxm" starts at byte 6; the local endpoint of
+  // efa-4nics-local is its last 20 bytes).
+  put("netaddr_fuzz", "bad-provider-byte-ff", set(a1, 6, 0xff));
+  put("netaddr_fuzz", "bad-provider-overlong", set(set(a1, 6, 0xc0), 7, 0xaf));
+  put("netaddr_fuzz", "bad-provider-surrogate", set(set(set(a1, 6, 0xed), 7, 0xa0), 8, 0x80));
+  put("netaddr_fuzz", "bad-provider-above-10ffff", set(set(set(set(a1, 6, 0xf4), 7, 0x90), 8, 0x80), 9, 0x80));
+  put("netaddr_fuzz", "bad-provider-truncated-seq", set(a1, 6 + addrs[0].second.provider().size() - 1, 0xe2));
+  Bytes a_local = addrs[2].second.to_bytes();
+  put("netaddr_fuzz", "bad-local-not-utf8", set(a_local, a_local.size() - 1, 0x80));
 
   // --- MrDesc
   NetAddr owner2 = addrs[1].second, owner4 = addrs[2].second;
@@ -157,6 +171,7 @@ int main(int argc, char** argv) {
   local_no_endpoint.back() = 1;
   for (int i = 0; i < 16; i++) local_no_endpoint.push_back(static_cast<uint8_t>(i));
   put("mrdesc_fuzz", "bad-local-key-no-endpoint", local_no_endpoint);
+  put("mrdesc_fuzz", "bad-owner-provider-not-utf8", set(d1, 9 + 6, 0xff));  // owner's provider byte 0
 
   // --- hex (text)
   put("hex_fuzz", "valid-netaddr-tcp", addrs[0].second.to_hex());

@@ -4,7 +4,8 @@
 // Property: canonical like NetAddr. The embedded owner address has an explicit length that must be
 // consumed exactly (NetAddr::from_bytes rejects trailing bytes), the key count is either 0 or the
 // owner's NIC count, the local-key flag is 0 or 1, and nothing may follow. So an accepted input
-// re-serialises to itself, and the result parses to an equal value, through bytes and hex.
+// re-serialises to itself, and the result parses to an equal value, through bytes and hex. The
+// owner's text fields (provider name, local endpoint) are well-formed UTF-8 (independent oracle).
 #include <algorithm>
 
 #include "fabric/types.h"
@@ -27,5 +28,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(d->keys().empty() || d->keys().size() == d->owner().nic_count());
   FUZZ_CHECK(!d->local_key() || !d->owner().local().empty());
   FUZZ_CHECK(d->addr() + d->len() >= d->addr());
+  FUZZ_CHECK(fuzz::utf8_oracle(d->owner().provider()) && fuzz::utf8_oracle(d->owner().local()));
   return 0;
 }
