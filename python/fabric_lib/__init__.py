@@ -95,10 +95,13 @@ class TransferEngine(_Engine):
     Construction: TransferEngine(provider="tcp;ofi_rxm", nics=["127.0.0.1"], poll="adaptive",
     callback_poll="adaptive", transfer_timeout_s=30.0, ...). Each entry of `nics` is a source
     address ("127.0.0.2"), a libfabric domain name with an address ("domain@node"), or "" for the
-    provider's default. Usable as a context manager (close() on exit).
+    provider's default; 1 to 4 entries (an empty list raises FabricError, as zero NICs is invalid).
+    Usable as a context manager (close() on exit).
 
     on_done arguments accept None, a DoneFlag, a DoneCounter, or a callable(status: Status) that
     runs on the engine's callback thread with the GIL held (exceptions go to sys.unraisablehook).
+    DoneFlag and DoneCounter are set by the engine's worker without the GIL: they keep counting
+    while Python code holds it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,17 +1,19 @@
 // nanobind module `fabric_lib._fabric_lib`: the C++ API for Python. Submissions release the GIL;
-// callbacks take it on the engine's callback thread; Python objects are only ever released with the
-// GIL held (PyRef), whatever thread drops the last reference.
+// callbacks take it on the engine's callback thread. The worker thread never needs the GIL: what it
+// holds and drops (DoneFlag/DoneCounter state) is C++-owned, and Python objects captured by the
+// engine (callables) are released on the callback thread, under the GIL it holds to call them, or
+// by the thread that closes the engine (PyRef).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -23,7 +25,10 @@ using namespace fabric;
 
 namespace {
 
-// A Python object whose last reference may be dropped on an engine thread.
+// A Python object captured by the engine. Its reference is dropped with the GIL held: by the
+// callback that used it (OnDone callables fire once), or here, taking the GIL, by whoever destroys
+// the capture (a rejected submit's caller; the closing thread for receive callbacks). Never by the
+// worker: it only moves callables to the callback thread and never destroys a non-empty one.
 struct PyRef {
   nb::object obj;
   explicit PyRef(nb::object o) : obj(std::move(o)) {}
@@ -34,13 +39,28 @@ struct PyRef {
   }
 };
 
-// Completion state owned jointly by Python and the engine (OnDone::keep_alive).
+// Completion state set by the worker itself. The atomics live in C++-allocated storage shared with
+// the engine through OnDone::keep_alive, so the worker's drop of its reference is a plain C++
+// release. (Keeping the Python object alive instead, through nanobind's shared_ptr caster, makes
+// the worker take the GIL to drop it: every completion would wait for whichever Python thread
+// holds the GIL, stalling every NIC.)
 struct DoneFlag {
-  std::atomic<int> state{kDonePending};
+  std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(kDonePending);
 };
 struct DoneCounter {
-  std::atomic<uint64_t> done{0}, failed{0};
+  struct Counts {
+    std::atomic<uint64_t> done{0}, failed{0};
+  };
+  std::shared_ptr<Counts> counts = std::make_shared<Counts>();
 };
+
+// A str for text that may not be UTF-8 (provider messages): undecodable bytes become \xNN escapes,
+// so reading a message never raises UnicodeDecodeError.
+nb::str to_py_str(std::string_view s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (!o) throw nb::python_error();
+  return nb::steal<nb::str>(o);
+}
 
 // Waits with the GIL released; returns false on timeout (None: wait forever).
 template <class Pred>
@@ -60,12 +80,14 @@ bool wait_released(Pred done, std::optional<double> timeout_s) {
 OnDone make_on_done(nb::handle on_done) {
   if (on_done.is_none()) return OnDone::none();
   if (nb::isinstance<DoneFlag>(on_done)) {
-    auto f = nb::cast<std::shared_ptr<DoneFlag>>(on_done);
-    return OnDone::flag(&f->state).keep_alive(f);
+    std::shared_ptr<std::atomic<int>> state = nb::cast<DoneFlag&>(on_done).state;
+    OnDone d = OnDone::flag(state.get());
+    return std::move(d).keep_alive(std::move(state));
   }
   if (nb::isinstance<DoneCounter>(on_done)) {
-    auto c = nb::cast<std::shared_ptr<DoneCounter>>(on_done);
-    return OnDone::counter(&c->done, &c->failed).keep_alive(c);
+    std::shared_ptr<DoneCounter::Counts> c = nb::cast<DoneCounter&>(on_done).counts;
+    OnDone d = OnDone::counter(&c->done, &c->failed);
+    return std::move(d).keep_alive(std::move(c));
   }
   if (!PyCallable_Check(on_done.ptr()))
     throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
@@ -77,6 +99,7 @@ OnDone make_on_done(nb::handle on_done) {
     } catch (nb::python_error& e) {
       e.discard_as_unraisable("in a fabric_lib completion callback");
     }
+    ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
   });
 }
 
@@ -129,34 +152,53 @@ class PyEngine {
 NB_MODULE(_fabric_lib, m) {
   m.doc() = "fabric-lib: RDMA point-to-point transfers (one-sided WRITEs with immediates)";
 
-  nb::exception<Error>(m, "FabricError", PyExc_RuntimeError);
+  nb::exception<Error> fabric_error(m, "FabricError", PyExc_RuntimeError);
+  // Tried before nanobind's own translator (the latest registered goes first): the message is
+  // decoded with backslashreplace, so an error is always a FabricError, never a UnicodeDecodeError.
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void* type) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const Error& e) {
+          PyObject* msg = PyUnicode_DecodeUTF8(e.what(), static_cast<Py_ssize_t>(std::strlen(e.what())),
+                                               "backslashreplace");
+          if (msg) {
+            PyErr_SetObject(static_cast<PyObject*>(type), msg);
+            Py_DECREF(msg);
+          }
+        }
+      },
+      fabric_error.ptr());
 
   nb::class_<Status>(m, "Status")
       .def_prop_ro("ok", &Status::ok)
       .def_prop_ro("code", [](const Status& s) { return std::string(to_string(s.code())); })
-      .def_prop_ro("message", &Status::message)
+      .def_prop_ro("message", [](const Status& s) { return to_py_str(s.message()); })
       .def("__bool__", &Status::ok)
       .def("__repr__", [](const Status& s) {
-        return s.ok() ? std::string("Status(ok)") : "Status(" + s.message() + ")";
+        return to_py_str(s.ok() ? std::string("Status(ok)") : "Status(" + s.message() + ")");
       });
 
   nb::class_<DoneFlag>(m, "DoneFlag", "Set by the engine itself when the operation ends.")
       .def(nb::init<>())
-      .def_prop_ro("done", [](const DoneFlag& f) { return f.state.load() != kDonePending; })
-      .def_prop_ro("ok", [](const DoneFlag& f) { return f.state.load() == kDoneSucceeded; })
+      .def_prop_ro("done", [](const DoneFlag& f) { return f.state->load() != kDonePending; })
+      .def_prop_ro("ok", [](const DoneFlag& f) { return f.state->load() == kDoneSucceeded; })
       .def("wait",
            [](DoneFlag& f, std::optional<double> timeout) {
-             return wait_released([&] { return f.state.load() != kDonePending; }, timeout);
+             auto state = f.state;
+             return wait_released([&] { return state->load() != kDonePending; }, timeout);
            },
            "timeout"_a = nb::none(), "Blocks (GIL released) until done; False on timeout.");
 
   nb::class_<DoneCounter>(m, "DoneCounter", "Counts operations that ended, by outcome.")
       .def(nb::init<>())
-      .def_prop_ro("done", [](const DoneCounter& c) { return c.done.load(); })
-      .def_prop_ro("failed", [](const DoneCounter& c) { return c.failed.load(); })
+      .def_prop_ro("done", [](const DoneCounter& c) { return c.counts->done.load(); })
+      .def_prop_ro("failed", [](const DoneCounter& c) { return c.counts->failed.load(); })
       .def("wait",
            [](DoneCounter& c, uint64_t n, std::optional<double> timeout) {
-             return wait_released([&] { return c.done.load() + c.failed.load() >= n; }, timeout);
+             auto counts = c.counts;
+             return wait_released([&] { return counts->done.load() + counts->failed.load() >= n; },
+                                  timeout);
            },
            "n"_a, "timeout"_a = nb::none(), "Blocks until done + failed >= n; False on timeout.");
 
@@ -165,7 +207,7 @@ NB_MODULE(_fabric_lib, m) {
       .def_static("from_hex", &NetAddr::from_hex)
       .def("to_bytes", [](const NetAddr& a) { return to_py_bytes(a.to_bytes()); })
       .def("to_hex", &NetAddr::to_hex)
-      .def_prop_ro("provider", &NetAddr::provider)
+      .def_prop_ro("provider", [](const NetAddr& a) { return to_py_str(a.provider()); })
       .def_prop_ro("nic_count", &NetAddr::nic_count)
       .def("__eq__", [](const NetAddr& a, const NetAddr& b) { return a == b; })
       .def("__hash__", [](const NetAddr& a) { return std::hash<std::string>()(a.to_hex()); })
@@ -173,7 +215,7 @@ NB_MODULE(_fabric_lib, m) {
       .def("__setstate__",
            [](NetAddr& a, nb::bytes b) { new (&a) NetAddr(NetAddr::from_bytes(as_span(b))); })
       .def("__repr__", [](const NetAddr& a) {
-        return "NetAddr(" + a.provider() + ", " + std::to_string(a.nic_count()) + " NICs)";
+        return to_py_str("NetAddr(" + a.provider() + ", " + std::to_string(a.nic_count()) + " NICs)");
       });
 
   nb::class_<MrDesc>(m, "MrDesc")
@@ -240,6 +282,14 @@ NB_MODULE(_fabric_lib, m) {
               double transfer_timeout_s, size_t max_in_flight_per_nic, size_t max_message_size,
               std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed,
               std::optional<int> cuda_device, bool cuda_ipc) {
+             // An explicit empty list is an error, as in C++ (docs/api.md); leaving `nics` out
+             // gives one NIC.
+             if (nics.empty() || nics.size() > kMaxNics)
+               throw Error(ErrorCode::kInvalidArgument,
+                           "TransferEngine(nics=...) must list 1 to " + std::to_string(kMaxNics) +
+                               " NICs, it lists " + std::to_string(nics.size()) +
+                               " (leave it out for one NIC on 127.0.0.1; [\"\"] picks the "
+                               "provider's default domain)");
              EngineConfig c;
              c.provider = provider;
              c.nics.clear();
@@ -249,7 +299,6 @@ NB_MODULE(_fabric_lib, m) {
                c.nics.push_back(at == std::string::npos ? NicConfig{"", n}
                                                         : NicConfig{n.substr(0, at), n.substr(at + 1)});
              }
-             if (c.nics.empty()) c.nics.push_back({});
              c.worker_poll = poll_mode(poll);
              c.callback_poll = poll_mode(callback_poll);
              c.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(transfer_timeout_s * 1000));

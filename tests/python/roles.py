@@ -106,3 +106,39 @@ def idle_target(conn):
             conn.recv()
 
     _report(conn, run)
+
+
+def gated_sender(conn, desc, addr, gate_name, n):
+    """Connects to `desc`'s engine, reports "ready", then waits for byte 0 of the shared-memory
+    block `gate_name` to turn 1 (the test sets it while holding its GIL) and only then sends: a
+    message to `addr`, one WRITE with immediate 1, `n` with immediate 2, one with immediate 3."""
+    from multiprocessing import shared_memory
+    import time
+
+    def run():
+        gate = shared_memory.SharedMemory(name=gate_name)
+        try:
+            with fl.TransferEngine() as e:
+                buf = np.zeros(4096, dtype=np.uint8)
+                h, _ = e.register_tensor(buf)
+                warm = fl.DoneFlag()  # connect now, so the gated writes need nothing but the worker
+                e.submit_single_write(64, h, 0, desc, 0, warm)
+                assert warm.wait(30) and warm.ok, "warm-up write"
+                conn.send("ready")
+                deadline = time.monotonic() + 60
+                while gate.buf[0] != 1:
+                    assert time.monotonic() < deadline, "the gate never opened"
+                    time.sleep(0.0005)
+                sent = fl.DoneCounter()
+                e.submit_send(addr, b"hello", sent)
+                e.submit_single_write(64, h, 0, desc, 64, sent, imm=1)
+                for i in range(n):
+                    e.submit_single_write(64, h, 0, desc, 128 + 64 * (i % 32), sent, imm=2)
+                e.submit_single_write(64, h, 0, desc, 64, sent, imm=3)
+                assert sent.wait(n + 3, 60) and sent.failed == 0, (sent.done, sent.failed)
+                # Exit only once the receiver has looked (the writes' data must stay reachable).
+                assert conn.recv() == "done"
+        finally:
+            gate.close()
+
+    _report(conn, run)

@@ -103,3 +103,13 @@ def test_callbacks_may_submit_and_other_threads_keep_running():
         stop.set()
         t.join()
         assert ticks  # the other Python thread ran meanwhile
+
+
+def test_nic_list_must_not_be_empty():
+    """docs/api.md: zero NICs is kInvalidArgument. An explicit empty list used to open one NIC."""
+    with pytest.raises(fl.FabricError, match=r"invalid argument: TransferEngine\(nics=...\) must list 1 to 4 NICs, it lists 0"):
+        fl.TransferEngine(nics=[])
+    with pytest.raises(fl.FabricError, match="it lists 5"):
+        fl.TransferEngine(nics=["127.0.0.1"] * 5)
+    with fl.TransferEngine() as e:  # left out: one NIC
+        assert e.nic_count == 1

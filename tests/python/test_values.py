@@ -82,3 +82,26 @@ def test_imm_count_rule_is_exposed():
     assert fl.single_write_imm_count(0, 4) == 1
     assert fl.single_write_imm_count(1 << 20, 4) == 4
     assert fl.single_write_imm_count(1 << 20, 4, True) == 1
+
+
+def test_text_fields_that_are_not_utf8_raise_fabric_error(engine):
+    """A provider name or local endpoint that is not UTF-8 used to parse, and then every error
+    naming it (and `provider`) raised UnicodeDecodeError. The parsers now refuse it."""
+    addr = engine.main_address().to_bytes()
+    _, desc = engine.register_tensor(np.zeros(64, dtype=np.uint8))
+    d = desc.to_bytes()
+    # The provider name starts at byte 6 of a NetAddr ("FBNA", version, length), and the owner's
+    # NetAddr at byte 9 of an MrDesc ("FBMD", version, u32 length).
+    for bad in (b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82"):
+        a = addr[:6] + bad + addr[6 + len(bad):]
+        with pytest.raises(fl.FabricError, match="malformed: NetAddr: field 'provider' is not valid UTF-8"):
+            fl.NetAddr.from_bytes(a)
+        with pytest.raises(fl.FabricError, match="'provider' is not valid UTF-8"):
+            fl.NetAddr.from_hex(a.hex())
+        with pytest.raises(fl.FabricError, match="'provider' is not valid UTF-8"):
+            fl.MrDesc.from_bytes(d[:9] + a + d[9 + len(a):])
+    # Multi-byte UTF-8 is fine, and the NIC addresses stay binary (sockaddr bytes).
+    a = addr[:6] + "é".encode() + addr[8:]
+    assert fl.NetAddr.from_bytes(a).provider == "é" + "tcp;ofi_rxm"[2:]
+    assert fl.NetAddr.from_bytes(addr) == engine.main_address()
+
