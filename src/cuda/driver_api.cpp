@@ -3,7 +3,11 @@
 
 #include <cuda.h>
 
+#include <map>
+#include <mutex>
+
 #include "cuda/cuda_check.h"
+#include "util/log.h"
 
 namespace fabric::cuda {
 namespace {
@@ -49,12 +53,79 @@ DmaBuf dmabuf_of(const void* ptr, size_t len) {
   return {fd, addr - start};
 }
 
+int device_of_stream(void* stream) {
+  using GetCtx = CUresult (*)(CUstream, CUcontext*);
+  using Push = CUresult (*)(CUcontext);
+  using Pop = CUresult (*)(CUcontext*);
+  using GetDevice = CUresult (*)(CUdevice*);
+  static GetCtx get_ctx = entry_point<GetCtx>("cuStreamGetCtx");
+  static Push push = entry_point<Push>("cuCtxPushCurrent");
+  static Pop pop = entry_point<Pop>("cuCtxPopCurrent");
+  static GetDevice get_device = entry_point<GetDevice>("cuCtxGetDevice");
+  CUcontext ctx = nullptr;
+  CUdevice dev = 0;
+  if (get_ctx(static_cast<CUstream>(stream), &ctx) == CUDA_SUCCESS && ctx &&
+      push(ctx) == CUDA_SUCCESS) {
+    CUresult rc = get_device(&dev);
+    pop(&ctx);
+    if (rc == CUDA_SUCCESS) return static_cast<int>(dev);
+  }
+  int current = 0;  // the default stream without a current context: the runtime's device
+  check("cudaGetDevice", cudaGetDevice(&current));
+  return current;
+}
+
+RemoteWriteOrdering remote_write_ordering(int device) {
+  static std::mutex mu;
+  static std::map<int, RemoteWriteOrdering> known;
+  std::lock_guard lock(mu);
+  if (auto it = known.find(device); it != known.end()) return it->second;
+  using Fn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+  static Fn fn = entry_point<Fn>("cuDeviceGetAttribute");
+  auto attribute = [&](CUdevice_attribute a) {
+    int v = 0;
+    return fn(&v, a, static_cast<CUdevice>(device)) == CUDA_SUCCESS ? v : 0;  // unknown: none
+  };
+  RemoteWriteOrdering r;
+  r.stream_flush = attribute(CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES) != 0;
+  r.ordering = attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING);
+  r.flush_options = attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS);
+  if (!r.stream_flush && r.ordering < CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER)
+    log::warn("CUDA device {} neither flushes remote writes from a stream "
+              "(CAN_FLUSH_REMOTE_WRITES 0) nor orders GPUDirect RDMA writes (ordering {}): data "
+              "that a NIC wrote into its memory is visible to work behind gpu_stream_wait only "
+              "after a host-side cuFlushGPUDirectRDMAWrites (flush options {:#x})",
+              device, r.ordering, r.flush_options);
+  known.emplace(device, r);
+  return r;
+}
+
+unsigned stream_wait_flags(int device) {
+  unsigned flags = CU_STREAM_WAIT_VALUE_GEQ;
+  if (remote_write_ordering(device).stream_flush) flags |= CU_STREAM_WAIT_VALUE_FLUSH;
+  return flags;
+}
+
 void stream_wait_geq(void* stream, const void* device_word, uint64_t value) {
   using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   static Fn fn = entry_point<Fn>("cuStreamWaitValue64");
+  unsigned flags = stream_wait_flags(device_of_stream(stream));
   check_driver("cuStreamWaitValue64", fn(static_cast<CUstream>(stream),
-                                         reinterpret_cast<CUdeviceptr>(device_word), value,
-                                         CU_STREAM_WAIT_VALUE_GEQ));
+                                         reinterpret_cast<CUdeviceptr>(device_word), value, flags));
+}
+
+bool flush_remote_writes(int device) {
+  RemoteWriteOrdering r = remote_write_ordering(device);
+  if (r.ordering >= CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER ||
+      !(r.flush_options & CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST))
+    return false;  // nothing to flush, or no way to
+  using Fn = CUresult (*)(CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope);
+  static Fn fn = entry_point<Fn>("cuFlushGPUDirectRDMAWrites");
+  use_device(device);
+  check_driver("cuFlushGPUDirectRDMAWrites",
+               fn(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                  CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER));
+  return true;
 }
 
 }  // namespace fabric::cuda

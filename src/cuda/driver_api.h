@@ -24,7 +24,30 @@ struct DmaBuf {
 };
 DmaBuf dmabuf_of(const void* ptr, size_t len);
 
-// Makes `stream` wait until the 64-bit word at `device_word` is >= value (cuStreamWaitValue64).
+// How writes that a NIC makes into a device's memory (GPUDirect RDMA) become visible to work on
+// that device. Read once per device.
+struct RemoteWriteOrdering {
+  bool stream_flush = false;  // CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES: CU_STREAM_WAIT_VALUE_FLUSH
+  int ordering = 0;       // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: 0 none, 100 owner, 200 all
+  int flush_options = 0;  // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: 1 host, 2 memops
+};
+RemoteWriteOrdering remote_write_ordering(int device);
+
+// The device whose context `stream` belongs to (the current device for the default stream).
+int device_of_stream(void* stream);
+
+// The flags stream_wait_geq passes for a stream of `device`: GEQ, with CU_STREAM_WAIT_VALUE_FLUSH
+// where the device supports it, so that remote writes that reached the device before the word
+// did are visible to the work released by the wait.
+unsigned stream_wait_flags(int device);
+
+// Makes `stream` wait until the 64-bit word at `device_word` is >= value (cuStreamWaitValue64,
+// with the flags above).
 void stream_wait_geq(void* stream, const void* device_word, uint64_t value);
+
+// For a host thread that has seen a NIC's completion of writes into `device`'s memory, before it
+// lets GPU work consume them: cuFlushGPUDirectRDMAWrites(to owner) where the device does not
+// order such writes itself and supports the host flush. Returns whether it flushed.
+bool flush_remote_writes(int device);
 
 }  // namespace fabric::cuda

@@ -1,14 +1,23 @@
 // GPU tests (run on the lent GPU machine by tests/gpu/run.sh; skipped where no GPU is visible).
 // Two processes, each on its own GPU where there are two, both on GPU 0 otherwise: every API call
 // with GPU buffers and data checks, cuda_ipc routing next to tcp, UVM watchers inside a CUDA
-// graph, and an immediate count that releases a waiting kernel.
+// graph, and an immediate count that releases a waiting kernel. Then cuda_ipc's lifecycle:
+// engines in other containers (IPC, mount and PID namespaces), peer removal returning GPU
+// memory, deregistration against a streaming writer, and the stream wait's remote-write flush.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <functional>
 #include <numeric>
 #include <random>
 
+#include "../../src/cuda/driver_api.h"  // the library's view of the device (the wait's flags)
 #include "gpu_kernels.h"
 #include "gpu_support.h"
 #include "process_pair.h"
@@ -350,6 +359,376 @@ TEST(GpuSignals, WatchersMayComeAndGoFromCallbacksAndOtherThreadsAtOnce) {
         std::vector<UvmWatcher> all;
         for (int i = 0; i < 4000; i++) all.push_back(engine.alloc_uvm_watcher([](uint64_t, uint64_t) {}));
         for (auto& w : all) engine.free_uvm_watcher(w);
+        return ::testing::Test::HasFailure() ? 1 : 0;
+      },
+      [](Channel&) { return 0; });
+  EXPECT_TRUE(result.ok());
+}
+
+
+// ---- cuda_ipc in containers -------------------------------------------------------------------
+
+constexpr int kNoNamespace = 77;  // a process could not make its namespace here (needs root)
+
+int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+// Runs `body` as process 1 of a new PID namespace (a child unshares; its own child runs `body`),
+// and returns body's result or kNoNamespace. Called before anything in this process uses CUDA.
+int as_pid1(const std::function<int()>& body) {
+  std::fflush(nullptr);
+  pid_t c = fork();
+  if (c == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (unshare(CLONE_NEWPID) != 0) _exit(kNoNamespace);
+    pid_t g = fork();
+    if (g == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      int rc = 1;
+      try {
+        rc = getpid() == 1 ? body() : 2;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "process 1 of a PID namespace: %s\n", e.what());
+      }
+      std::fflush(nullptr);
+      _exit(rc);
+    }
+    int status = 0;
+    waitpid(g, &status, 0);
+    _exit(exit_code(status));
+  }
+  int status = 0;
+  waitpid(c, &status, 0);
+  return exit_code(status);
+}
+
+// This process gets a private IPC namespace and its own /dev/shm, as a docker container by default.
+bool enter_private_ipc_and_dev_shm() {
+  if (unshare(CLONE_NEWIPC | CLONE_NEWNS) != 0) return false;
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return false;  // stays here
+  return mount("fabric-gpu-test-shm", "/dev/shm", "tmpfs", 0, "size=64m") == 0;
+}
+
+std::string scope_of(const NetAddr& a) { return a.local().substr(0, a.local().find('/')); }
+
+bool segment_exists(const NetAddr& a) {
+  std::string name = a.local().substr(a.local().find('/'));
+  int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+// The owner of a host and a GPU region, for a writer that cuda_ipc cannot reach: the host region
+// must be written over the NICs, and the owner's segment must survive the writer's start (its
+// stale sweep).
+int owner_for_a_foreign_writer(Channel& ch) {
+  TransferEngine engine(gpu_engine_config(0));
+  std::vector<uint8_t> host(1 << 20, 0);
+  DeviceBuffer gpu(1 << 20, 0);
+  auto [h, hdesc] = engine.reg_mr(host.data(), host.size());
+  auto [g, gdesc] = engine.reg_mr(gpu.ptr, gpu.len, Device::cuda(0));
+  std::atomic<uint64_t> imms{0};
+  engine.expect_imm_count(4, 1, OnDone::counter(&imms));
+  ch.send(engine.main_address().to_bytes());
+  ch.send(hdesc.to_bytes());
+  ch.send(gdesc.to_bytes());
+  std::string said = ch.recv();
+  if (said != "done") {
+    std::fprintf(stderr, "owner: the writer said '%s'\n", said.c_str());
+    return 20;
+  }
+  if (!wait_for(imms, 1)) return 21;
+  if (host != pattern(1 << 20, 11)) return 22;
+  if (!segment_exists(engine.main_address())) return 23;  // the writer's sweep deleted it
+  ch.send(std::string("checked"));
+  return 0;
+}
+
+// The writer: its engine starts after the owner's; the host region goes over the NICs (tcp) and
+// the GPU region, which only cuda_ipc could reach, is refused at submit time.
+int writer_from_another_container(Channel& ch) {
+  NetAddr owner = NetAddr::from_bytes(ch.recv_bytes());
+  MrDesc hdst = MrDesc::from_bytes(ch.recv_bytes());
+  MrDesc gdst = MrDesc::from_bytes(ch.recv_bytes());
+  auto fail = [&](int code, const std::string& why) {
+    ch.send(why);
+    return code;
+  };
+  TransferEngine engine(gpu_engine_config(sender_device()));
+  if (scope_of(engine.main_address()) == scope_of(owner))
+    return fail(30, "same host scope: " + scope_of(owner));
+  std::vector<uint8_t> src = pattern(1 << 20, 11);
+  auto [h, desc] = engine.reg_mr(src.data(), src.size());
+  std::atomic<int> flag{kDonePending};
+  Status status;
+  engine.submit_single_write(src.size(), h, 0, hdst, 0, OnDone::callback([&](const Status& s) {
+                               status = s;
+                               flag.store(s.ok() ? kDoneSucceeded : kDoneFailed);
+                               flag.notify_all();
+                             }),
+                             WriteOptions{4, std::nullopt});
+  flag.wait(kDonePending);
+  if (flag.load() != kDoneSucceeded) return fail(31, "host write failed: " + status.message());
+  auto stats = engine.nic_stats();
+  if (stats.size() != 2 || stats[0].writes_posted == 0 || stats[1].writes_posted != 0)
+    return fail(32, "the write did not go over the NIC");
+  try {
+    engine.submit_single_write(4096, h, 0, gdst, 0, OnDone::none());
+    return fail(33, "a write to a cuda_ipc-only region of another container was accepted");
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kUnsupported) return fail(34, e.what());
+  }
+  ch.send(std::string("done"));
+  return ch.recv() == "checked" ? 0 : 35;
+}
+
+// docker run twice (private IPC namespace and /dev/shm): the boot id is the same, but the peer's
+// segment is invisible. The engines used to pick cuda_ipc and fail every transfer.
+TEST(CudaIpcContainers, APeerWithItsOwnDevShmAndIpcNamespaceIsReachedOverTheNics) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(owner_for_a_foreign_writer, [](Channel& ch) {
+    if (!enter_private_ipc_and_dev_shm()) {
+      ch.send(std::string("no namespaces"));
+      return kNoNamespace;
+    }
+    return writer_from_another_container(ch);
+  });
+  if (exit_code(result.child_status) == kNoNamespace) GTEST_SKIP() << "unshare/mount refused";
+  EXPECT_TRUE(result.ok()) << "owner rc " << result.parent_rc << ", writer rc " << exit_code(result.child_status);
+}
+
+// docker run --ipc=host twice (shared /dev/shm, own PID namespaces): the writer is process 1 of
+// its namespace, where kill(owner's pid, 0) says ESRCH; the old sweep deleted the owner's live
+// segment, and legacy CUDA IPC handles do not open across PID namespaces: NICs.
+TEST(CudaIpcContainers, APeerInAnotherPidNamespaceSharingDevShmIsReachedOverTheNics) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(owner_for_a_foreign_writer, [](Channel& ch) {
+    int rc = as_pid1([&] { return writer_from_another_container(ch); });
+    if (rc == kNoNamespace) ch.send(std::string("no namespaces"));
+    return rc;
+  });
+  if (exit_code(result.child_status) == kNoNamespace) GTEST_SKIP() << "unshare refused";
+  EXPECT_TRUE(result.ok()) << "owner rc " << result.parent_rc << ", writer rc " << exit_code(result.child_status);
+}
+
+// Both engines are process 1 of their own PID namespaces with one /dev/shm: PID-based names
+// collided ("/fabric-ipc-1-0": the second engine failed to start), and "same process" (equal
+// PIDs) made the writer use the owner's pointers as its own.
+TEST(CudaIpcContainers, TwoEnginesThatAreBothProcess1StartAndReachEachOther) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(
+      [](Channel& ch) { return as_pid1([&] { return owner_for_a_foreign_writer(ch); }); },
+      [](Channel& ch) { return as_pid1([&] { return writer_from_another_container(ch); }); });
+  if (result.parent_rc == kNoNamespace) GTEST_SKIP() << "unshare refused";
+  EXPECT_TRUE(result.ok()) << "owner rc " << result.parent_rc << ", writer rc " << exit_code(result.child_status);
+}
+
+// ---- peer removal -----------------------------------------------------------------------------
+
+// A writer maps a 16 GiB region of its peer, then removes the peer (with writes in flight, every
+// one of which must still end exactly once), writes to the same address again (re-inserted) and
+// removes it again. The owner then frees the region: cudaMemGetInfo must show it back. Before
+// remove_peer closed the IPC mapping, the writer kept the whole allocation alive.
+TEST(CudaIpcPeers, RemovingAPeerClosesItsMappingsSoItsFreedGpuMemoryReturns) {
+  REQUIRE_GPU();
+  constexpr size_t kBig = 16ull << 30;
+  constexpr uint64_t kBurst = 512;
+  auto result = tools::run_process_pair(
+      [](Channel& ch) {  // the writer
+        TransferEngine engine(gpu_engine_config(sender_device()));
+        NetAddr owner = NetAddr::from_bytes(ch.recv_bytes());
+        MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
+        DeviceBuffer src(1 << 20, sender_device());
+        src.upload(pattern(1 << 20, 21));
+        auto [h, desc] = engine.reg_mr(src.ptr, src.len, Device::cuda(sender_device()));
+        auto write = [&](uint64_t dst_offset) {
+          std::atomic<int> f{kDonePending};
+          engine.submit_single_write(1 << 20, h, 0, dst, dst_offset, OnDone::flag(&f));
+          f.wait(kDonePending);
+          return f.load() == kDoneSucceeded;
+        };
+        if (!write(0) || !write(kBig - (1 << 20))) return 40;
+        std::atomic<uint64_t> ok{0}, failed{0};
+        for (uint64_t i = 0; i < kBurst; i++)
+          engine.submit_single_write(1 << 20, h, 0, dst, (i % 1024) << 20,
+                                     OnDone::counter(&ok, &failed), WriteOptions{6, std::nullopt});
+        engine.remove_peer(owner);
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (ok.load() + failed.load() < kBurst && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        if (ok.load() + failed.load() != kBurst) return 41;  // lost, or reported twice
+        if (!write(2 << 20)) return 42;                      // the same address, inserted afresh
+        engine.remove_peer(owner);
+        ch.send(std::to_string(ok.load()) + " " + std::to_string(failed.load()));
+        std::string back = ch.recv();
+        std::printf("remove_peer: %llu writes in flight at removal: %llu ok, %llu failed; the "
+                    "owner got %s GiB of its 16 GiB back after freeing it\n",
+                    static_cast<unsigned long long>(kBurst), static_cast<unsigned long long>(ok.load()),
+                    static_cast<unsigned long long>(failed.load()), back.c_str());
+        return 0;
+      },
+      [](Channel& ch) {  // the owner
+        TransferEngine engine(gpu_engine_config(0));
+        ck(cudaSetDevice(0), "cudaSetDevice");
+        void* big = nullptr;
+        ck(cudaMalloc(&big, kBig), "cudaMalloc(16 GiB)");
+        size_t with = 0, total = 0;
+        ck(cudaMemGetInfo(&with, &total), "cudaMemGetInfo");
+        auto [h, desc] = engine.reg_mr(big, kBig, Device::cuda(0));
+        ch.send(engine.main_address().to_bytes());
+        ch.send(desc.to_bytes());
+        std::string counts = ch.recv();  // the writer has written, removed us, written, removed
+        std::vector<uint8_t> got(1 << 20);
+        ck(cudaMemcpy(got.data(), static_cast<uint8_t*>(big) + (2 << 20), got.size(), cudaMemcpyDefault), "download");
+        bool landed = got == pattern(1 << 20, 21);
+        engine.dereg_mr(h);
+        ck(cudaFree(big), "cudaFree");
+        size_t now = with;
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (std::chrono::steady_clock::now() < deadline) {
+          ck(cudaMemGetInfo(&now, &total), "cudaMemGetInfo");
+          if (now >= with + kBig * 9 / 10) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        double back = now > with ? static_cast<double>(now - with) / (1ull << 30) : 0.0;
+        char text[32];
+        std::snprintf(text, sizeof text, "%.2f", back);
+        ch.send(std::string(text));
+        if (!landed) return 51;
+        return now >= with + kBig * 9 / 10 ? 0 : 50;
+      });
+  EXPECT_TRUE(result.ok()) << "writer rc " << result.parent_rc << ", owner rc " << exit_code(result.child_status);
+}
+
+// ---- deregistration against a streaming writer --------------------------------------------------
+
+// A peer streams WRITEs (256 KiB ones through the gather kernel, 2 MiB ones through a copy
+// engine, up to 2,048 in flight) into a 256 MiB region; the owner deregisters it mid-stream,
+// zeroes it at once and looks again 0.5 s later: not one byte may have landed after dereg_mr
+// returned. (Before, dereg_mr only bumped the generation: the writer's queued copies landed.)
+TEST(CudaIpcDereg, NoWriteFromAPeerLandsAfterDeregReturns) {
+  REQUIRE_GPU();
+  constexpr size_t kRegion = 256 << 20;
+  auto result = tools::run_process_pair(
+      [](Channel& ch) {  // the owner
+        TransferEngine engine(gpu_engine_config(0));
+        DeviceBuffer dst(kRegion, 0);
+        dst.fill(0);
+        auto [h, desc] = engine.reg_mr(dst.ptr, kRegion, Device::cuda(0));
+        ch.send(engine.main_address().to_bytes());
+        ch.send(desc.to_bytes());
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (engine.imm_count(3) < 2000 && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        uint64_t before = engine.imm_count(3);
+        auto t0 = std::chrono::steady_clock::now();
+        engine.dereg_mr(h);
+        auto took = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0);
+        dst.fill(0);
+        ck(cudaDeviceSynchronize(), "sync");
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        auto got = dst.download(0, kRegion);
+        size_t late = static_cast<size_t>(std::count_if(got.begin(), got.end(), [](uint8_t b) { return b != 0; }));
+        ch.send(std::string("stop"));
+        std::string writer = ch.recv();
+        std::printf("dereg_mr mid-stream: %llu WRITEs had landed, dereg_mr took %lld us, %zu bytes "
+                    "landed after it; %s\n",
+                    static_cast<unsigned long long>(before), static_cast<long long>(took.count()), late,
+                    writer.c_str());
+        EXPECT_GE(before, 2000u) << "the writer was not streaming";
+        EXPECT_EQ(late, 0u) << "bytes landed in a deregistered region";
+        return ::testing::Test::HasFailure() ? 1 : 0;
+      },
+      [](Channel& ch) {  // the writer
+        NetAddr owner = NetAddr::from_bytes(ch.recv_bytes());
+        MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
+        TransferEngine engine(gpu_engine_config(sender_device()));
+        DeviceBuffer src(2 << 20, sender_device());
+        src.fill(0xab);
+        auto [h, desc] = engine.reg_mr(src.ptr, src.len, Device::cuda(sender_device()));
+        std::atomic<bool> stop{false};
+        std::thread listener([&] {
+          ch.recv();
+          stop = true;
+        });
+        std::atomic<uint64_t> ok{0}, failed{0};
+        uint64_t submitted = 0, refused = 0;
+        std::mt19937 rng(5);
+        while (!stop.load()) {
+          if (submitted - ok.load() - failed.load() >= 2048) {
+            std::this_thread::yield();
+            continue;
+          }
+          uint64_t len = submitted % 8 == 0 ? (2 << 20) : (256 << 10);
+          uint64_t offset = rng() % (kRegion / len) * len;
+          try {
+            engine.submit_single_write(len, h, 0, dst, offset, OnDone::counter(&ok, &failed),
+                                       WriteOptions{3, std::nullopt});
+            submitted++;
+          } catch (const Error&) {
+            refused++;
+          }
+        }
+        auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (ok.load() + failed.load() < submitted && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ch.send("writer: " + std::to_string(submitted) + " submitted, " + std::to_string(ok.load()) +
+                " ok, " + std::to_string(failed.load()) + " failed, " + std::to_string(refused) +
+                " refused at submit");
+        listener.join();
+        return ok.load() + failed.load() == submitted && failed.load() + refused > 0 ? 0 : 60;
+      });
+  EXPECT_TRUE(result.ok()) << "owner rc " << result.parent_rc << ", writer rc " << exit_code(result.child_status);
+}
+
+// ---- the stream wait's remote-write flush ---------------------------------------------------------
+
+// gpu_stream_wait passes CU_STREAM_WAIT_VALUE_FLUSH exactly where the device reports
+// CAN_FLUSH_REMOTE_WRITES (so NIC writes that reached the GPU before the counter are visible to
+// the released work), and the wait with those flags holds the stream until the counter moves.
+TEST(GpuSignals, StreamWaitFlushesRemoteWritesWhereTheDeviceCan) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(
+      [](Channel&) {
+        TransferEngine engine(gpu_engine_config(0, false));
+        cuda::RemoteWriteOrdering r = cuda::remote_write_ordering(0);
+        unsigned flags = cuda::stream_wait_flags(0);
+        std::printf("device 0: CAN_FLUSH_REMOTE_WRITES %d, GPU_DIRECT_RDMA_WRITES_ORDERING %d, "
+                    "GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS %#x; gpu_stream_wait flags %#x\n",
+                    r.stream_flush ? 1 : 0, r.ordering, static_cast<unsigned>(r.flush_options), flags);
+        constexpr unsigned kFlush = 1u << 30;  // CU_STREAM_WAIT_VALUE_FLUSH
+        EXPECT_EQ((flags & kFlush) != 0, r.stream_flush);
+        EXPECT_EQ(flags & ~kFlush, 0u) << "GEQ (0) plus the flush";
+        cudaStream_t s;
+        ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+        EXPECT_EQ(cuda::device_of_stream(s), 0);
+        GpuCounter c = engine.alloc_gpu_counter();
+        constexpr size_t kLen = 1 << 20;
+        DeviceBuffer data(kLen, 0), sum(8, 0);
+        data.fill(0);
+        sum.fill(0);
+        TransferEngine::gpu_stream_wait(s, c, 1);
+        ck(launch_sum(data.ptr, kLen, reinterpret_cast<uint64_t*>(sum.ptr), s), "sum");
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady) << "the stream did not wait";
+        auto bytes = pattern(kLen, 31);
+        data.upload(bytes);  // the data lands, then the counter moves (as the worker does it)
+        c.host->store(1, std::memory_order_release);
+        ck(cudaStreamSynchronize(s), "sync");
+        uint64_t want = 0, have = 0;
+        for (size_t i = 0; i < kLen; i += 8) {
+          uint64_t w;
+          std::memcpy(&w, bytes.data() + i, 8);
+          want += w;
+        }
+        auto got = sum.download(0, 8);
+        std::memcpy(&have, got.data(), 8);
+        EXPECT_EQ(have, want) << "the work behind the wait ran before the data";
+        bool flushed = cuda::flush_remote_writes(0);
+        std::printf("flush_remote_writes(0): %s\n", flushed ? "flushed" : "nothing to flush on this device");
+        engine.free_gpu_counter(c);
+        cudaStreamDestroy(s);
         return ::testing::Test::HasFailure() ? 1 : 0;
       },
       [](Channel&) { return 0; });

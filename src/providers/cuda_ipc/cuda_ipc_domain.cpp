@@ -2,13 +2,18 @@
 // of 1 MiB or more each become one cudaMemcpyAsync (a copy engine), smaller ones are gathered
 // into one kernel launch per batch. A batch's event marks its local completion; only then does
 // its immediate go to the peer's inbox, so a peer that sees the immediate sees the data.
+// Writers hold a peer's region while their copies into it run (ipc_shared.h), so deregistration
+// waits for them; peers can be removed, their mappings closed, with operations still in flight.
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <deque>
-#include <fstream>
+#include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -22,19 +27,11 @@
 namespace fabric {
 namespace {
 
-constexpr const char* kShmPrefix = "fabric-ipc-";
 constexpr size_t kDescBlock = 2048;      // copies per gather launch
 constexpr size_t kDescBlocks = 32;       // gather launches in flight
 constexpr uint64_t kCopyEngineMin = 1 << 20;  // a WRITE this large goes to a copy engine alone
 
-std::string read_host_scope() {
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(f, id);
-  if (id.empty())
-    throw Error(ErrorCode::kProvider, "cuda_ipc: cannot read /proc/sys/kernel/random/boot_id");
-  return id;
-}
+static_assert(sizeof(cudaIpcMemHandle_t) == ipc::kHandleBytes);
 
 // What this domain knows about one of its own registrations.
 struct LocalRegion {
@@ -47,10 +44,12 @@ struct LocalRegion {
 
 struct PendingOp {
   OpContext* ctx;
-  uint32_t peer;
+  PeerId peer;
   bool has_imm;
   bool kernel_ok;
   uint32_t imm;
+  uint32_t generation;       // of the destination region
+  ipc::RegionEntry* region;  // the destination's entry in the peer's segment; null: no bytes
   const void* src;
   void* dst;
   uint64_t len;
@@ -60,6 +59,9 @@ struct Batch {
   cudaEvent_t event = nullptr;
   int desc_block = -1;
   std::vector<PendingOp> ops;
+  std::vector<std::pair<ipc::RegionEntry*, uint32_t>> holds;  // (region, generation): released
+                                                              // once the batch completed
+  std::string failure;                   // set: every op of the batch fails with this
 };
 
 struct Peer {
@@ -72,9 +74,14 @@ struct Peer {
   std::string address;
   ShmSegment shm;
   ipc::Endpoint inbox;
-  pid_t pid = 0;
   bool same_process = false;
   std::unordered_map<uint32_t, Mapped> regions;
+};
+
+// PeerId = epoch << 32 | slot: a removed peer's id stays unknown after its slot is reused.
+struct PeerSlot {
+  uint32_t epoch = 0;
+  std::unique_ptr<Peer> peer;
 };
 
 struct OpenedAllocation {
@@ -84,7 +91,8 @@ struct OpenedAllocation {
 
 class CudaIpcDomain final : public Domain {
  public:
-  explicit CudaIpcDomain(const EngineConfig& config) : device_(*config.cuda_device) {
+  explicit CudaIpcDomain(const EngineConfig& config)
+      : device_(*config.cuda_device), drain_timeout_(config.transfer_timeout) {
     cuda::use_device(device_);
     cuda::check("cudaDeviceGetAttribute",
                 cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -96,23 +104,39 @@ class CudaIpcDomain final : public Domain {
     descs_ = static_cast<cuda::CopyDesc*>(descs);
     for (size_t b = kDescBlocks; b-- > 0;) free_blocks_.push_back(static_cast<int>(b));
 
-    ShmSegment::remove_stale(kShmPrefix);
-    static std::atomic<uint32_t> counter{0};
-    std::string name = fmt::format("/{}{}-{}", kShmPrefix, getpid(), counter.fetch_add(1));
+    ShmSegment::remove_stale();
     ipc::Layout layout(config.max_message_size);
-    shm_ = ShmSegment::create(name, layout.total);
-    ipc::Endpoint::format(shm_.data(), static_cast<uint32_t>(getpid()), config.max_message_size);
+    shm_ = ShmSegment::create_endpoint(layout.total);
+    ipc::Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()),
+                          config.max_message_size);
     inbox_ = ipc::Endpoint(shm_.data());
     for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
-    scope_ = read_host_scope();
-    address_ = fmt::format("{}/{}", scope_, name);
+    scope_ = shm::host_scope();
+    address_ = fmt::format("{}/{}", scope_, shm_.name());
+    shm::LocalEndpoints::add(shm_.nonce());
     log::info("cuda_ipc: device {} ({} SMs), endpoint {}", device_, sm_count_, address_);
   }
 
   ~CudaIpcDomain() override {
+    inbox_.header().closed.store(1, std::memory_order_release);  // peers' new posts fail at once
+    shm::LocalEndpoints::remove(shm_.nonce());
     cudaStreamSynchronize(stream_);
+    for (auto& b : inflight_) {
+      for (auto& [region, generation] : b.holds) region->release();
+      cudaEventDestroy(b.event);
+    }
+    inflight_.clear();
+    // Regions still registered are revoked as dereg_mr would: their memory may be freed once the
+    // engine is gone, so writers that hold them are waited for (one deadline for all).
+    auto deadline = std::chrono::steady_clock::now() + drain_timeout_;
+    for (uint32_t slot = 0; slot < ipc::kMaxRegions; slot++) {
+      ipc::RegionEntry& e = inbox_.region(slot);
+      if (e.generation.load(std::memory_order_relaxed) & 1) {
+        e.revoke();
+        wait_for_writers(e, slot, deadline);
+      }
+    }
     for (auto& [key, a] : opened_) cudaIpcCloseMemHandle(a.base);
-    for (auto& b : inflight_) cudaEventDestroy(b.event);
     for (auto e : free_events_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
     cudaFreeHost(descs_);
@@ -127,10 +151,9 @@ class CudaIpcDomain final : public Domain {
     DomainRegion r;
     if (device.kind == Device::Kind::kCuda) {
       region->gpu = region->device_readable = true;
-      region->slot = export_region(ptr, len, device);
-      ipc::RegionEntry& e = inbox_.region(region->slot);
-      r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) |
-                      e.generation.load(std::memory_order_relaxed);
+      uint32_t generation = 0;
+      region->slot = export_region(ptr, len, device, generation);
+      r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) | generation;
     } else {
       // Pinned and mapped, host memory can be a kernel's source and a copy engine's without
       // staging. Peers cannot write host memory through CUDA IPC: a source only.
@@ -153,52 +176,110 @@ class CudaIpcDomain final : public Domain {
     auto* region = static_cast<LocalRegion*>(r.provider);
     if (!region) return;
     if (region->gpu) {
-      inbox_.region(region->slot).generation.fetch_add(1, std::memory_order_release);  // even: gone
-      free_slots_.push_back(region->slot);
+      // No writer issues copies into it from now on; those already issued are waited for, so
+      // once this returns the memory may be freed or reused (REVIEW M3).
+      ipc::RegionEntry& e = inbox_.region(region->slot);
+      e.revoke();
+      if (wait_for_writers(e, region->slot, std::chrono::steady_clock::now() + drain_timeout_))
+        free_slots_.push_back(region->slot);
     }
     if (region->host_registered) cudaHostUnregister(region->host_ptr);
     delete region;
     r = {};
   }
 
+  // Throws kUnsupported whenever the peer cannot be reached through this domain (another host
+  // scope, a segment this process cannot see or that has no live owner, another format): the
+  // engine may then use its NICs for that peer.
   PeerId insert_peer(const std::string& address) override {
-    for (size_t i = 0; i < peers_.size(); i++)
-      if (peers_[i].address == address) return i;
+    if (auto it = by_address_.find(address); it != by_address_.end()) return it->second;
     auto slash = address.find('/');
-    if (slash == std::string::npos || address.compare(0, slash, scope_) != 0)
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("cuda_ipc: peer endpoint '{}' is not on this host (boot id {})",
+    if (slash == std::string::npos || address.compare(0, slash, scope_) != 0 || slash != scope_.size())
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("cuda_ipc: peer endpoint '{}' is not in this host scope ({}: boot id, "
+                              "IPC and PID namespaces, /dev/shm); use the NICs",
                               address, scope_));
-    Peer p;
-    p.address = address;
-    p.shm = ShmSegment::open(address.substr(slash));
-    auto* h = static_cast<ipc::Header*>(p.shm.data());
-    if (p.shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic)
-      throw Error(ErrorCode::kMalformed, fmt::format("cuda_ipc: {} is not a fabric-lib endpoint", address));
-    p.inbox = ipc::Endpoint(p.shm.data());
-    if (p.inbox.size() > p.shm.size())
-      throw Error(ErrorCode::kMalformed, fmt::format("cuda_ipc: {} is truncated", address));
-    p.pid = static_cast<pid_t>(h->pid);
-    p.same_process = p.pid == getpid();
-    peers_.push_back(std::move(p));
-    return peers_.size() - 1;
+    auto p = std::make_unique<Peer>();
+    p->address = address;
+    p->shm = ShmSegment::open_endpoint(address.substr(slash));
+    auto* h = static_cast<ipc::Header*>(p->shm.data());
+    if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("cuda_ipc: {} is not an endpoint of this fabric-lib version", address));
+    if (h->nonce != p->shm.nonce())
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("cuda_ipc: {} carries nonce {:016x}, not the one in its name", address,
+                              h->nonce));
+    p->inbox = ipc::Endpoint(p->shm.data());
+    if (p->inbox.size() > p->shm.size())
+      throw Error(ErrorCode::kUnsupported, fmt::format("cuda_ipc: {} is truncated", address));
+    if (p->inbox.closed())
+      throw Error(ErrorCode::kUnsupported, fmt::format("cuda_ipc: {} has closed", address));
+    p->same_process = shm::LocalEndpoints::contains(h->nonce);
+    uint32_t slot;
+    if (!free_peer_slots_.empty()) {
+      slot = free_peer_slots_.back();
+      free_peer_slots_.pop_back();
+    } else {
+      slot = static_cast<uint32_t>(peers_.size());
+      peers_.emplace_back();
+    }
+    PeerSlot& s = peers_[slot];
+    s.epoch++;
+    s.peer = std::move(p);
+    PeerId id = static_cast<PeerId>(s.epoch) << 32 | slot;
+    by_address_.emplace(address, id);
+    return id;
+  }
+
+  // Releases the peer's IPC mappings and segment. WRITEs to it not yet handed to the GPU fail
+  // now; those already issued are waited for (one stream synchronisation: removal is rare), and
+  // their immediates, which had nowhere to go any more, complete with an error.
+  void remove_peer(PeerId id) override {
+    Peer* peer = live_peer(id);
+    if (!peer) return;
+    auto slot = static_cast<uint32_t>(id);
+    auto gone = std::stable_partition(pending_.begin(), pending_.end(),
+                                      [&](const PendingOp& op) { return op.peer != id; });
+    for (auto it = gone; it != pending_.end(); ++it)
+      ready_.push_back(error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
+    pending_.erase(gone, pending_.end());
+    if (!inflight_.empty()) cudaStreamSynchronize(stream_);
+    peers_[slot].epoch++;  // `id` is unknown from here on
+    complete_batches();    // every batch has completed: holds on the peer's regions go now
+    for (auto& [region_slot, m] : peer->regions) unmap(m);
+    by_address_.erase(peer->address);
+    peers_[slot].peer.reset();
+    free_peer_slots_.push_back(slot);
   }
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    Peer& peer = peers_.at(op.peer);
+    Peer* peer = live_peer(op.peer);
+    if (!peer || peer->inbox.closed()) {
+      last_error_ = peer ? "cuda_ipc: the peer's endpoint has closed" : "cuda_ipc: unknown or removed peer";
+      return PostResult::kFailed;
+    }
     uint8_t* dst = nullptr;
+    ipc::RegionEntry* region = nullptr;
+    auto generation = static_cast<uint32_t>(op.rkey);
     if (op.len > 0) {  // an immediate-only WRITE touches no memory
-      dst = map_remote(peer, op.rkey, op.remote_addr, op.len);
+      dst = map_remote(*peer, op.rkey, op.remote_addr, op.len);
       if (!dst) return PostResult::kFailed;
+      region = &peer->inbox.region(static_cast<uint32_t>(op.rkey >> 32));
     }
     auto* src_region = static_cast<const LocalRegion*>(op.desc);
-    pending_.push_back({ctx, static_cast<uint32_t>(op.peer), op.has_imm,
-                        src_region && src_region->device_readable, op.imm, op.src, dst, op.len});
+    pending_.push_back({ctx, op.peer, op.has_imm, src_region && src_region->device_readable, op.imm,
+                        generation, region, op.src, dst, op.len});
     return PostResult::kPosted;
   }
 
   PostResult post_send(PeerId peer_id, const void* buf, size_t len, void*, OpContext* ctx) override {
-    Peer& peer = peers_.at(peer_id);
+    Peer* found = live_peer(peer_id);
+    if (!found || found->inbox.closed()) {
+      last_error_ = found ? "cuda_ipc: the peer's endpoint has closed" : "cuda_ipc: unknown or removed peer";
+      return PostResult::kFailed;
+    }
+    Peer& peer = *found;
     if (len > peer.inbox.msg_capacity()) {
       last_error_ = fmt::format("cuda_ipc: message of {} bytes exceeds the peer's slots of {} bytes "
                                 "(its EngineConfig::max_message_size)",
@@ -274,7 +355,40 @@ class CudaIpcDomain final : public Domain {
     return c;
   }
 
-  uint32_t export_region(void* ptr, size_t len, Device device) {
+  static Completion error_completion(OpContext* ctx, std::string why) {
+    Completion c;
+    c.kind = Completion::Kind::kError;
+    c.context = ctx;
+    c.error = std::move(why);
+    return c;
+  }
+
+  Peer* live_peer(PeerId id) {
+    auto slot = static_cast<uint32_t>(id);
+    if (slot >= peers_.size() || peers_[slot].epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
+    return peers_[slot].peer.get();
+  }
+
+  // After revoke(): waits until no writer holds the region (our own copies to ourselves included,
+  // which complete_batches() releases). False when writers still hold it after the timeout: a
+  // writer died holding it (its copies died with it); the slot is then never reused.
+  bool wait_for_writers(ipc::RegionEntry& e, uint32_t slot,
+                        std::chrono::steady_clock::time_point deadline) {
+    while (e.has_writers()) {
+      complete_batches();
+      if (std::chrono::steady_clock::now() > deadline) {
+        log::error("cuda_ipc: region {} is still held by a writer after waiting up to {} ms "
+                   "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
+                   "that died while copying? Carrying on; the slot is retired",
+                   slot, drain_timeout_.count());
+        return false;
+      }
+      std::this_thread::yield();
+    }
+    return true;
+  }
+
+  uint32_t export_region(void* ptr, size_t len, Device device, uint32_t& generation) {
     cuda::AddressRange range = cuda::allocation_of(ptr);
     auto* p = static_cast<uint8_t*>(ptr);
     if (p + len > range.base + range.size)
@@ -291,13 +405,13 @@ class CudaIpcDomain final : public Domain {
                   fmt::format("cuda_ipc: all {} exported regions are in use", ipc::kMaxRegions));
     uint32_t slot = free_slots_.back();
     free_slots_.pop_back();
-    ipc::RegionEntry& e = inbox_.region(slot);
-    e.device = device.index;
-    e.offset = static_cast<uint64_t>(p - range.base);
-    e.len = len;
-    e.owner_ptr = reinterpret_cast<uint64_t>(ptr);
-    e.handle = handle;
-    e.generation.fetch_add(1, std::memory_order_release);  // odd: published
+    ipc::RegionFields f;
+    f.device = device.index;
+    f.offset = static_cast<uint64_t>(p - range.base);
+    f.len = len;
+    f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
+    std::memcpy(f.handle, &handle, sizeof handle);
+    generation = inbox_.region(slot).publish(f);  // odd: published
     return slot;
   }
 
@@ -313,13 +427,8 @@ class CudaIpcDomain final : public Domain {
     Peer::Mapped& m = peer.regions[slot];
     if (m.generation != generation || !m.ptr) {
       unmap(m);
-      ipc::RegionEntry copy;
-      copy.device = e.device;
-      copy.offset = e.offset;
-      copy.len = e.len;
-      copy.owner_ptr = e.owner_ptr;
-      copy.handle = e.handle;
-      if (e.generation.load(std::memory_order_acquire) != generation) {
+      ipc::RegionFields copy;
+      if (!e.read(generation, copy)) {  // the seqlock: a torn or stale copy is refused
         last_error_ = "cuda_ipc: the remote region was deregistered";
         return nullptr;
       }
@@ -331,7 +440,7 @@ class CudaIpcDomain final : public Domain {
       }
       m.len = copy.len;
       m.generation = generation;
-    } else if (e.generation.load(std::memory_order_acquire) != generation) {
+    } else if (!e.is(generation)) {
       last_error_ = "cuda_ipc: the remote region was deregistered";
       return nullptr;
     }
@@ -343,17 +452,23 @@ class CudaIpcDomain final : public Domain {
     return m.ptr + remote_addr;
   }
 
-  uint8_t* open_region(const Peer& peer, const ipc::RegionEntry& e, std::string& handle_key) {
+  uint8_t* open_region(const Peer& peer, const ipc::RegionFields& e, std::string& handle_key) {
     // CUDA refuses to open a handle in the process that exported it: use the address itself.
     if (peer.same_process) return reinterpret_cast<uint8_t*>(e.owner_ptr);
-    handle_key.assign(reinterpret_cast<const char*>(&e.handle), sizeof e.handle);
-    OpenedAllocation& a = opened_[handle_key];
+    std::string key(reinterpret_cast<const char*>(e.handle), sizeof e.handle);
+    OpenedAllocation& a = opened_[key];
     if (!a.base) {
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, e.handle, sizeof handle);
       void* base = nullptr;
-      cuda::check("cudaIpcOpenMemHandle",
-                  cudaIpcOpenMemHandle(&base, e.handle, cudaIpcMemLazyEnablePeerAccess));
+      cudaError_t rc = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+      if (rc != cudaSuccess) {
+        opened_.erase(key);
+        cuda::check("cudaIpcOpenMemHandle", rc);
+      }
       a.base = static_cast<uint8_t*>(base);
     }
+    handle_key = std::move(key);
     a.refs++;
     return a.base + e.offset;
   }
@@ -381,41 +496,77 @@ class CudaIpcDomain final : public Domain {
     return e;
   }
 
-  // Hands pending WRITEs to the GPU, in order, as batches that each end with one event.
+  // A hold on the op's destination region for batch `b` (taken once per region and batch), or
+  // false when the region was deregistered since the op was posted.
+  // (While we hold a generation, its owner cannot publish a newer one in that entry, so an op of
+  // another generation for a held entry is a stale one.)
+  using Held = std::pair<ipc::RegionEntry*, uint32_t>;
+  static bool hold_for(Batch& b, const PendingOp& op, std::vector<Held>& refused) {
+    Held want{op.region, op.generation};
+    for (const Held& h : b.holds)
+      if (h.first == op.region) return h.second == op.generation;
+    if (std::find(refused.begin(), refused.end(), want) != refused.end()) return false;
+    if (op.region->hold(op.generation)) {
+      b.holds.push_back(want);
+      return true;
+    }
+    refused.push_back(want);
+    return false;
+  }
+
+  // Hands pending WRITEs to the GPU, in order, as batches that each end with one event. Each
+  // destination region is held (and its generation re-checked) right before its first copy.
   void flush() {
     size_t i = 0;
+    std::vector<Held> refused;
     while (i < pending_.size()) {
       Batch b;
       uint32_t descs = 0;
       for (; i < pending_.size() && b.ops.size() < kDescBlock; i++) {
         const PendingOp& op = pending_[i];
-        if (op.len > 0 && (op.len >= kCopyEngineMin || !op.kernel_ok)) {
+        bool engine = op.len >= kCopyEngineMin || !op.kernel_ok;
+        if (op.len > 0 && !engine && b.desc_block < 0) {
+          if (free_blocks_.empty()) break;  // the rest waits for a completed launch
+          b.desc_block = free_blocks_.back();
+          free_blocks_.pop_back();
+        }
+        if (op.len > 0 && !hold_for(b, op, refused)) {
+          ready_.push_back(error_completion(op.ctx, "cuda_ipc: the remote region was deregistered"));
+          continue;
+        }
+        if (op.len > 0 && engine) {
           if (!issue(cudaMemcpyAsync(op.dst, op.src, op.len, cudaMemcpyDefault, stream_), "cudaMemcpyAsync", op))
             continue;
         } else if (op.len > 0) {
-          if (b.desc_block < 0) {
-            if (free_blocks_.empty()) break;  // the rest waits for a completed launch
-            b.desc_block = free_blocks_.back();
-            free_blocks_.pop_back();
-          }
           descs_[b.desc_block * kDescBlock + descs++] = {op.src, op.dst, op.len};
         }
         b.ops.push_back(op);
       }
-      if (b.ops.empty()) break;
+      if (b.ops.empty()) {
+        release(b);
+        if (i < pending_.size() && free_blocks_.empty()) break;
+        continue;
+      }
       if (descs > 0) {
         cudaError_t rc = cuda::launch_gather_copy(descs_ + b.desc_block * kDescBlock, descs,
                                                   sm_count_, stream_);
-        if (rc != cudaSuccess) {
-          fail_batch(b, fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc)));
-          continue;
-        }
+        // The batch's copy-engine WRITEs may still run: fail it once its event says they are done.
+        if (rc != cudaSuccess)
+          b.failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
       }
       b.event = take_event();
       cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream_));
       inflight_.push_back(std::move(b));
     }
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(i));
+  }
+
+  // A batch that will not run (or has run): its holds and descriptor block go back.
+  void release(Batch& b) {
+    for (auto& [region, generation] : b.holds) region->release();
+    b.holds.clear();
+    if (b.desc_block >= 0) free_blocks_.push_back(b.desc_block);
+    b.desc_block = -1;
   }
 
   bool issue(cudaError_t rc, const char* call, const PendingOp& op) {
@@ -430,14 +581,8 @@ class CudaIpcDomain final : public Domain {
   }
 
   void fail_batch(Batch& b, const std::string& why) {
-    for (auto& op : b.ops) {
-      Completion c;
-      c.kind = Completion::Kind::kError;
-      c.context = op.ctx;
-      c.error = why;
-      ready_.push_back(std::move(c));
-    }
-    if (b.desc_block >= 0) free_blocks_.push_back(b.desc_block);
+    for (auto& op : b.ops) ready_.push_back(error_completion(op.ctx, why));
+    release(b);
     if (b.event) free_events_.push_back(b.event);
   }
 
@@ -449,26 +594,38 @@ class CudaIpcDomain final : public Domain {
       if (rc != cudaSuccess) {
         cudaGetLastError();
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
+      } else if (!b.failure.empty()) {
+        fail_batch(b, b.failure);
       } else {
+        release(b);  // the copies are done: their regions' owners may deregister now
         for (auto& op : b.ops) {
-          if (op.has_imm && !peers_[op.peer].inbox.push_imm(op.imm)) {
+          if (!op.has_imm) {
+            ready_.push_back(local_completion(op.ctx));
+          } else if (!deliver_imm(op)) {
             held_.push_back(op);  // the peer's inbox is full: deliver on a later poll
-            continue;
           }
-          ready_.push_back(local_completion(op.ctx));
         }
-        if (b.desc_block >= 0) free_blocks_.push_back(b.desc_block);
         free_events_.push_back(b.event);
       }
       inflight_.pop_front();
     }
   }
 
-  void deliver_held_imms() {
-    while (!held_.empty() && peers_[held_.front().peer].inbox.push_imm(held_.front().imm)) {
-      ready_.push_back(local_completion(held_.front().ctx));
-      held_.pop_front();
+  // Delivers op's immediate and completes op; false when the peer's inbox is full.
+  bool deliver_imm(const PendingOp& op) {
+    Peer* peer = live_peer(op.peer);
+    if (!peer) {
+      ready_.push_back(error_completion(
+          op.ctx, "cuda_ipc: the peer was removed before this WRITE's immediate was delivered"));
+      return true;
     }
+    if (!peer->inbox.push_imm(op.imm)) return false;
+    ready_.push_back(local_completion(op.ctx));
+    return true;
+  }
+
+  void deliver_held_imms() {
+    while (!held_.empty() && deliver_imm(held_.front())) held_.pop_front();
   }
 
   const std::string name_ = "cuda_ipc";
@@ -484,7 +641,10 @@ class CudaIpcDomain final : public Domain {
   std::string scope_;
   std::string address_;
   std::string last_error_;
-  std::vector<Peer> peers_;
+  std::chrono::milliseconds drain_timeout_;
+  std::vector<PeerSlot> peers_;
+  std::vector<uint32_t> free_peer_slots_;
+  std::unordered_map<std::string, PeerId> by_address_;
   std::unordered_map<std::string, OpenedAllocation> opened_;
   std::vector<PendingOp> pending_;
   std::deque<Batch> inflight_;

@@ -1,10 +1,10 @@
 // Layout of a cuda_ipc endpoint's shared-memory segment, read and written by several processes:
 // the header, the table of exported GPU regions, the inbox of immediates and the inbox of
 // messages. Both inboxes are bounded multi-producer queues (Vyukov) on lock-free atomics, which
-// work across processes because they hold no pointers and take no locks.
+// work across processes because they hold no pointers and take no locks. Every field that more
+// than one process touches is an atomic; the file needs no CUDA header (the CPU unit tests
+// exercise the region protocol below).
 #pragma once
-
-#include <cuda_runtime_api.h>
 
 #include <atomic>
 #include <cstddef>
@@ -14,29 +14,100 @@
 
 namespace fabric::ipc {
 
-inline constexpr uint64_t kMagic = 0x31764350494246ull;  // "FBIPCv1"
+inline constexpr uint64_t kMagic = 0x32764350494246ull;  // "FBIPCv2": nonce, closed flag, holds
 inline constexpr uint32_t kMaxRegions = 4096;
 inline constexpr uint32_t kImmSlots = 1u << 16;
 inline constexpr uint32_t kMsgSlots = 256;
+inline constexpr size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "cross-process queues need address-free atomics");
 
-// One exported region. The owner writes the fields, then makes the generation odd (release);
-// a writer reads the generation (acquire), the fields, then the generation again (a seqlock).
+// What a writer needs of an exported region.
+struct RegionFields {
+  int32_t device = 0;
+  uint64_t offset = 0;     // of the region inside its CUDA allocation
+  uint64_t len = 0;
+  uint64_t owner_ptr = 0;  // the region's address in the owner's process (same-process writers)
+  uint8_t handle[kHandleBytes] = {};  // cudaIpcMemHandle_t of the whole allocation
+};
+
+// One exported region: a seqlock (the generation, odd while published) around its fields, and
+// the writers' holds that let its owner deregister it safely.
+//
+// Deregistration against writers in other processes (a copy may be queued on a writer's GPU
+// when the owner deregisters, and over CUDA IPC nothing revokes a mapping):
+// - a writer takes a hold (writers + 1, then re-reads the generation; both seq_cst) right before
+//   it hands copies into the region to its GPU, and gives up if the generation moved; it
+//   releases the hold once those copies have completed on the GPU;
+// - the owner makes the generation even (seq_cst), then waits until no hold is left.
+// By the seq_cst total order either the writer sees the new generation (and issues nothing) or
+// the owner sees its hold (and waits for its copies): once deregistration returns, no copy into
+// the region runs or will run.
 struct RegionEntry {
-  std::atomic<uint32_t> generation;
-  int32_t device;
-  uint64_t offset;      // of the region inside its CUDA allocation
-  uint64_t len;
-  uint64_t owner_ptr;   // the region's address in the owner's process (same-process writers)
-  cudaIpcMemHandle_t handle;  // of the whole allocation
+  std::atomic<uint32_t> generation{0};
+  std::atomic<uint32_t> writers{0};
+  std::atomic<int64_t> device{0};
+  std::atomic<uint64_t> offset{0}, len{0}, owner_ptr{0};
+  std::atomic<uint64_t> handle[kHandleBytes / 8] = {};
+
+  // Owner, on a free (even) entry: fills the fields, then publishes them. Returns the generation.
+  uint32_t publish(const RegionFields& f) {
+    uint32_t g = generation.load(std::memory_order_relaxed);
+    // The fields change while the generation is even; this fence keeps a reader that sees one of
+    // the new values from also seeing the older generation (the seqlock's writer side).
+    std::atomic_thread_fence(std::memory_order_release);
+    device.store(f.device, std::memory_order_relaxed);
+    offset.store(f.offset, std::memory_order_relaxed);
+    len.store(f.len, std::memory_order_relaxed);
+    owner_ptr.store(f.owner_ptr, std::memory_order_relaxed);
+    for (size_t w = 0; w < kHandleBytes / 8; w++) {
+      uint64_t v;
+      std::memcpy(&v, f.handle + 8 * w, 8);
+      handle[w].store(v, std::memory_order_relaxed);
+    }
+    generation.store(g + 1, std::memory_order_release);
+    return g + 1;
+  }
+
+  // Owner: no new copies from now on (generation even); then wait until !has_writers().
+  void revoke() { generation.fetch_add(1, std::memory_order_seq_cst); }
+  bool has_writers() const { return writers.load(std::memory_order_seq_cst) != 0; }
+
+  // Any process: the fields of generation `g`, or false when the entry is not (or no longer)
+  // that generation. Acquire before the fields, an acquire fence after them, then the check.
+  bool read(uint32_t g, RegionFields& out) const {
+    if ((g & 1) == 0 || generation.load(std::memory_order_acquire) != g) return false;
+    out.device = static_cast<int32_t>(device.load(std::memory_order_relaxed));
+    out.offset = offset.load(std::memory_order_relaxed);
+    out.len = len.load(std::memory_order_relaxed);
+    out.owner_ptr = owner_ptr.load(std::memory_order_relaxed);
+    for (size_t w = 0; w < kHandleBytes / 8; w++) {
+      uint64_t v = handle[w].load(std::memory_order_relaxed);
+      std::memcpy(out.handle + 8 * w, &v, 8);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return generation.load(std::memory_order_relaxed) == g;
+  }
+  bool is(uint32_t g) const { return generation.load(std::memory_order_acquire) == g; }
+
+  // Writer: a hold on generation `g` before issuing copies into it; false (and no hold) when the
+  // region is no longer that generation. release() once the copies have completed.
+  bool hold(uint32_t g) {
+    writers.fetch_add(1, std::memory_order_seq_cst);
+    if (generation.load(std::memory_order_seq_cst) == g) return true;
+    writers.fetch_sub(1, std::memory_order_release);
+    return false;
+  }
+  void release() { writers.fetch_sub(1, std::memory_order_release); }
 };
 
 struct alignas(64) Header {
   uint64_t magic;
-  uint32_t pid;
+  uint64_t nonce;          // the endpoint's random identity; also in the segment's name
+  uint32_t pid;            // for messages only: PIDs repeat across PID namespaces
   uint32_t msg_slot_size;  // payload bytes per message slot
+  std::atomic<uint32_t> closed;  // the owner's domain has closed: writers stop at once
   alignas(64) std::atomic<uint64_t> imm_head;  // producers
   alignas(64) uint64_t imm_tail;               // the owner only
   alignas(64) std::atomic<uint64_t> msg_head;
@@ -71,9 +142,10 @@ class Endpoint {
   explicit Endpoint(void* base) : base_(static_cast<uint8_t*>(base)), layout_(header().msg_slot_size) {}
 
   // Formats a fresh (zeroed) segment.
-  static void format(void* base, uint32_t pid, size_t msg_slot_size) {
+  static void format(void* base, uint64_t nonce, uint32_t pid, size_t msg_slot_size) {
     auto* h = new (base) Header{};
     h->magic = kMagic;
+    h->nonce = nonce;
     h->pid = pid;
     h->msg_slot_size = static_cast<uint32_t>(msg_slot_size);
     Endpoint e(base);
@@ -88,6 +160,7 @@ class Endpoint {
   }
   size_t msg_capacity() const { return layout_.msg_slot_size; }
   size_t size() const { return layout_.total; }
+  bool closed() const { return header().closed.load(std::memory_order_acquire) != 0; }
 
   // Producers (any process). False when the inbox is full.
   bool push_imm(uint32_t imm) {
