@@ -33,6 +33,8 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
                 "provider 'verbs': this fabric-lib was built without libibverbs (install "
                 "libibverbs-dev and reconfigure)");
 #endif
+  } else if (config.provider == "efa-sim") {
+    domain = open_efa_sim_domain(config, nic_index);  // EFA's attributes over tcp, for tests
   } else {
     domain = open_libfabric_domain(config, nic_index);
   }

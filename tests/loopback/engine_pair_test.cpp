@@ -291,6 +291,13 @@ INSTANTIATE_TEST_SUITE_P(Providers, EnginePair,
                                            ProviderCase{"verbs", 2, false},
                                            ProviderCase{"verbs", 2, true}),
                          case_name);
+// efa-sim: EFA's attributes over tcp (case names say tcp, what runs underneath).
+INSTANTIATE_TEST_SUITE_P(EfaSim, EnginePair,
+                         ::testing::Values(ProviderCase{"efa-sim", 1, false},
+                                           ProviderCase{"efa-sim", 2, false},
+                                           ProviderCase{"efa-sim", 1, true},
+                                           ProviderCase{"efa-sim", 2, true}),
+                         case_name);
 
 // ---- a peer killed mid-transfer ----------------------------------------------------------
 
@@ -364,6 +371,10 @@ INSTANTIATE_TEST_SUITE_P(Providers, KilledPeer,
                                            ProviderCase{"tcp;ofi_rxm", 2, false},
                                            ProviderCase{"shm", 1, false},
                                            ProviderCase{"verbs", 1, false}),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(EfaSim, KilledPeer,
+                         ::testing::Values(ProviderCase{"efa-sim", 1, false},
+                                           ProviderCase{"efa-sim", 2, true}),
                          case_name);
 
 // ---- a peer killed with WRITEs in flight ---------------------------------------------------
@@ -446,6 +457,10 @@ INSTANTIATE_TEST_SUITE_P(Providers, KilledMidTransfer,
                                            ProviderCase{"tcp;ofi_rxm", 2, false},
                                            ProviderCase{"tcp;ofi_rxm", 4, false},
                                            ProviderCase{"verbs", 2, false}),
+                         case_name);
+INSTANTIATE_TEST_SUITE_P(EfaSim, KilledMidTransfer,  // 256 KiB pages: split WRITEs in flight
+                         ::testing::Values(ProviderCase{"efa-sim", 1, false},
+                                           ProviderCase{"efa-sim", 2, true}),
                          case_name);
 
 }  // namespace

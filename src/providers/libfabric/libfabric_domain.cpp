@@ -8,21 +8,41 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
+#include "providers/efa_sim/efa_sim.h"
+#include "providers/libfabric/fi_compat.h"
+#include "providers/libfabric/provider_attrs.h"
 #include "util/log.h"
+#ifdef FABRIC_WITH_CUDA
+#include "cuda/driver_api.h"
+#endif
 
 namespace fabric {
 namespace {
 
+static_assert(sizeof(OpContext::provider_space) >= sizeof(fi_context2),
+              "OpContext::provider_space is the operation's fi_context2");
+
 constexpr uint64_t kSupportedMrMode =
     FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
 constexpr size_t kScratchLen = 64;
+// WRITEs longer than the provider's max_msg_size in progress at once, and their pieces with the
+// provider at once (each piece needs its own operation context). Beyond either, post_write
+// answers kRetry / the pieces wait for earlier ones to complete.
+constexpr size_t kMaxSplits = 256;
+constexpr size_t kMaxPieces = 1024;
+
+enum class Backend { kLibfabric, kEfaSim };
 
 std::string fi_message(const char* call, long rc) {
   return fmt::format("{} failed: {} ({})", call, fi_strerror(static_cast<int>(-rc)), rc);
@@ -34,102 +54,45 @@ void check(const char* call, long rc) {
 
 class LibfabricDomain final : public Domain {
  public:
-  LibfabricDomain(const EngineConfig& config, size_t nic_index) {
-    const NicConfig& nic = config.nics.at(nic_index);
-    // An engine that serves a GPU asks for FI_HMEM (GPU memory registration, EFA and verbs-based
-    // providers have it); a provider without it still serves host memory.
-    if (config.cuda_device) {
-      try {
-        info_ = pick_info(config.provider, nic, FI_HMEM);
-      } catch (const Error&) {
-        log::info("nic {}: provider {} offers no FI_HMEM: host memory only", nic_index, config.provider);
-      }
+  LibfabricDomain(const EngineConfig& config, size_t nic_index, Backend backend)
+      : sim_(backend == Backend::kEfaSim) {
+    try {
+      open(config, nic_index);
+    } catch (...) {
+      close_all();
+      throw;
     }
-    if (!info_) info_ = pick_info(config.provider, nic, 0);
-    provider_ = info_->fabric_attr->prov_name;
-    mr_mode_ = info_->domain_attr->mr_mode;
-    if (info_->mode & FI_RX_CQ_DATA)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("provider {} requires FI_RX_CQ_DATA (immediates consuming receive "
-                              "buffers), which fabric-lib does not support",
-                              provider_));
-
-    check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric_, nullptr));
-    check("fi_domain", fi_domain(fabric_, info_, &domain_, nullptr));
-    fi_cq_attr cq_attr{};
-    cq_attr.format = FI_CQ_FORMAT_DATA;
-    cq_attr.size = 16384;
-    cq_attr.wait_obj = FI_WAIT_NONE;
-    check("fi_cq_open", fi_cq_open(domain_, &cq_attr, &cq_, nullptr));
-    fi_av_attr av_attr{};
-    av_attr.type = FI_AV_TABLE;
-    check("fi_av_open", fi_av_open(domain_, &av_attr, &av_, nullptr));
-    check("fi_endpoint", fi_endpoint(domain_, info_, &ep_, nullptr));
-    check("fi_ep_bind(cq)", fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV));
-    check("fi_ep_bind(av)", fi_ep_bind(ep_, &av_->fid, 0));
-    check("fi_enable", fi_enable(ep_));
-
-    char name[512];
-    size_t name_len = sizeof name;
-    check("fi_getname", fi_getname(&ep_->fid, name, &name_len));
-    address_.assign(name, name_len);
-
-    scratch_ = std::aligned_alloc(64, kScratchLen);
-    std::memset(scratch_, 0, kScratchLen);
-    scratch_region_ = register_memory(scratch_, kScratchLen, Device::host());
-
-    char straddr[256];
-    size_t straddr_len = sizeof straddr;
-    fi_av_straddr(av_, name, straddr, &straddr_len);
-    log::info("nic {}: provider={} domain={} addr={} mr_mode=0x{:x} tx_size={} inject={}",
-              nic_index, provider_, info_->domain_attr->name, straddr, mr_mode_,
-              info_->tx_attr->size, info_->tx_attr->inject_size);
   }
 
-  ~LibfabricDomain() override {
-    if (ep_) fi_close(&ep_->fid);
-    if (scratch_region_.provider) fi_close(&static_cast<fid_mr*>(scratch_region_.provider)->fid);
-    if (av_) fi_close(&av_->fid);
-    if (cq_) fi_close(&cq_->fid);
-    if (domain_) fi_close(&domain_->fid);
-    if (fabric_) fi_close(&fabric_->fid);
-    if (info_) fi_freeinfo(info_);
-    std::free(scratch_);
-  }
+  ~LibfabricDomain() override { close_all(); }
 
   const std::string& provider_name() const override { return provider_; }
   const std::string& address() const override { return address_; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    if (device.kind == Device::Kind::kCuda && !(info_->caps & FI_HMEM))
+    const bool gpu = device.kind == Device::Kind::kCuda;
+    if (gpu && !(attrs_.caps & FI_HMEM))
       throw Error(ErrorCode::kUnsupported,
                   fmt::format("provider {} cannot register CUDA memory (no FI_HMEM; set "
                               "EngineConfig::cuda_device so it is asked for, or use efa/verbs)",
                               provider_));
-    fid_mr* mr = nullptr;
     // Least privilege: the engine only WRITEs and SENDs. No FI_REMOTE_READ: a peer cannot read
     // a registered region, only write it.
-    uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    iovec iov{ptr, len};
+    const uint64_t access = FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
     fi_mr_attr attr{};
-    attr.mr_iov = &iov;
-    attr.iov_count = 1;
     attr.access = access;
-    if (device.kind == Device::Kind::kCuda) {
+    attr.iov_count = 1;
+    if (gpu) {
       attr.iface = FI_HMEM_CUDA;
       attr.device.cuda = device.index;
     }
-    // Without FI_MR_PROV_KEY the application chooses keys; they must be unique per domain. Random
-    // keys (as wide as the provider allows) are not guessable by a peer that was never given the
-    // region's MrDesc; a collision (-FI_ENOKEY) draws again.
-    int rc = 0;
-    for (int attempt = 0; attempt < 8; attempt++) {
-      attr.requested_key = (mr_mode_ & FI_MR_PROV_KEY) ? 0 : random_key();
-      rc = fi_mr_regattr(domain_, &attr, 0, &mr);
-      if (rc != -FI_ENOKEY) break;
+    fid_mr* mr = gpu && dmabuf_ ? register_dmabuf(attr, ptr, len) : nullptr;
+    if (!mr) {
+      iovec iov{ptr, len};
+      attr.mr_iov = &iov;
+      check("fi_mr_regattr", regattr(attr, 0, &mr));
     }
-    check("fi_mr_regattr", rc);
-    if (mr_mode_ & FI_MR_ENDPOINT) {
+    if (attrs_.mr_mode & FI_MR_ENDPOINT) {
       long rc = fi_mr_bind(mr, &ep_->fid, 0);
       if (rc == 0) rc = fi_mr_enable(mr);
       if (rc != 0) {
@@ -141,7 +104,7 @@ class LibfabricDomain final : public Domain {
     r.provider = mr;
     r.desc = fi_mr_desc(mr);
     r.remote.rkey = fi_mr_key(mr);
-    r.remote.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
+    r.remote.base = (attrs_.mr_mode & FI_MR_VIRT_ADDR) ? reinterpret_cast<uint64_t>(ptr) : 0;
     return r;
   }
 
@@ -165,7 +128,15 @@ class LibfabricDomain final : public Domain {
   }
 
   // The AV entry goes; completions of operations still posted to it carry only our context.
+  // A split WRITE to it posts no more pieces and fails once those posted have completed.
   void remove_peer(PeerId peer) override {
+    for (size_t i = 0; splits_ && i < kMaxSplits; i++) {
+      Split& s = splits_[i];
+      if (s.parent && s.op.peer == peer && !s.failed && s.posted < s.op.len) {
+        fail_split(s, "the peer was removed while the WRITE was being posted");
+        enqueue(s);  // the next poll reports it once nothing of it is with the provider
+      }
+    }
     for (auto it = peers_.begin(); it != peers_.end(); ++it) {
       if (it->second != peer) continue;
       fi_addr_t a = peer;
@@ -176,16 +147,21 @@ class LibfabricDomain final : public Domain {
     }
   }
 
+  // One provider operation, or (longer than max_msg_size) several: see post_split.
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    ssize_t rc = op.has_imm
-                     ? fi_writedata(ep_, op.src, op.len, op.desc, op.imm, op.peer, op.remote_addr,
-                                    op.rkey, ctx)
-                     : fi_write(ep_, op.src, op.len, op.desc, op.peer, op.remote_addr, op.rkey, ctx);
+    if (op.len > max_msg_) return post_split(op, ctx);
+    ssize_t rc = write_op(op.src, op.len, op.desc, op.peer, op.remote_addr, op.rkey, op.has_imm,
+                          op.imm, ctx);
     return result(op.has_imm ? "fi_writedata" : "fi_write", rc);
   }
 
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
                        OpContext* ctx) override {
+    if (len > max_msg_) {
+      last_error_ = fmt::format("{}: a SEND of {} bytes exceeds the provider's max_msg_size ({})",
+                                provider_, len, max_msg_);
+      return PostResult::kFailed;
+    }
     return result("fi_send", fi_send(ep_, buf, len, desc, peer, ctx));
   }
 
@@ -196,39 +172,164 @@ class LibfabricDomain final : public Domain {
   const std::string& last_error() const override { return last_error_; }
 
   size_t poll(std::span<Completion> out) override {
+    size_t written = pending_.empty() ? 0 : pump(out);
+    if (written == out.size()) return written;
     fi_cq_data_entry entries[64];
-    size_t want = std::min(out.size(), std::size(entries));
+    size_t want = std::min(out.size() - written, std::size(entries));
     ssize_t n = fi_cq_read(cq_, entries, want);
-    if (n == -FI_EAGAIN) return 0;
-    if (n == -FI_EAVAIL) return read_error(out);
+    if (n == -FI_EAGAIN) return written;
+    if (n == -FI_EAVAIL) return written + read_error(out.subspan(written));
     if (n < 0) {
-      out[0] = Completion{Completion::Kind::kError, nullptr, 0, 0, fi_message("fi_cq_read", n)};
-      return 1;
+      out[written] = Completion{Completion::Kind::kError, nullptr, 0, 0, fi_message("fi_cq_read", n)};
+      return written + 1;
     }
     for (ssize_t i = 0; i < n; i++) {
       const fi_cq_data_entry& e = entries[i];
-      Completion& c = out[i];
-      c.error.clear();
+      Completion& c = out[written];
       if (e.flags & FI_RECV) {
+        c = Completion{};
         c.kind = Completion::Kind::kRecv;
         c.context = static_cast<OpContext*>(e.op_context);
         c.len = e.len;
       } else if (e.flags & FI_REMOTE_CQ_DATA) {
+        c = Completion{};
         c.kind = Completion::Kind::kRemoteImm;
-        c.context = nullptr;
-        c.imm = static_cast<uint32_t>(e.data);  // 8 bytes on tcp/shm, 4 on EFA
+        c.imm = static_cast<uint32_t>(e.data & UINT32_MAX);  // 8 bytes on tcp/shm, 4 on EFA
+      } else if (Piece* p = piece_of(e.op_context)) {
+        if (!piece_done(*p, nullptr, c)) continue;  // the WRITE has pieces left
       } else {
+        c = Completion{};
         c.kind = Completion::Kind::kLocal;
         c.context = static_cast<OpContext*>(e.op_context);
       }
+      written++;
     }
-    return static_cast<size_t>(n);
+    return written;
   }
 
   void* scratch_desc() const override { return scratch_region_.desc; }
   void* scratch_buffer() const override { return scratch_; }
 
  private:
+  // ---- opening -------------------------------------------------------------------------------
+
+  void open(const EngineConfig& config, size_t nic_index) {
+    const NicConfig& nic = config.nics.at(nic_index);
+    const std::string prov = sim_ ? efa_sim::kUnderlying : config.provider;
+    // An engine that serves a GPU asks for FI_HMEM (GPU memory registration, EFA and verbs-based
+    // providers have it); a provider without it still serves host memory.
+    if (config.cuda_device) {
+      try {
+        info_ = pick_info(prov, nic, FI_HMEM);
+      } catch (const Error&) {
+        log::info("nic {}: provider {} offers no FI_HMEM: host memory only", nic_index, config.provider);
+      }
+    }
+    if (!info_) info_ = pick_info(prov, nic, 0);
+    attrs_ = ProviderAttrs::of(info_);
+    if (sim_) efa_sim::present_as_efa(attrs_);  // from here on the domain sees EFA's attributes
+    provider_ = sim_ ? efa_sim::kName : attrs_.prov_name;
+    const bool efa = attrs_.prov_name == "efa";
+    if (attrs_.mode & FI_RX_CQ_DATA)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("provider {} requires FI_RX_CQ_DATA (immediates consuming receive "
+                              "buffers), which fabric-lib does not support",
+                              provider_));
+    if (attrs_.cq_data_size < 4)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("provider {} carries {} bytes of remote CQ data; immediates need 4",
+                              provider_, attrs_.cq_data_size));
+    max_msg_ = attrs_.max_msg_size ? attrs_.max_msg_size : SIZE_MAX;
+    // GPU memory goes in as a dma-buf where the provider takes one (FI_HMEM, API 1.20): no
+    // nvidia-peermem needed. Elsewhere, or if it is refused, as an FI_HMEM_CUDA address range.
+    dmabuf_ = (attrs_.caps & FI_HMEM) && attrs_.api_version >= fi_compat::kDmabufApi;
+
+    check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric_, nullptr));
+    check("fi_domain", sim_ ? efa_sim::open_domain(fabric_, info_, &domain_)
+                            : fi_domain(fabric_, info_, &domain_, nullptr));
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.size = 16384;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    check("fi_cq_open", fi_cq_open(domain_, &cq_attr, &cq_, nullptr));
+    fi_av_attr av_attr{};
+    av_attr.type = FI_AV_TABLE;
+    check("fi_av_open", fi_av_open(domain_, &av_attr, &av_, nullptr));
+    check("fi_endpoint", fi_endpoint(domain_, info_, &ep_, nullptr));
+    check("fi_ep_bind(cq)", fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV));
+    check("fi_ep_bind(av)", fi_ep_bind(ep_, &av_->fid, 0));
+    if (efa) set_efa_endpoint_options();
+    check("fi_enable", fi_enable(ep_));
+
+    char name[512];
+    size_t name_len = sizeof name;
+    check("fi_getname", fi_getname(&ep_->fid, name, &name_len));
+    address_.assign(name, name_len);
+
+    scratch_ = std::aligned_alloc(64, kScratchLen);
+    std::memset(scratch_, 0, kScratchLen);
+    scratch_region_ = register_memory(scratch_, kScratchLen, Device::host());
+
+    char straddr[256];
+    size_t straddr_len = sizeof straddr;
+    fi_av_straddr(av_, name, straddr, &straddr_len);
+    log::info("nic {}: provider={} domain={} addr={} mr_mode=0x{:x} tx_size={} inject={} "
+              "max_msg={} cq_data={} api={}.{}",
+              nic_index, provider_, info_->domain_attr->name, straddr, attrs_.mr_mode, attrs_.tx_size,
+              attrs_.inject_size, attrs_.max_msg_size, attrs_.cq_data_size,
+              FI_MAJOR(attrs_.api_version), FI_MINOR(attrs_.api_version));
+  }
+
+  // EFA, before fi_enable (it reads both when the endpoint is enabled): no shm transport (same-host
+  // peers go through the NIC as well; cuda_ipc is the engine's own path for them) and no CUDA calls
+  // from the provider (GPU memory goes NIC-to-GPU, never through a CUDA copy on our worker thread).
+  void set_efa_endpoint_options() {
+    set_endpoint_option_false("FI_OPT_SHARED_MEMORY_PERMITTED", fi_compat::kOptSharedMemoryPermitted,
+                              /*required=*/true);
+    // EFA refuses it where CUDA is not loaded (-FI_EINVAL) or GPU memory is reachable only through
+    // CUDA copies (-FI_EOPNOTSUPP). It matters only for GPU memory: required with FI_HMEM only.
+    set_endpoint_option_false("FI_OPT_CUDA_API_PERMITTED", fi_compat::kOptCudaApiPermitted,
+                              /*required=*/(attrs_.caps & FI_HMEM) != 0);
+  }
+
+  void set_endpoint_option_false(const char* name, int option, bool required) {
+    bool value = false;
+    int rc = static_cast<int>(fi_setopt(&ep_->fid, FI_OPT_ENDPOINT, option, &value, sizeof value));
+    if (rc == 0) {
+      log::debug("{}: {} = false", provider_, name);
+    } else if (rc == -FI_ENOPROTOOPT || rc == -FI_ENOSYS) {
+      log::info("{}: this libfabric does not know {} (older than the option): left as it is",
+                provider_, name);
+    } else if (!required) {
+      log::info("{}: fi_setopt({} = false) refused ({}); this domain serves host memory only",
+                provider_, name, fi_strerror(-rc));
+    } else {
+      throw Error(ErrorCode::kProvider,
+                  fmt::format("fi_setopt({} = false) on provider {} failed: {} ({}). For GPU "
+                              "memory without CUDA calls EFA needs GPUDirect RDMA",
+                              name, provider_, fi_strerror(-rc), rc));
+    }
+  }
+
+  void close_all() {
+    if (ep_) fi_close(&ep_->fid);
+    if (scratch_region_.provider) fi_close(&static_cast<fid_mr*>(scratch_region_.provider)->fid);
+    if (av_) fi_close(&av_->fid);
+    if (cq_) fi_close(&cq_->fid);
+    if (domain_) fi_close(&domain_->fid);
+    if (fabric_) fi_close(&fabric_->fid);
+    if (info_) fi_freeinfo(info_);
+    std::free(scratch_);
+    ep_ = nullptr;
+    scratch_region_ = {};
+    av_ = nullptr;
+    cq_ = nullptr;
+    domain_ = nullptr;
+    fabric_ = nullptr;
+    info_ = nullptr;
+    scratch_ = nullptr;
+  }
+
   static fi_info* pick_info(const std::string& provider, const NicConfig& nic, uint64_t extra_caps) {
     fi_info* hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
@@ -241,7 +342,8 @@ class LibfabricDomain final : public Domain {
     if (!nic.node.empty()) hints->addr_format = FI_SOCKADDR_IN;
     fi_info* list = nullptr;
     const char* node = nic.node.empty() ? nullptr : nic.node.c_str();
-    int rc = fi_getinfo(FI_VERSION(1, 17), node, nullptr, node ? FI_SOURCE : 0, hints, &list);
+    const uint32_t api = std::min(fi_compat::kWantedApi, fi_version());
+    int rc = fi_getinfo(api, node, nullptr, node ? FI_SOURCE : 0, hints, &list);
     fi_freeinfo(hints);
     if (rc != 0)
       throw Error(ErrorCode::kProvider,
@@ -265,12 +367,67 @@ class LibfabricDomain final : public Domain {
     return info;
   }
 
+  // ---- memory registration -------------------------------------------------------------------
+
+  // Without FI_MR_PROV_KEY the application chooses keys; they must be unique per domain. Random
+  // keys (as wide as the provider allows) are not guessable by a peer that was never given the
+  // region's MrDesc; a collision (-FI_ENOKEY) draws again.
+  int regattr(fi_mr_attr& attr, uint64_t flags, fid_mr** mr) {
+    int rc = 0;
+    for (int attempt = 0; attempt < 8; attempt++) {
+      attr.requested_key = (attrs_.mr_mode & FI_MR_PROV_KEY) ? 0 : random_key();
+      rc = fi_mr_regattr(domain_, &attr, flags, mr);
+      if (rc != -FI_ENOKEY) break;
+    }
+    return rc;
+  }
+
+  // GPU memory as a dma-buf (cuMemGetHandleForAddressRange, as the verbs provider does); null
+  // when there is none or the provider refuses it, and the caller registers the address range.
+  fid_mr* register_dmabuf(fi_mr_attr attr, void* ptr, size_t len) {
+#ifdef FABRIC_WITH_CUDA
+    cuda::DmaBuf buf;
+    try {
+      buf = cuda::dmabuf_of(ptr, len);
+    } catch (const Error& e) {
+      log::info("{}: no dma-buf for GPU memory ({}); registering the address range", provider_, e.what());
+      return nullptr;
+    }
+    fi_compat::fi_mr_dmabuf d{};
+    d.fd = buf.fd;
+    d.offset = buf.offset;
+    d.len = len;
+    d.base_addr = static_cast<uint8_t*>(ptr) - buf.offset;  // the region is base_addr + offset
+    fi_compat::set_dmabuf(attr, &d);
+    fid_mr* mr = nullptr;
+    int rc = regattr(attr, FI_MR_DMABUF, &mr);
+    close(buf.fd);  // the registration holds the dma-buf
+    if (rc == 0) return mr;
+    log::info("{}: fi_mr_regattr(FI_MR_DMABUF) refused ({}); registering the address range", provider_,
+              fi_strerror(-rc));
+    return nullptr;
+#else
+    (void)attr;
+    (void)ptr;
+    (void)len;
+    return nullptr;
+#endif
+  }
+
   uint64_t random_key() {
-    size_t bytes = std::min<size_t>(info_->domain_attr->mr_key_size, 8);
+    size_t bytes = std::min<size_t>(attrs_.mr_key_size, 8);
     uint64_t mask = bytes >= 8 ? ~0ull : (1ull << (8 * bytes)) - 1;
     uint64_t key = 0;
     while (key == 0) key = key_rng_() & mask;
     return key;
+  }
+
+  // ---- posting -------------------------------------------------------------------------------
+
+  ssize_t write_op(const void* src, size_t len, void* desc, PeerId peer, uint64_t remote_addr,
+                   uint64_t rkey, bool has_imm, uint32_t imm, void* context) {
+    return has_imm ? fi_writedata(ep_, src, len, desc, imm, peer, remote_addr, rkey, context)
+                   : fi_write(ep_, src, len, desc, peer, remote_addr, rkey, context);
   }
 
   PostResult result(const char* call, ssize_t rc) {
@@ -280,20 +437,194 @@ class LibfabricDomain final : public Domain {
     return PostResult::kFailed;
   }
 
+  // ---- WRITEs longer than max_msg_size -------------------------------------------------------
+  //
+  // Cut into pieces of at most max_msg_size, each a provider operation with a context of its own
+  // (Piece: the OpContext's provider_space is the fi_context2 of one operation only). The engine
+  // sees one operation: its OpContext completes once, after every posted piece has, with the first
+  // error if any. Only the last piece carries the immediate, so the receiver counts one, as for an
+  // unsplit WRITE. Unordered providers (EFA's SRD) may land a later operation before an earlier
+  // one, so the last piece is posted only once all others have completed: the immediate never
+  // arrives before the data it announces. Pieces the provider cannot take now (-FI_EAGAIN, or no
+  // free Piece) are posted by later polls.
+
+  struct Split {
+    OpContext* parent = nullptr;  // null: free
+    WriteOp op;
+    uint64_t posted = 0;          // bytes handed to the provider
+    uint32_t outstanding = 0;     // pieces with the provider
+    bool queued = false;          // in pending_: has pieces to post
+    bool failed = false;          // no more pieces are posted; reported with first_error
+    Completion first_error;
+    Split* next_free = nullptr;
+  };
+  struct Piece {
+    fi_context2 fi_ctx;  // first: the context pointer handed to libfabric is the Piece's address
+    Split* split = nullptr;
+    Piece* next_free = nullptr;
+  };
+
+  PostResult post_split(const WriteOp& op, OpContext* ctx) {
+    if (!splits_) allocate_split_pools();
+    Split* s = split_free_;
+    if (!s) return PostResult::kRetry;
+    split_free_ = s->next_free;
+    s->parent = ctx;
+    s->op = op;
+    s->posted = 0;
+    s->outstanding = 0;
+    s->queued = false;
+    s->failed = false;
+    s->first_error = Completion{};
+    PostResult r = advance(*s);
+    if (s->outstanding == 0) {  // nothing was posted: the engine keeps the WRITE (retry or failure)
+      release(*s);
+      return r == PostResult::kPosted ? PostResult::kRetry : r;
+    }
+    if (r == PostResult::kRetry) enqueue(*s);  // the provider is full: later polls post the rest
+    return PostResult::kPosted;  // a failure after some pieces is reported once they complete
+  }
+
+  // Posts the split's next pieces while the provider takes them. kRetry: the provider (or the
+  // piece pool) is full and pieces are left; kPosted: all posted, or the immediate's piece waits for
+  // the others' completions; kFailed: the split failed.
+  PostResult advance(Split& s) {
+    while (!s.failed && s.posted < s.op.len) {
+      const uint64_t len = std::min<uint64_t>(s.op.len - s.posted, max_msg_);
+      const bool imm = s.op.has_imm && s.posted + len == s.op.len;
+      if (imm && s.outstanding > 0) return PostResult::kPosted;  // the immediate's piece waits
+      Piece* p = piece_free_;
+      if (!p) return PostResult::kRetry;
+      ssize_t rc = write_op(static_cast<const uint8_t*>(s.op.src) + s.posted, len, s.op.desc, s.op.peer,
+                            s.op.remote_addr + s.posted, s.op.rkey, imm, s.op.imm, p);
+      if (rc == -FI_EAGAIN) return PostResult::kRetry;
+      if (rc != 0) {
+        last_error_ = fi_message(imm ? "fi_writedata" : "fi_write", rc);
+        fail_split(s, last_error_);
+        return PostResult::kFailed;
+      }
+      piece_free_ = p->next_free;
+      p->split = &s;
+      s.outstanding++;
+      s.posted += len;
+    }
+    return PostResult::kPosted;
+  }
+
+  void fail_split(Split& s, const std::string& message) {
+    if (s.failed) return;
+    s.failed = true;
+    s.first_error = Completion{};
+    s.first_error.kind = Completion::Kind::kError;
+    s.first_error.error = message;
+  }
+
+  void enqueue(Split& s) {
+    if (s.queued) return;
+    s.queued = true;
+    pending_.push_back(&s);
+  }
+
+  bool finished(const Split& s) const {
+    return s.outstanding == 0 && (s.failed || s.posted == s.op.len);
+  }
+
+  // The split's one completion, for its OpContext; frees the split.
+  Completion finish(Split& s) {
+    Completion c = s.failed ? std::move(s.first_error) : Completion{};
+    if (!s.failed) c.kind = Completion::Kind::kLocal;
+    c.context = s.parent;
+    if (s.queued) std::erase(pending_, &s);
+    release(s);
+    return c;
+  }
+
+  void release(Split& s) {
+    s.parent = nullptr;
+    s.queued = false;
+    s.next_free = split_free_;
+    split_free_ = &s;
+  }
+
+  // Posts the pieces that the provider could not take before, and reports splits that ended
+  // here (failed with nothing left with the provider). Returns how many completions it wrote.
+  size_t pump(std::span<Completion> out) {
+    size_t written = 0;
+    for (size_t i = 0; i < pending_.size();) {
+      Split& s = *pending_[i];
+      PostResult r = advance(s);
+      if (finished(s)) {
+        if (written == out.size()) break;  // reported at the next poll
+        out[written++] = finish(s);         // erases pending_[i]
+      } else if (r != PostResult::kRetry) {  // the rest is up to completions (piece_done)
+        s.queued = false;
+        pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        i++;
+      }
+    }
+    return written;
+  }
+
+  Piece* piece_of(void* context) const {
+    auto a = reinterpret_cast<uintptr_t>(context), lo = reinterpret_cast<uintptr_t>(pieces_.get());
+    if (!pieces_ || a < lo || a >= lo + kMaxPieces * sizeof(Piece)) return nullptr;
+    return static_cast<Piece*>(context);
+  }
+
+  // A piece completed (error: its error completion). True when that ends its split: `out` then
+  // holds the split's completion.
+  bool piece_done(Piece& p, const Completion* error, Completion& out) {
+    Split& s = *p.split;
+    p.split = nullptr;
+    p.next_free = piece_free_;
+    piece_free_ = &p;
+    s.outstanding--;
+    if (error && !s.failed) {
+      s.failed = true;
+      s.first_error = *error;
+    }
+    // More pieces, or the immediate's now that the others are done.
+    if (!s.failed && s.posted < s.op.len && advance(s) == PostResult::kRetry) enqueue(s);
+    if (!finished(s)) return false;
+    out = finish(s);
+    return true;
+  }
+
+  void allocate_split_pools() {
+    splits_ = std::make_unique<Split[]>(kMaxSplits);
+    for (size_t i = kMaxSplits; i-- > 0;) release(splits_[i]);
+    pieces_ = std::make_unique<Piece[]>(kMaxPieces);
+    for (size_t i = kMaxPieces; i-- > 0;) {
+      pieces_[i].next_free = piece_free_;
+      piece_free_ = &pieces_[i];
+    }
+    pending_.reserve(kMaxSplits);
+  }
+
+  // ---- completions ---------------------------------------------------------------------------
+
   size_t read_error(std::span<Completion> out) {
     fi_cq_err_entry err{};
     ssize_t rc = fi_cq_readerr(cq_, &err, 0);
     if (rc < 0) return 0;
     const char* prov_msg = fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0);
     Completion& c = out[0];
+    c = Completion{};
     c.kind = Completion::Kind::kError;
     c.context = static_cast<OpContext*>(err.op_context);
     c.error = fmt::format("{} completion error: {} (provider: {})", provider_,
                           fi_strerror(err.err), prov_msg ? prov_msg : "-");
+    if (Piece* p = piece_of(err.op_context)) {
+      Completion piece_error = std::move(c);
+      return piece_done(*p, &piece_error, c) ? 1 : 0;
+    }
     return 1;
   }
 
+  const bool sim_;
   fi_info* info_ = nullptr;
+  ProviderAttrs attrs_;
   fid_fabric* fabric_ = nullptr;
   fid_domain* domain_ = nullptr;
   fid_cq* cq_ = nullptr;
@@ -301,18 +632,28 @@ class LibfabricDomain final : public Domain {
   fid_ep* ep_ = nullptr;
   std::string provider_;
   std::string address_;
-  uint64_t mr_mode_ = 0;
+  size_t max_msg_ = SIZE_MAX;
+  bool dmabuf_ = false;
   std::mt19937_64 key_rng_{std::random_device{}()};
   std::unordered_map<std::string, fi_addr_t> peers_;
   std::string last_error_;
   void* scratch_ = nullptr;
   DomainRegion scratch_region_;
+  std::unique_ptr<Split[]> splits_;
+  std::unique_ptr<Piece[]> pieces_;
+  Split* split_free_ = nullptr;
+  Piece* piece_free_ = nullptr;
+  std::vector<Split*> pending_;
 };
 
 }  // namespace
 
 std::unique_ptr<Domain> open_libfabric_domain(const EngineConfig& config, size_t nic_index) {
-  return std::make_unique<LibfabricDomain>(config, nic_index);
+  return std::make_unique<LibfabricDomain>(config, nic_index, Backend::kLibfabric);
+}
+
+std::unique_ptr<Domain> open_efa_sim_domain(const EngineConfig& config, size_t nic_index) {
+  return std::make_unique<LibfabricDomain>(config, nic_index, Backend::kEfaSim);
 }
 
 }  // namespace fabric
