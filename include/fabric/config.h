@@ -31,9 +31,14 @@ struct VerbsConfig {
   // The connection handshake (over UD) repeats its message with backoff and fails the peer after
   // this long: writes and sends to it then end with kProvider.
   std::chrono::milliseconds handshake_timeout{10000};
-  // RC retransmission: 4.096 us * 2^ack_timeout per try, retry_count tries before the queue pair
-  // fails (a dead peer). 14 and 7 give about half a second.
-  uint8_t ack_timeout = 14;
+  // After a failed handshake, posts to that peer fail at once for this long; the first post after
+  // it tries to connect again (and a message from the peer reconnects it at any time).
+  std::chrono::milliseconds reconnect_backoff{1000};
+  // RC retransmission: 4.096 us * 2^ack_timeout per try, 1 + retry_count tries before the queue
+  // pair fails; its requests then fail and the next post to the peer reconnects. 20 and 7 (as
+  // NCCL) give about 35 s, so link flaps and pause storms do not cut connections; tests use 14
+  // and 3 (about 0.3 s). Soft-RoCE (rxe) retries forever when retry_count is 7.
+  uint8_t ack_timeout = 20;
   uint8_t retry_count = 7;
   // For tests: the first N handshake packets this domain sends are dropped (lost-packet recovery).
   uint32_t drop_handshake_packets = 0;

@@ -211,6 +211,11 @@ int main(int argc, char** argv) {
     m.write_qpn = 0x24;
     m.msg_psn = psn;
     m.write_psn = psn ^ 0x5a5a5a;
+    m.epoch = 1;
+    if (flags & HandshakeMsg::kConnected) {  // the receiver's queue pairs it points at
+      m.to_msg_qpn = 0x33;
+      m.to_write_qpn = 0x34;
+    }
     return m.to_bytes();
   };
   put("verbs_msg_fuzz", "valid-hello", msg(0, 3, 0x123456));
@@ -220,7 +225,7 @@ int main(int argc, char** argv) {
   put("verbs_msg_fuzz", "bad-truncated", cut(m0, m0.size() - 1));
   put("verbs_msg_fuzz", "bad-trailing-byte", plus(m0, 0));
   put("verbs_msg_fuzz", "bad-magic", set(m0, 0, 0));
-  put("verbs_msg_fuzz", "bad-version", set(m0, 1, 2));
+  put("verbs_msg_fuzz", "bad-version", set(m0, 1, 1));  // version 1: no epoch
   put("verbs_msg_fuzz", "bad-flags-ready-only", set(m0, 2, HandshakeMsg::kReady));
   put("verbs_msg_fuzz", "bad-flags-unknown", set(m0, 2, 4));
   put("verbs_msg_fuzz", "bad-mtu-0", set(m0, 3, 0));
@@ -228,6 +233,10 @@ int main(int argc, char** argv) {
   put("verbs_msg_fuzz", "bad-address-version", set(m0, 4, 0));
   put("verbs_msg_fuzz", "bad-qpn-0", set(set(m0, 44, 0), 45, 0));  // msg_qpn 0x23 -> 0
   put("verbs_msg_fuzz", "bad-psn-25bit", set(m0, 55, 1));
+  put("verbs_msg_fuzz", "bad-epoch-0", set(m0, 60, 0));                       // epoch 1 -> 0
+  put("verbs_msg_fuzz", "bad-connected-unnamed", set(m0, 64, 0));             // to_msg_qpn 0x33 -> 0
+  put("verbs_msg_fuzz", "bad-named-not-connected", set(msg(0, 3, 7), 68, 1));  // to_write_qpn 0 -> 1
+  put("verbs_msg_fuzz", "bad-to-qpn-25bit", set(m0, 67, 1));
 
   // --- Handshake simulation (format in verbs_handshake_fuzz.cpp): 4 header bytes, then ops.
   auto tick = [](uint8_t ms) { return static_cast<uint8_t>(ms & 63); };

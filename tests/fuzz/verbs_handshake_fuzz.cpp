@@ -83,6 +83,7 @@ struct Sim {
       m.mtu = 3;
       m.from.ud_qpn = static_cast<uint32_t>(from + 1);
       m.msg_qpn = m.write_qpn = 7;
+      if (flags & HandshakeMsg::kConnected) m.to_msg_qpn = m.to_write_qpn = 8;  // as send_handshake
       auto wire = fuzz::must([&] { return m.to_bytes(); });
       // Our own message must pass the peer's strict parser, flags included.
       auto parsed = fuzz::parse([&] { return HandshakeMsg::from_bytes(wire); });

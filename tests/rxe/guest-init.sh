@@ -33,6 +33,34 @@ pair() {
   result $rc "$s" "$name"
 }
 
+# rxe_link_pair: two more Soft-RoCE devices, rxe1 on fva (198.51.100.1) and rxe2 on fvb
+# (198.51.100.2), the two ends of a veth pair, for tests that break the link between two devices
+# (`tc qdisc add dev fva root netem loss 100%` drops rxe1 -> rxe2; fvb the other way). rxe0 on its
+# dummy netdev only reaches itself (rxe hands a packet to its own device without any netdev), and
+# two devices in one kernel do not reach each other by default either: the destination is a local
+# address, so the route goes through lo, and rxe drops what arrives on a netdev it does not sit on.
+# Policy routing sends each one's locally generated traffic out of its own veth end instead
+# (tables 10 and 11, ahead of the local table), static neighbours save ARP, and accept_local lets
+# the other end take packets whose source is a local address. Sets FABRIC_LINK_DEVICES.
+rxe_link_pair() {
+  modprobe -a veth sch_netem || return 1
+  ip link add fva type veth peer name fvb || return 1
+  local s
+  for s in all.rp_filter=0 default.rp_filter=0 all.accept_local=1; do sysctl -qw net.ipv4.conf.$s; done
+  for s in fva fvb; do sysctl -qw net.ipv4.conf.$s.rp_filter=0 net.ipv4.conf.$s.accept_local=1; done
+  ip addr add 198.51.100.1/24 dev fva && ip addr add 198.51.100.2/24 dev fvb || return 1
+  ip link set fva up && ip link set fvb up || return 1
+  ip neigh replace 198.51.100.2 lladdr "$(cat /sys/class/net/fvb/address)" dev fva nud permanent
+  ip neigh replace 198.51.100.1 lladdr "$(cat /sys/class/net/fva/address)" dev fvb nud permanent
+  ip route add 198.51.100.2 dev fva src 198.51.100.1 table 10
+  ip route add 198.51.100.1 dev fvb src 198.51.100.2 table 11
+  ip rule add pref 10 iif lo to 198.51.100.2 lookup 10
+  ip rule add pref 11 iif lo to 198.51.100.1 lookup 11
+  ip rule add pref 100 lookup local && ip rule del pref 0 lookup local || return 1
+  rdma link add rxe1 type rxe netdev fva && rdma link add rxe2 type rxe netdev fvb || return 1
+  export FABRIC_LINK_DEVICES="rxe1:fva,rxe2:fvb"
+}
+
 echo "@@ INIT_START uptime=$(up)"
 [ -f /opt/fabric/env.sh ] && . /opt/fabric/env.sh && sed 's/^export /env: /' /opt/fabric/env.sh
 

@@ -49,10 +49,13 @@ KV=${KPKG#linux-image-}
 VMLINUX=$CACHE/vmlinux-$KV
 MODDIR=$CACHE/modules-$KV
 # Only what rxe needs: crc32_generic provides the ICRC hash (without it `rdma link add` fails with
-# "No such file or directory"), dummy is the netdev rxe sits on.
+# "No such file or directory"), dummy is the netdev rxe sits on; veth and sch_netem carry the
+# two-device link that the network-fault tests break (guest-init.sh, rxe_link_pair).
 MODS="drivers/infiniband/sw/rxe/rdma_rxe drivers/infiniband/core/ib_core drivers/infiniband/core/ib_uverbs
-      net/ipv4/udp_tunnel net/ipv6/ip6_udp_tunnel drivers/net/dummy crypto/crc32_generic"
-if [ ! -f "$VMLINUX" ] || [ ! -d "$MODDIR" ]; then
+      net/ipv4/udp_tunnel net/ipv6/ip6_udp_tunnel drivers/net/dummy crypto/crc32_generic
+      drivers/net/veth net/sched/sch_netem"
+have_mods() { for m in $MODS; do [ -f "$MODDIR/kernel/$m.ko" ] || return 1; done; }
+if [ ! -f "$VMLINUX" ] || [ ! -d "$MODDIR" ] || ! have_mods; then
   log "fetching $KPKG"
   kx=$WORK/kernel; rm -rf "$kx"; mkdir -p "$kx/root"
   # As root apt would drop to user _apt, who cannot write here: stay root rather than warn.
@@ -73,11 +76,12 @@ log "kernel $KV ready"
 # --- 3. guest rootfs ------------------------------------------------------------------------------
 # An initramfs cpio made by mmdebstrap's 'extract' variant: it only unpacks the packages and their
 # dependencies, runs no maintainer scripts (about twice as fast as 'essential'); our /init does the rest.
-# The key covers the kernel (modules are inside), the package list and this recipe's revision.
+# The key covers the kernel and its module list (the modules are inside), the package list and this
+# recipe's revision.
 PKGS=dash,bash,coreutils,util-linux,mount,grep,sed,mawk,kmod,iproute2,procps,libibverbs1,ibverbs-providers
 PKGS=$PKGS,ibverbs-utils,perftest,libstdc++6,libfabric1,libfmt9
 RECIPE=1
-KEY=$(echo "$RECIPE $KV $PKGS" | md5sum | cut -c1-10)
+KEY=$(echo "$RECIPE $KV $PKGS" $MODS | md5sum | cut -c1-10)
 ROOTCPIO=$CACHE/rootfs-$KEY.cpio
 ROOTLIST=$CACHE/rootfs-$KEY.files   # the rootfs paths, to tell which host libraries the guest lacks
 if [ ! -f "$ROOTCPIO" ] || [ ! -f "$ROOTLIST" ]; then

@@ -6,4 +6,9 @@ echo "@@ BENCH_BEGIN ib_write_bw"
 pair ib_write_bw 300 ib_write_bw -d rxe0 -x 1 -F -s 65536 -n 2000
 echo "@@ BENCH_END"
 
+# rxe1 and rxe2 on the two ends of a veth pair, for the test that cuts the link with netem
+# (Verbs.TransientLoss*); every other test stays on rxe0.
+echo "@@ STEP rxe-link-pair"; t0=$(up); rxe_link_pair; result $? "$t0" rxe-link-pair
+export FABRIC_VERBS_DEVICE=rxe0
+
 step loopback_tests_verbs 600 /opt/fabric/loopback_tests --gtest_filter='*verbs*:*Verbs*'

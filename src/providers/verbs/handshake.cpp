@@ -40,4 +40,16 @@ uint8_t Handshake::flags() const {
   return f;
 }
 
+EpochStep epoch_step(uint32_t ours, bool live, uint32_t theirs, uint8_t flags, bool consistent) {
+  // The peer sets kConnected at an epoch only after a message of ours at that epoch: if we are
+  // below it (or have no queue pairs), the queue pairs it is connected to are not ours (we forgot
+  // them, or they failed), so neither side can use them. At our own epoch, queue pairs that do
+  // not match mean that one side forgot the other and made new ones under an epoch it had used.
+  bool connected = flags & HandshakeMsg::kConnected;
+  if (live && theirs == ours) return consistent ? EpochStep::kCurrent : EpochStep::kSupersede;
+  if (live && theirs < ours) return EpochStep::kStale;
+  if (theirs > ours && !connected) return EpochStep::kAdopt;
+  return EpochStep::kSupersede;
+}
+
 }  // namespace fabric::verbs

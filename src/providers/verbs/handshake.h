@@ -9,6 +9,16 @@
 //
 // A message is answered whenever its sender does not yet know that we are connected, so any lost
 // message is recovered by the next retransmission of the side that is not ready yet.
+//
+// Reconnection. One Handshake connects one pair of queue pair sets, numbered by an epoch that both
+// sides share. A side whose queue pairs failed (a transient fault exhausted the RC retries) retires
+// them and, at its next post, makes new ones under epoch + 1; the other side sees the higher epoch
+// and replaces its own (epoch_step). A side that forgot the peer (remove_peer, then the same
+// address again) starts again at epoch 1: the other side answers that stale epoch with its
+// current message, which says that it is connected to queue pairs the forgetful side no longer
+// has, and the forgetful side moves past that epoch (kSupersede). Each message names the sender's
+// queue pairs and, once connected, the receiver's that it points at, so new queue pairs at an
+// epoch already used are told apart too.
 #pragma once
 
 #include <chrono>
@@ -59,5 +69,19 @@ class Handshake {
   bool failed_ = false;
   uint32_t sent_ = 0;
 };
+
+// What a message at the peer's epoch `theirs`, with flags `flags`, means for our side of the
+// connection, which is at epoch `ours` and has queue pairs (`live`: connecting or connected) or
+// none (never connected, failed, or lost). `consistent`: the message names the queue pairs we
+// connected to (if we did) and, if it says kConnected, our current ones as the ones it points at.
+enum class EpochStep {
+  kCurrent,    // our epoch: an ordinary handshake message
+  kStale,      // an older epoch: answer with our current message (a forgetful peer learns ours)
+  kAdopt,      // the peer started a new connection: replace our queue pairs, take its epoch
+  kSupersede,  // the peer's queue pairs and ours do not belong together: new ones at a new epoch
+};
+EpochStep epoch_step(uint32_t ours, bool live, uint32_t theirs, uint8_t flags, bool consistent);
+// The epoch after a kSupersede.
+inline uint32_t superseding_epoch(uint32_t ours, uint32_t theirs) { return (ours > theirs ? ours : theirs) + 1; }
 
 }  // namespace fabric::verbs

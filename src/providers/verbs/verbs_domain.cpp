@@ -11,12 +11,21 @@
 // Posting: work requests wait in a per-QP chain and go to the NIC four at a time, or at the next
 // poll(), so one doorbell carries several requests. A WRITE longer than the port's largest message
 // is cut into several requests; its OpContext completes once, when the last of them has.
+//
+// Connections come and go: an error completion (a transient fault that outlasted the RC retries,
+// a bad remote key) leaves a queue pair in the error state for good, so the peer's two queue pairs
+// are retired (moved to the error state: the NIC flushes every request on them, and each fails
+// once) and the next post to that peer connects new ones under a higher epoch; the peer sees the
+// epoch and replaces its own. remove_peer retires them the same way. A retired queue pair is
+// destroyed once its last request has come back (and the receive CQ has been read, since some
+// providers drop a destroyed queue pair's entries from it), so no completion finds freed state.
 #include "providers/verbs/verbs_domain.h"
 
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -70,37 +79,59 @@ T* check_ptr(T* p, const char* call, const std::string& device) {
   return p;
 }
 
-// The send side of one RC queue pair, with its chain of requests not yet handed to the NIC.
+struct Peer;
+
+// The send side of one RC queue pair, with its chain of requests not yet handed to the NIC. Owned
+// by its peer while in use, then by the domain's retired list until its last request is back.
 struct SendQueue {
   ibv_qp* qp = nullptr;
+  Peer* peer = nullptr;      // null once retired
   uint32_t psn = 0;
   uint32_t depth = 0;        // max_send_wr
   uint32_t outstanding = 0;  // posted or chained, not completed
   uint32_t chained = 0;
   bool dirty = false;  // listed for flushing at the next poll
+  std::string error;   // set when it failed or was retired: its remaining requests fail with it
   ibv_send_wr wr[kChain]{};
   ibv_sge sge[kChain]{};
 };
 
+// kDown: no queue pairs (never connected, or lost); the next post connects.
+// kConnecting: queue pairs made, handshake under way. kReady: writes may go.
+// kFailed: the last handshake went unanswered; posts fail at once until retry_at, then connect.
+enum class PeerState { kDown, kConnecting, kReady, kFailed };
+
 struct Peer {
   Peer(Handshake::Clock::time_point now, Handshake::Timing t) : hs(now, t) {}
   VerbsAddress addr;
+  std::string key;  // the address bytes (peer_ids_)
+  PeerId id = 0;
   ibv_ah* ah = nullptr;  // towards the peer's handshake QP
-  SendQueue msg, write;
+  std::unique_ptr<SendQueue> msg, write;  // both or neither
   uint32_t remote_msg_qpn = 0, remote_write_qpn = 0;
+  uint32_t epoch = 0;  // of the current (or last) connection; 0: none yet
+  uint32_t connections = 0;
   Handshake hs;
-  std::string error;  // set once the peer is unreachable: every later post fails with it
+  PeerState state = PeerState::kDown;
+  bool handshaking = false;  // listed in handshaking_
+  std::string error;         // why it failed (kFailed) or was lost (kDown)
+  Handshake::Clock::time_point retry_at{};
 };
 
 // What an OpContext carries while its requests are out (provider_space).
 struct OpState {
   uint64_t requests_left;
   SendQueue* queue;
-  Peer* peer;
   uint64_t failed;  // 1 once a request of it failed
 };
 static_assert(sizeof(OpState) <= sizeof(OpContext::provider_space));
 OpState& op_state(OpContext* ctx) { return *reinterpret_cast<OpState*>(ctx->provider_space); }
+
+// PeerId: the slot in the low 32 bits, the slot's generation above, so that the id of a removed
+// peer never reaches the peer that takes its slot later.
+constexpr PeerId make_id(uint32_t slot, uint32_t generation) { return (static_cast<PeerId>(generation) << 32) | slot; }
+constexpr uint32_t id_slot(PeerId id) { return static_cast<uint32_t>(id); }
+constexpr uint32_t id_generation(PeerId id) { return static_cast<uint32_t>(id >> 32); }
 
 class VerbsDomain final : public Domain {
  public:
@@ -152,11 +183,13 @@ class VerbsDomain final : public Domain {
   }
 
   ~VerbsDomain() override {
-    for (auto& p : peers_) {
-      if (p->msg.qp) ibv_destroy_qp(p->msg.qp);
-      if (p->write.qp) ibv_destroy_qp(p->write.qp);
+    for (auto& p : slots_) {
+      if (!p) continue;
+      for (SendQueue* q : {p->msg.get(), p->write.get()})
+        if (q) ibv_destroy_qp(q->qp);
       if (p->ah) ibv_destroy_ah(p->ah);
     }
+    for (auto& q : retired_) ibv_destroy_qp(q->qp);
     if (ud_qp_) ibv_destroy_qp(ud_qp_);
     if (ud_mr_) ibv_dereg_mr(ud_mr_);
     if (scratch_region_.provider) ibv_dereg_mr(static_cast<ibv_mr*>(scratch_region_.provider));
@@ -202,47 +235,65 @@ class VerbsDomain final : public Domain {
     if (it != peer_ids_.end()) return it->second;
     VerbsAddress a = VerbsAddress::from_bytes(
         std::span(reinterpret_cast<const uint8_t*>(address.data()), address.size()));
-    return add_peer(a, address);
+    return add_peer(a, address).id;
+  }
+
+  // Its queue pairs are retired (what is posted on them fails, once each, through poll()); the
+  // slot is reused with a new generation, so the old id stays unknown.
+  void remove_peer(PeerId id) override {
+    Peer* p = find(id);
+    if (!p) return;
+    drop_connection(*p, fmt::format("verbs: peer {} on {} was removed", p->addr.describe(), dev_.name));
+    unlist_handshake(*p);
+    peer_ids_.erase(p->key);
+    if (p->ah) ibv_destroy_ah(p->ah);
+    uint32_t slot = id_slot(id);
+    slots_[slot].reset();
+    generations_[slot]++;
+    free_slots_.push_back(slot);
+    peer_count_--;
   }
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    Peer& p = *peers_[op.peer];
-    if (PostResult r = check_peer(p); r != PostResult::kPosted) return r;
     uint64_t requests = op.len <= max_msg_ ? 1 : (op.len + max_msg_ - 1) / max_msg_;
     if (requests > qp_depth_) {
       last_error_ = fmt::format("verbs: a WRITE of {} bytes needs {} requests of at most {} bytes, more than "
                                 "the queue pair holds ({})", op.len, requests, max_msg_, qp_depth_);
       return PostResult::kFailed;
     }
-    if (!room(p.write, requests)) return PostResult::kRetry;
-    op_state(ctx) = OpState{requests, &p.write, &p, 0};
+    Peer* p = find(op.peer);
+    if (PostResult r = check_peer(p, op.peer); r != PostResult::kPosted) return r;
+    SendQueue& q = *p->write;
+    if (PostResult r = room(q, requests); r != PostResult::kPosted) return r;
+    op_state(ctx) = OpState{requests, &q, 0};
     auto lkey = op.desc ? static_cast<ibv_mr*>(op.desc)->lkey : 0;
     for (uint64_t i = 0; i < requests; i++) {
       uint64_t off = i * max_msg_;
       uint64_t len = std::min<uint64_t>(op.len - off, max_msg_);
       bool last = i + 1 == requests;
-      ibv_send_wr& wr = next_request(p.write, ctx, static_cast<const uint8_t*>(op.src) + off, len, lkey);
+      ibv_send_wr& wr = next_request(q, ctx, static_cast<const uint8_t*>(op.src) + off, len, lkey);
       wr.opcode = last && op.has_imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
       wr.imm_data = htonl(op.imm);
       wr.wr.rdma.remote_addr = op.remote_addr + off;
       wr.wr.rdma.rkey = static_cast<uint32_t>(op.rkey);
-      commit_request(p.write);
+      commit_request(q);
     }
     return PostResult::kPosted;
   }
 
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
-    Peer& p = *peers_[peer];
-    if (PostResult r = check_peer(p); r != PostResult::kPosted) return r;
     if (len > max_msg_) {
       last_error_ = fmt::format("verbs: a SEND of {} bytes exceeds the port's largest message ({})", len, max_msg_);
       return PostResult::kFailed;
     }
-    if (!room(p.msg, 1)) return PostResult::kRetry;
-    op_state(ctx) = OpState{1, &p.msg, &p, 0};
-    ibv_send_wr& wr = next_request(p.msg, ctx, buf, len, desc ? static_cast<ibv_mr*>(desc)->lkey : 0);
+    Peer* p = find(peer);
+    if (PostResult r = check_peer(p, peer); r != PostResult::kPosted) return r;
+    SendQueue& q = *p->msg;
+    if (PostResult r = room(q, 1); r != PostResult::kPosted) return r;
+    op_state(ctx) = OpState{1, &q, 0};
+    ibv_send_wr& wr = next_request(q, ctx, buf, len, desc ? static_cast<ibv_mr*>(desc)->lkey : 0);
     wr.opcode = IBV_WR_SEND;
-    commit_request(p.msg);
+    commit_request(q);
     return PostResult::kPosted;
   }
 
@@ -282,6 +333,7 @@ class VerbsDomain final : public Domain {
       for (int i = 0; i < got; i++) n += on_recv_completion(wcs[i], out[n]);
     }
     if (imm_reposts_ >= kChain * 4) repost_imm_recvs();
+    if (!retired_.empty()) reap_retired();
     return n;
   }
 
@@ -383,35 +435,184 @@ class VerbsDomain final : public Domain {
     if (int rc = ibv_post_recv(ud_qp_, &wr, &bad)) log::error("verbs: handshake receive lost: {}", errno_text(rc));
   }
 
-  // ---- peers and the handshake ---------------------------------------------------------------
+  // ---- peers and connections ----------------------------------------------------------------
 
-  PeerId add_peer(const VerbsAddress& a, const std::string& key) {
-    if (peers_.size() >= kMaxPeers)
+  Peer* find(PeerId id) {
+    uint32_t slot = id_slot(id);
+    if (slot >= slots_.size() || !slots_[slot] || generations_[slot] != id_generation(id)) return nullptr;
+    return slots_[slot].get();
+  }
+
+  // A known peer, not connected yet: its queue pairs are made by the first post to it or by its
+  // first message.
+  Peer& add_peer(const VerbsAddress& a, const std::string& key) {
+    if (peer_count_ >= kMaxPeers)
       throw Error(ErrorCode::kResourceExhausted, fmt::format("verbs: {} peers on {} already", kMaxPeers, dev_.name));
-    auto p = std::make_unique<Peer>(Handshake::Clock::now(), timing_);
-    p->addr = a;
     ibv_gid dgid;
     std::memcpy(dgid.raw, a.gid.data(), 16);
     ibv_ah_attr ah = dev_.ah_attr(dgid, a.lid);
-    p->ah = check_ptr(ibv_create_ah(dev_.pd, &ah), "ibv_create_ah", dev_.name);
-    p->msg.qp = create_rc_qp(msg_srq_, 0);
-    p->write.qp = create_rc_qp(imm_srq_, IBV_ACCESS_REMOTE_WRITE);
-    p->msg.depth = p->write.depth = qp_depth_;
-    p->msg.psn = static_cast<uint32_t>(rng_()) & 0xFFFFFF;
-    p->write.psn = static_cast<uint32_t>(rng_()) & 0xFFFFFF;
-    PeerId id = peers_.size();
-    handshaking_.push_back(p.get());
-    peers_.push_back(std::move(p));
-    peer_ids_.emplace(key, id);
-    return id;
+    ibv_ah* handle = check_ptr(ibv_create_ah(dev_.pd, &ah), "ibv_create_ah", dev_.name);
+    uint32_t slot;
+    if (!free_slots_.empty()) {
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+    } else {
+      slot = static_cast<uint32_t>(slots_.size());
+      slots_.emplace_back();
+      generations_.push_back(0);
+    }
+    auto p = std::make_unique<Peer>(Handshake::Clock::now(), timing_);
+    p->addr = a;
+    p->key = key;
+    p->ah = handle;
+    p->id = make_id(slot, generations_[slot]);
+    Peer& ref = *p;
+    slots_[slot] = std::move(p);
+    peer_count_++;
+    peer_ids_.emplace(key, ref.id);
+    return ref;
   }
 
-  PostResult check_peer(Peer& p) {
-    if (!p.error.empty()) {
-      last_error_ = p.error;
+  // kPosted when `p` can take a request now. A lost connection is re-made here, at the first post
+  // after it: the post waits (kRetryPeer) for the handshake.
+  PostResult check_peer(Peer* p, PeerId id) {
+    if (!p) {
+      last_error_ = fmt::format("verbs: peer id {:#x} is not known on {} (removed?)", id, dev_.name);
       return PostResult::kFailed;
     }
-    return p.hs.ready() ? PostResult::kPosted : PostResult::kRetry;  // retried until the handshake ends
+    switch (p->state) {
+      case PeerState::kReady:
+        return PostResult::kPosted;
+      case PeerState::kConnecting:
+        return PostResult::kRetryPeer;
+      case PeerState::kFailed:
+        if (Handshake::Clock::now() < p->retry_at) {
+          last_error_ = p->error;
+          return PostResult::kFailed;
+        }
+        [[fallthrough]];
+      case PeerState::kDown:
+        try {
+          begin_connection(*p, p->epoch + 1, Handshake::Clock::now());
+        } catch (const Error& e) {
+          fail_connection(*p, e.what());
+          last_error_ = p->error;
+          return PostResult::kFailed;
+        }
+        return PostResult::kRetryPeer;
+    }
+    return PostResult::kFailed;
+  }
+
+  std::unique_ptr<SendQueue> new_queue(Peer& p, ibv_srq* srq, int remote_access) {
+    auto q = std::make_unique<SendQueue>();
+    q->qp = create_rc_qp(srq, remote_access);
+    q->peer = &p;
+    q->depth = qp_depth_;
+    q->psn = static_cast<uint32_t>(rng_()) & 0xFFFFFF;
+    return q;
+  }
+
+  // New queue pairs (INIT) under `epoch` and a fresh handshake; the peer has none when called.
+  void begin_connection(Peer& p, uint32_t epoch, Handshake::Clock::time_point now) {
+    p.msg = new_queue(p, msg_srq_, 0);
+    try {
+      p.write = new_queue(p, imm_srq_, IBV_ACCESS_REMOTE_WRITE);
+    } catch (...) {
+      ibv_destroy_qp(p.msg->qp);
+      p.msg.reset();
+      throw;
+    }
+    p.epoch = epoch;
+    p.remote_msg_qpn = p.remote_write_qpn = 0;
+    p.hs = Handshake(now, timing_);
+    p.state = PeerState::kConnecting;
+    if (!p.handshaking) {
+      p.handshaking = true;
+      handshaking_.push_back(&p);
+    }
+    if (p.connections++ > 0)
+      log::info("verbs: reconnecting to peer {} on {} (epoch {})", p.addr.describe(), dev_.name, epoch);
+  }
+
+  // Retires the peer's queue pairs, if any: every request on them fails with `why`.
+  void drop_connection(Peer& p, const std::string& why) {
+    retire(std::move(p.msg), why);
+    retire(std::move(p.write), why);
+    if (p.state == PeerState::kConnecting || p.state == PeerState::kReady) p.state = PeerState::kDown;
+  }
+
+  // A connection that will not come (handshake unanswered, a queue pair that cannot be connected):
+  // posts fail at once for VerbsConfig::reconnect_backoff, then the next one tries again.
+  void fail_connection(Peer& p, const std::string& why) {
+    drop_connection(p, why);
+    p.state = PeerState::kFailed;
+    p.error = why;
+    p.retry_at = Handshake::Clock::now() + cfg_.reconnect_backoff;
+  }
+
+  // A completion error on one of the peer's current queue pairs: that queue pair is in the error
+  // state for good, so both are retired and the next post connects anew.
+  void lose_connection(Peer& p, const std::string& why) {
+    log::warn("{}; its queue pairs are retired, the next post reconnects", why);
+    p.error = why;
+    drop_connection(p, fmt::format("verbs: connection to peer {} on {} reset after an error: {}", p.addr.describe(),
+                                   dev_.name, why));
+  }
+
+  void retire(std::unique_ptr<SendQueue> q, const std::string& why) {
+    if (!q) return;
+    if (q->error.empty()) q->error = why;
+    q->peer = nullptr;
+    // Chained requests never reached the NIC: they fail here.
+    for (uint32_t i = 0; i < q->chained; i++) {
+      Completion c;
+      if (request_done(reinterpret_cast<OpContext*>(q->wr[i].wr_id), &q->error, c)) synthetic_.push_back(std::move(c));
+    }
+    q->chained = 0;
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_ERR;  // the NIC flushes what it holds: each request completes with an error
+    if (int rc = ibv_modify_qp(q->qp, &a, IBV_QP_STATE))
+      log::warn("verbs: moving a queue pair of {} to the error state failed: {}", dev_.name, errno_text(rc));
+    retired_.push_back(std::move(q));
+  }
+
+  // Destroys the retired queue pairs whose requests have all come back. Some providers (mlx5)
+  // remove a destroyed queue pair's entries from its CQs, so the receive CQ is read out first:
+  // an immediate that arrived on it must still be counted.
+  void reap_retired() {
+    bool drained = false;
+    for (size_t i = 0; i < retired_.size();) {
+      SendQueue& q = *retired_[i];
+      if (q.outstanding > 0) {
+        i++;
+        continue;
+      }
+      if (!drained) {
+        drain_recv_cq();
+        drained = true;
+      }
+      if (int rc = ibv_destroy_qp(q.qp)) log::warn("verbs: ibv_destroy_qp on {} failed: {}", dev_.name, errno_text(rc));
+      std::erase(dirty_, &q);
+      retired_[i] = std::move(retired_.back());
+      retired_.pop_back();
+    }
+  }
+
+  void drain_recv_cq() {
+    ibv_wc wcs[32];
+    int got;
+    while ((got = ibv_poll_cq(recv_cq_, static_cast<int>(std::size(wcs)), wcs)) > 0)
+      for (int i = 0; i < got; i++) {
+        Completion c;
+        if (on_recv_completion(wcs[i], c)) synthetic_.push_back(std::move(c));
+      }
+  }
+
+  void unlist_handshake(Peer& p) {
+    if (!p.handshaking) return;
+    std::erase(handshaking_, &p);
+    p.handshaking = false;
   }
 
   void progress_handshakes() {
@@ -435,12 +636,17 @@ class VerbsDomain final : public Domain {
     auto now = Handshake::Clock::now();
     for (size_t i = 0; i < handshaking_.size();) {
       Peer& p = *handshaking_[i];
-      if (p.hs.due(now)) send_handshake(p, now);
-      if (p.hs.failed() && p.error.empty())
-        p.error = fmt::format("verbs: no connection to peer {} on {}: handshake unanswered after {} messages "
-                              "in {} ms (is the peer alive, on the same fabric, with the same GID type?)",
-                              p.addr.describe(), dev_.name, p.hs.messages_sent(), cfg_.handshake_timeout.count());
-      if (p.hs.settled()) {
+      if (p.state == PeerState::kConnecting) {
+        if (p.hs.due(now)) send_handshake(p, now);
+        if (p.hs.failed())
+          fail_connection(p, fmt::format("verbs: no connection to peer {} on {}: handshake unanswered after {} "
+                                         "messages in {} ms (is the peer alive, on the same fabric, with the "
+                                         "same GID type?)",
+                                         p.addr.describe(), dev_.name, p.hs.messages_sent(),
+                                         cfg_.handshake_timeout.count()));
+      }
+      if (p.state != PeerState::kConnecting) {
+        p.handshaking = false;
         handshaking_[i] = handshaking_.back();
         handshaking_.pop_back();
       } else {
@@ -460,33 +666,68 @@ class VerbsDomain final : public Domain {
     if (m.to_nonce != me_.nonce) return;  // meant for an earlier process at this QP number
     std::string key = m.from.to_bytes();
     auto it = peer_ids_.find(key);
-    PeerId id;
+    Peer* pp;
     if (it != peer_ids_.end()) {
-      id = it->second;
+      pp = find(it->second);
     } else {
       try {
-        id = add_peer(m.from, key);  // the peer connects first: accept it
+        pp = &add_peer(m.from, key);  // the peer connects first: accept it
       } catch (const Error& e) {
         log::warn("verbs: refused a connection on {}: {}", dev_.name, e.what());
         return;
       }
     }
-    Peer& p = *peers_[id];
-    if (p.hs.connected() && (m.msg_qpn != p.remote_msg_qpn || m.write_qpn != p.remote_write_qpn)) return;
+    Peer& p = *pp;
+    auto now = Handshake::Clock::now();
+    bool live = p.msg != nullptr;
+    bool consistent =
+        live && (!p.hs.connected() || (m.msg_qpn == p.remote_msg_qpn && m.write_qpn == p.remote_write_qpn)) &&
+        (!(m.flags & HandshakeMsg::kConnected) ||
+         (m.to_msg_qpn == p.msg->qp->qp_num && m.to_write_qpn == p.write->qp->qp_num));
+    try {
+      switch (epoch_step(p.epoch, live, m.epoch, m.flags, consistent)) {
+        case EpochStep::kCurrent:
+          break;
+        case EpochStep::kStale:  // tell the peer where we are
+          send_handshake(p, now);
+          return;
+        case EpochStep::kAdopt:
+          drop_connection(p, fmt::format("verbs: peer {} on {} reconnected (epoch {} after {})", p.addr.describe(),
+                                         dev_.name, m.epoch, p.epoch));
+          begin_connection(p, m.epoch, now);
+          break;  // and the message opens the new connection
+        case EpochStep::kSupersede:
+          drop_connection(p, fmt::format("verbs: peer {} on {} reconnected (its epoch {} and queue pairs do not "
+                                         "match ours at epoch {})",
+                                         p.addr.describe(), dev_.name, m.epoch, p.epoch));
+          begin_connection(p, superseding_epoch(p.epoch, m.epoch), now);
+          send_handshake(p, now);
+          return;
+      }
+    } catch (const Error& e) {
+      fail_connection(p, e.what());
+      return;
+    }
     Handshake::Actions a = p.hs.on_message(m.flags);
     if (a.connect) {
       p.remote_msg_qpn = m.msg_qpn;
       p.remote_write_qpn = m.write_qpn;
       auto mtu = static_cast<ibv_mtu>(std::min<int>(m.mtu, dev_.port_attr.active_mtu));
       try {
-        connect(p.msg, m.msg_qpn, m.msg_psn, mtu, p.addr);
-        connect(p.write, m.write_qpn, m.write_psn, mtu, p.addr);
+        connect(*p.msg, m.msg_qpn, m.msg_psn, mtu, p.addr);
+        connect(*p.write, m.write_qpn, m.write_psn, mtu, p.addr);
       } catch (const Error& e) {
-        p.error = e.what();
+        fail_connection(p, e.what());
         return;
       }
     }
-    if (a.reply) send_handshake(p, Handshake::Clock::now());
+    if (p.hs.ready() && p.state == PeerState::kConnecting) {
+      p.state = PeerState::kReady;
+      p.error.clear();
+      if (p.connections > 1)
+        log::info("verbs: reconnected to peer {} on {} (epoch {})", p.addr.describe(), dev_.name, p.epoch);
+    }
+    if (a.reply) send_handshake(p, now);
   }
 
   void connect(SendQueue& q, uint32_t remote_qpn, uint32_t remote_psn, ibv_mtu mtu, const VerbsAddress& to) {
@@ -515,6 +756,7 @@ class VerbsDomain final : public Domain {
     if (rc) fail("ibv_modify_qp(RTS)", rc, dev_.name);
   }
 
+  // Our current message to `p` (which has queue pairs).
   void send_handshake(Peer& p, Handshake::Clock::time_point now) {
     p.hs.sent(now);  // a message that cannot go now is a lost one: the retransmission recovers it
     if (drops_left_ > 0) {
@@ -528,10 +770,15 @@ class VerbsDomain final : public Domain {
     m.mtu = static_cast<uint8_t>(dev_.port_attr.active_mtu);
     m.from = me_;
     m.to_nonce = p.addr.nonce;
-    m.msg_qpn = p.msg.qp->qp_num;
-    m.write_qpn = p.write.qp->qp_num;
-    m.msg_psn = p.msg.psn;
-    m.write_psn = p.write.psn;
+    m.msg_qpn = p.msg->qp->qp_num;
+    m.write_qpn = p.write->qp->qp_num;
+    m.msg_psn = p.msg->psn;
+    m.write_psn = p.write->psn;
+    m.epoch = p.epoch;
+    if (p.hs.connected()) {
+      m.to_msg_qpn = p.remote_msg_qpn;
+      m.to_write_qpn = p.remote_write_qpn;
+    }
     std::vector<uint8_t> bytes = m.to_bytes();
     uint8_t* buf = ud_slot(kUdRecvs + slot);
     std::memcpy(buf, bytes.data(), bytes.size());
@@ -555,8 +802,11 @@ class VerbsDomain final : public Domain {
 
   // ---- posting -------------------------------------------------------------------------------
 
-  bool room(const SendQueue& q, uint64_t requests) const {
-    return q.outstanding + requests <= q.depth && send_outstanding_ + requests <= send_cq_depth_;
+  // The send CQ is the domain's (kRetry when full), the queue pair the peer's (kRetryPeer).
+  PostResult room(const SendQueue& q, uint64_t requests) const {
+    if (send_outstanding_ + requests > send_cq_depth_) return PostResult::kRetry;
+    if (q.outstanding + requests > q.depth) return PostResult::kRetryPeer;
+    return PostResult::kPosted;
   }
 
   ibv_send_wr& next_request(SendQueue& q, OpContext* ctx, const void* src, uint64_t len, uint32_t lkey) {
@@ -596,6 +846,9 @@ class VerbsDomain final : public Domain {
         Completion c;
         if (request_done(reinterpret_cast<OpContext*>(w->wr_id), &why, c)) synthetic_.push_back(std::move(c));
       }
+      q.chained = 0;
+      if (q.peer) lose_connection(*q.peer, why);  // the queue pair is unusable (error state?)
+      return;
     }
     q.chained = 0;
   }
@@ -626,11 +879,14 @@ class VerbsDomain final : public Domain {
   size_t on_send_completion(const ibv_wc& wc, Completion& c) {
     auto* ctx = reinterpret_cast<OpContext*>(wc.wr_id);
     if (wc.status == IBV_WC_SUCCESS) return request_done(ctx, nullptr, c);
-    Peer& p = *op_state(ctx).peer;
-    if (p.error.empty())  // the first failure says why; the requests flushed after it repeat it
-      p.error = fmt::format("verbs: peer {} on {} failed: {} (vendor error 0x{:x})", p.addr.describe(), dev_.name,
-                            ibv_wc_status_str(wc.status), wc.vendor_err);
-    return request_done(ctx, &p.error, c);
+    SendQueue& q = *op_state(ctx).queue;
+    if (q.error.empty()) {  // the first failure says why; the requests flushed after it repeat it
+      q.error = fmt::format("verbs: peer {} on {} failed: {} (vendor error 0x{:x})",
+                            q.peer ? q.peer->addr.describe() : "?", dev_.name, ibv_wc_status_str(wc.status),
+                            wc.vendor_err);
+    }
+    if (q.peer) lose_connection(*q.peer, q.error);  // retires q (it stays valid until drained)
+    return request_done(ctx, &q.error, c);
   }
 
   size_t on_recv_completion(const ibv_wc& wc, Completion& c) {
@@ -705,9 +961,13 @@ class VerbsDomain final : public Domain {
   void* scratch_ = nullptr;
   DomainRegion scratch_region_;
 
-  std::vector<std::unique_ptr<Peer>> peers_;
+  std::vector<std::unique_ptr<Peer>> slots_;  // by id_slot(PeerId); null: free
+  std::vector<uint32_t> generations_;         // per slot
+  std::vector<uint32_t> free_slots_;
+  size_t peer_count_ = 0;
   std::unordered_map<std::string, PeerId> peer_ids_;
   std::vector<Peer*> handshaking_;
+  std::vector<std::unique_ptr<SendQueue>> retired_;  // error state, waiting for their last requests
   std::vector<SendQueue*> dirty_;
   std::deque<Completion> synthetic_;
   std::unordered_map<OpContext*, std::string> op_errors_;

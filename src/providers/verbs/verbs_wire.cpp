@@ -10,7 +10,7 @@ namespace {
 
 constexpr uint8_t kAddressVersion = 1;
 constexpr uint8_t kHandshakeMagic = 0xFB;
-constexpr uint8_t kHandshakeVersion = 1;
+constexpr uint8_t kHandshakeVersion = 2;  // 2: the epoch
 constexpr uint32_t kMaxQpn = (1u << 24) - 1;  // queue pair numbers and PSNs are 24-bit
 
 void write_address(util::ByteWriter& w, const VerbsAddress& a) {
@@ -76,6 +76,9 @@ std::vector<uint8_t> HandshakeMsg::to_bytes() const {
   w.u32(write_qpn);
   w.u32(msg_psn);
   w.u32(write_psn);
+  w.u32(epoch);
+  w.u32(to_msg_qpn);
+  w.u32(to_write_qpn);
   return w.take();
 }
 
@@ -96,6 +99,14 @@ HandshakeMsg HandshakeMsg::from_bytes(std::span<const uint8_t> bytes) {
   if (m.msg_qpn == 0 || m.write_qpn == 0) r.fail("queue pair number 0");
   m.msg_psn = read_24bit(r, "msg_psn");
   m.write_psn = read_24bit(r, "write_psn");
+  m.epoch = r.u32("epoch");
+  if (m.epoch == 0) r.fail("epoch 0");
+  m.to_msg_qpn = read_24bit(r, "to_msg_qpn");
+  m.to_write_qpn = read_24bit(r, "to_write_qpn");
+  bool named = m.to_msg_qpn != 0 && m.to_write_qpn != 0, none = m.to_msg_qpn == 0 && m.to_write_qpn == 0;
+  if ((m.flags & kConnected) ? !named : !none)
+    r.fail((m.flags & kConnected) ? "connected without the receiver's queue pair numbers"
+                                  : "receiver's queue pair numbers without connected");
   r.expect_end();
   return m;
 }

@@ -28,7 +28,10 @@ struct VerbsAddress {
 };
 
 // One handshake message. Each side sends its two RC queue pair numbers and first packet sequence
-// numbers; the flags say how far the sender has got, which is all the state machine needs.
+// numbers; the flags say how far the sender has got, which is all the state machine needs. The
+// epoch numbers the connection between the two domains: a side whose queue pairs failed (or that
+// forgot the peer) makes new ones under a higher epoch, and the other side then replaces its own
+// (epoch_step in handshake.h).
 struct HandshakeMsg {
   static constexpr uint8_t kConnected = 1;  // sender's RC QPs point at the receiver's (RTR/RTS)
   static constexpr uint8_t kReady = 2;      // sender knows the receiver's QPs are connected too
@@ -38,9 +41,13 @@ struct HandshakeMsg {
   uint64_t to_nonce = 0;  // receiver's incarnation: messages for a previous process are dropped
   uint32_t msg_qpn = 0, write_qpn = 0;
   uint32_t msg_psn = 0, write_psn = 0;  // 24-bit
+  uint32_t epoch = 1;                   // the sender's connection epoch with the receiver, >= 1
+  // With kConnected: the receiver's queue pairs that the sender's point at (else 0), so that a
+  // receiver that made new ones (it forgot the sender, and started at the same epoch) can tell.
+  uint32_t to_msg_qpn = 0, to_write_qpn = 0;
   bool operator==(const HandshakeMsg&) const = default;
 
-  static constexpr size_t kSize = 4 + VerbsAddress::kSize + 8 + 16;
+  static constexpr size_t kSize = 4 + VerbsAddress::kSize + 8 + 16 + 12;
   std::vector<uint8_t> to_bytes() const;
   static HandshakeMsg from_bytes(std::span<const uint8_t> bytes);
 };
