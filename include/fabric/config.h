@@ -64,6 +64,9 @@ struct FaultConfig {
   double duplicate_imm = 0;     // an arriving immediate is reported twice
   double delay_imm = 0;         // an arriving immediate is held back for 1..max_delay_polls polls
   uint32_t max_delay_polls = 256;
+  // Posts to these peer endpoints (NetAddr::nic(i) of the peer, per NIC) always answer
+  // PostResult::kRetryPeer, as a peer whose connection never comes up: per-peer back-pressure.
+  std::vector<std::string> busy_peers;
 };
 
 struct EngineConfig {
@@ -89,6 +92,10 @@ struct EngineConfig {
   // WRITEs and SENDs posted and not yet completed, per NIC. Beyond what hides the round trip,
   // more in flight only spreads the copies over more cache (measured: docs/benchmarks.md).
   size_t max_in_flight_per_nic = 64;
+  // Distinct immediate values counted while no expectation waits for them (early arrivals). An
+  // arrival of one more such value is dropped and counted in NicStats::imms_dropped: memory
+  // stays bounded whatever senders do.
+  size_t max_unexpected_imms = 65536;
 
   ReorderConfig reorder;
   FaultConfig faults;

@@ -18,6 +18,7 @@ enum class ErrorCode {
   kShutdown,          // the engine was stopped before the transfer finished
   kResourceExhausted, // a queue or pool is full
   kUnsupported,       // the provider or build cannot do this
+  kCancelled,         // the application ended it (cancel_imm_expectation, remove_peer)
 };
 
 std::string_view to_string(ErrorCode code);

@@ -2,6 +2,7 @@
 // completion counting, over 1 to 4 NICs. See docs/api.md for the semantics of every call.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <atomic>
 #include <cstdint>
@@ -51,6 +52,21 @@ struct NicStats {
   // immediates reported twice: imms_received counts each arrival, duplicates included.
   uint64_t faults_injected = 0;
   uint64_t imms_duplicated = 0;
+  // Immediates dropped because EngineConfig::max_unexpected_imms distinct values were already
+  // counted with nobody waiting for them.
+  uint64_t imms_dropped = 0;
+};
+
+// A pending expect_imm_count, to cancel it.
+struct ImmExpectation {
+  uint32_t imm = 0;
+  uint64_t id = 0;
+};
+
+struct ExpectOptions {
+  // Not met within this long: the expectation ends with kTimeout (its arrivals stay counted).
+  // None: it waits until met, cancelled or the engine closes.
+  std::optional<std::chrono::milliseconds> timeout;
 };
 
 // The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver
@@ -97,7 +113,11 @@ class TransferEngine {
   // Calls on_reached once immediate `imm` has been received `count` times. Immediates that
   // arrived before this call count toward it. Arrivals beyond `count` stay counted for the next
   // expectation of the same immediate; several expectations of one immediate are met in order.
-  void expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached);
+  ImmExpectation expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached,
+                                  ExpectOptions opts = {});
+  // Ends a pending expectation: its OnDone gets kCancelled and what it had seen stays counted.
+  // False when it had already ended (met, timed out or cancelled).
+  bool cancel_imm_expectation(const ImmExpectation& expectation);
   // How many arrivals of `imm` are counted and not yet consumed by an expectation (for tests and
   // diagnostics; answered by the worker, so it costs a round trip).
   uint64_t imm_count(uint32_t imm);
@@ -112,6 +132,13 @@ class TransferEngine {
                            WriteOptions opts = {});
 
   PeerGroupHandle add_peer_group(const std::vector<NetAddr>& peers);
+  // Forgets a peer that left: transfers to it still waiting to be posted end with kCancelled, and
+  // what every NIC holds for it (address-vector entries, queue pairs, IPC mappings) is released.
+  // Writing to the same address later connects afresh. A peer whose operations fail is released
+  // the same way by the engine itself once nothing of it is in flight. Unknown peers are ignored.
+  void remove_peer(const NetAddr& peer);
+  // Peers this engine holds NIC resources for (diagnostics and tests; a worker round trip).
+  size_t peer_count();
   // One WRITE per destination (round-robin over NICs). With a group, every destination must
   // belong to it (its addresses were resolved up front).
   void submit_scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,

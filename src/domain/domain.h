@@ -22,6 +22,7 @@ struct OpContext {
   void* owner = nullptr;  // engine's object (transfer, receive slot, ...)
   uint32_t kind = 0;      // engine's tag
   uint32_t nic = 0;
+  uint32_t peer = UINT32_MAX;  // engine's peer record the op goes to
   uint64_t aux = 0;       // engine's per-op value (e.g. bytes)
 };
 
@@ -62,6 +63,10 @@ struct Completion {
   size_t len = 0;                // bytes received (kRecv)
   uint32_t imm = 0;              // kRemoteImm
   std::string error;             // kError: the provider's message
+  // kError: the connection to the operation's peer is gone (reset, refused, unreachable, its
+  // queue pair failed): the engine releases the peer once nothing of it is in flight, and the
+  // next operation to its address connects afresh. False for errors that leave the peer usable.
+  bool peer_lost = false;
 };
 
 class Domain {

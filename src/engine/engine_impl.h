@@ -35,7 +35,10 @@ class EngineImpl {
   void dereg_mr(MrHandle handle);
   void send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done);
   void recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv);
-  void expect(uint32_t imm, uint64_t count, OnDone on_done);
+  ImmExpectation expect(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts);
+  bool cancel_expectation(const ImmExpectation& e);
+  void remove_peer(const NetAddr& peer);
+  size_t peer_count();
   uint64_t imm_count(uint32_t imm);
   void single_write(uint64_t len, const MrHandle& src, uint64_t src_offset, const MrDesc& dst,
                     uint64_t dst_offset, OnDone on_done, const WriteOptions& opts);
@@ -70,6 +73,7 @@ class EngineImpl {
   std::unique_ptr<Worker> worker_;
   NetAddr address_;
   std::atomic<bool> closing_{false};
+  std::atomic<uint64_t> next_expectation_id_{1};
   std::mutex control_mu_;  // registration and peer groups only (control path)
   static constexpr size_t kMaxGroups = 1024;
   std::array<std::atomic<const PeerGroup*>, kMaxGroups> groups_{};

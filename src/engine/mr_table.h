@@ -23,6 +23,8 @@ struct RegionSlot {
   Device device;
   bool on_nics = true;  // false: GPU memory the NICs cannot reach (cuda_ipc peers only)
   std::array<DomainRegion, kMaxDomains> per_nic{};  // NICs, then the local domain
+  // Worker thread only: WRITEs posted from this region and not completed (dereg_mr waits for 0).
+  mutable uint32_t writes_in_flight = 0;
 };
 
 class MrTable {

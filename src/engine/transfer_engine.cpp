@@ -121,19 +121,27 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
 void EngineImpl::dereg_mr(MrHandle handle) {
   check_open();
   std::lock_guard lock(control_mu_);
-  const RegionSlot* src = &source(handle);
-  // Transfers still reading from the region fail now (each reported once, with a message that
-  // says why); the WRITEs they already handed to a NIC may still be reading the memory, so the
-  // region stays registered until those complete (at most the transfer timeout: a WRITE that
-  // never completes is abandoned there too).
-  auto deadline = std::chrono::steady_clock::now() + config_.transfer_timeout;
-  while (worker_->call([&] { return worker_->fail_transfers_from(src); }) > 0 &&
-         std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  worker_->call([&] {
-    RegionSlot* slot = const_cast<RegionSlot*>(mrs_.find(handle));
-    if (!slot) return;
+  source(handle);  // throws for an unknown or stale handle
+  RegionSlot* slot = &mrs_.slot(handle.slot);
+  // One step on the worker: the handle turns stale (no transfer taken from now on reads the
+  // region, and one being posted stops at its next WRITE), and the transfers reading it fail,
+  // each reported once. The slot is not reused until the end, so nothing can read another
+  // region's bytes through it.
+  size_t in_flight = worker_->call([&] {
+    if (slot->generation.load(std::memory_order_relaxed) != handle.generation)
+      throw Error(ErrorCode::kNotFound, "dereg_mr: the region was deregistered meanwhile");
     slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
+    return worker_->fail_transfers_from(slot);
+  });
+  // WRITEs already handed to a NIC may still be reading the memory: the region stays registered
+  // until they complete (at most the transfer timeout: a WRITE that never completes is
+  // abandoned there too).
+  auto deadline = std::chrono::steady_clock::now() + config_.transfer_timeout;
+  while (in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    in_flight = worker_->call([&] { return worker_->fail_transfers_from(slot); });
+  }
+  worker_->call([&] {
     for (size_t i = 0; i < worker_->domain_count(); i++) worker_->deregister_on(i, slot->per_nic[i]);
     mrs_.return_slot(handle.slot);
   });
@@ -234,13 +242,44 @@ void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on
   if (len == 0 || count == 0 || !on_recv)
     throw Error(ErrorCode::kInvalidArgument,
                 "submit_recvs: needs len > 0, count > 0 and a callback");
-  worker_->submit(RecvPoolRequest{len, count,
-                                  std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv))});
+  constexpr size_t kMaxPoolBytes = size_t{1} << 34;  // 16 GiB of receive buffers is a mistake
+  if (len > kMaxPoolBytes / count)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("submit_recvs: {} buffers of {} bytes exceed the 16 GiB a receive pool "
+                            "may hold; messages are at most EngineConfig::max_message_size ({})",
+                            count, len, config_.max_message_size));
+  auto cb = std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv));
+  // Registration runs on the worker; its errors reach the caller here.
+  worker_->call([&] { worker_->add_recv_pool(len, count, std::move(cb)); });
 }
 
-void EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done) {
+ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done,
+                                  const ExpectOptions& opts) {
   check_open();
-  worker_->submit(ExpectRequest{imm, count, std::move(on_done)});
+  ExpectRequest r;
+  r.imm = imm;
+  r.count = count;
+  r.id = next_expectation_id_.fetch_add(1, std::memory_order_relaxed);
+  if (opts.timeout) r.deadline = Clock::now() + *opts.timeout;
+  r.on_done = std::move(on_done);
+  worker_->submit(std::move(r));
+  return ImmExpectation{imm, r.id};
+}
+
+bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
+  check_open();
+  return worker_->call([&] { return worker_->cancel_expectation(e.imm, e.id); });
+}
+
+void EngineImpl::remove_peer(const NetAddr& peer) {
+  check_open();
+  check_peer(peer, "remove_peer");
+  worker_->call([&] { worker_->remove_peer(peer); });
+}
+
+size_t EngineImpl::peer_count() {
+  check_open();
+  return worker_->call([&] { return worker_->peer_count(); });
 }
 
 uint64_t EngineImpl::imm_count(uint32_t imm) {
@@ -367,7 +406,7 @@ std::vector<NicStats> EngineImpl::nic_stats() const {
     Domain::InjectedFaults f = worker_->injected_faults(i);
     out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
                    a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
-                   f.duplicated_imms});
+                   f.duplicated_imms, a.imms_dropped.load()});
   }
   return out;
 }
@@ -400,9 +439,15 @@ void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> 
 void TransferEngine::submit_recvs(size_t len, size_t count, RecvCallback on_recv) {
   impl_->recvs(len, count, std::move(on_recv));
 }
-void TransferEngine::expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached) {
-  impl_->expect(imm, count, std::move(on_reached));
+ImmExpectation TransferEngine::expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached,
+                                                ExpectOptions opts) {
+  return impl_->expect(imm, count, std::move(on_reached), opts);
 }
+bool TransferEngine::cancel_imm_expectation(const ImmExpectation& e) {
+  return impl_->cancel_expectation(e);
+}
+void TransferEngine::remove_peer(const NetAddr& peer) { impl_->remove_peer(peer); }
+size_t TransferEngine::peer_count() { return impl_->peer_count(); }
 uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm); }
 void TransferEngine::submit_single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
                                          const MrDesc& dst, uint64_t dst_offset, OnDone on_done,

@@ -174,6 +174,7 @@ std::string_view to_string(ErrorCode code) {
     case ErrorCode::kShutdown: return "shutdown";
     case ErrorCode::kResourceExhausted: return "resource exhausted";
     case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kCancelled: return "cancelled";
   }
   return "unknown";
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <variant>
 #include <vector>
 
@@ -44,13 +45,9 @@ struct TransferRequest {
 struct ExpectRequest {
   uint32_t imm = 0;
   uint64_t count = 0;
+  uint64_t id = 0;
+  std::optional<Clock::time_point> deadline;
   OnDone on_done;
-};
-
-struct RecvPoolRequest {
-  size_t len = 0;
-  size_t count = 0;
-  std::shared_ptr<TransferEngine::RecvCallback> on_recv;
 };
 
 // Runs on the worker (registration, peer groups, queries); the caller waits for it.
@@ -60,8 +57,7 @@ struct ControlRequest {
 
 struct StopRequest {};
 
-using Request =
-    std::variant<TransferRequest, ExpectRequest, RecvPoolRequest, ControlRequest, StopRequest>;
+using Request = std::variant<TransferRequest, ExpectRequest, ControlRequest, StopRequest>;
 
 // Work for the callback thread.
 struct Event {

@@ -18,6 +18,7 @@ struct RegionSlot;
 struct ResolvedTarget {
   std::array<PeerId, kMaxDomains> peer{};
   std::array<RemoteKey, kMaxDomains> key{};
+  uint32_t record = UINT32_MAX;  // the worker's peer record (its state says whether it is usable)
   bool local = false;
 };
 

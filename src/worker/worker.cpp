@@ -33,6 +33,7 @@ struct Worker::RecvPool {
   size_t len = 0;
   DomainRegion region;
   std::vector<OpContext> contexts;
+  size_t next_unposted = 0;  // contexts from here on wait for room in the receive queue
   std::shared_ptr<TransferEngine::RecvCallback> on_recv;
 };
 
@@ -41,7 +42,8 @@ Worker::Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbac
       mrs_(mrs),
       callbacks_(callbacks),
       requests_(config.request_queue_capacity),
-      stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)) {
+      stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)),
+      imms_(config.max_unexpected_imms) {
   std::promise<void> opened;
   auto ready = opened.get_future();
   thread_ = std::thread([this, p = std::move(opened)]() mutable { run(std::move(p)); });
@@ -63,7 +65,15 @@ void Worker::stop() {
 }
 
 void Worker::submit(Request&& request) {
+  // Pairs with shutdown(): either this sees accepting_ false, or shutdown sees this submitter
+  // and drains until it has pushed (seq_cst on both sides).
+  submitters_.fetch_add(1, std::memory_order_seq_cst);
+  if (!accepting_.load(std::memory_order_seq_cst)) {
+    submitters_.fetch_sub(1, std::memory_order_seq_cst);
+    throw Error(ErrorCode::kShutdown, "the engine is shutting down and takes no more requests");
+  }
   while (!requests_.try_push(request)) std::this_thread::yield();
+  submitters_.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 void Worker::run(std::promise<void> opened) {
@@ -119,6 +129,7 @@ void Worker::loop() {
   while (!stopping_) {
     bool busy = take_requests();
     busy |= post_pending();
+    busy |= post_recv_backlog();
     busy |= poll_domains();
     if (!overflow_.empty()) callbacks_.flush(overflow_);
     // Reading the clock costs as much as a post (7% of a busy worker's time when read every
@@ -138,24 +149,134 @@ bool Worker::take_requests() {
     std::optional<Request> r = requests_.try_pop();
     if (!r) break;
     any = true;
-    std::visit([this](auto&& req) { handle(std::move(req)); }, std::move(*r));
+    try {
+      std::visit([this](auto&& req) { handle(std::move(req)); }, std::move(*r));
+    } catch (const std::exception& e) {  // a bug or a provider throwing: never terminate
+      log::error("worker: a request failed unexpectedly: {}", e.what());
+    }
   }
   return any;
 }
 
 ResolvedTarget Worker::resolve(const NetAddr& peer) {
   std::string key = peer_key(peer);
-  auto it = peers_.find(key);
-  if (it != peers_.end()) return it->second;
+  auto it = peer_index_.find(key);
+  if (it != peer_index_.end()) return records_[it->second].target;
   ResolvedTarget t;
-  for (size_t i = 0; i < nic_count(); i++) t.peer[i] = domains_[i]->insert_peer(peer.nic(i));
+  size_t inserted = 0;
+  try {
+    for (; inserted < nic_count(); inserted++) t.peer[inserted] = domains_[inserted]->insert_peer(peer.nic(inserted));
+  } catch (...) {
+    while (inserted-- > 0) domains_[inserted]->remove_peer(t.peer[inserted]);
+    throw;
+  }
   if (has_local() && !peer.local().empty() &&
       local_scope(peer.local()) == local_scope(local_address_)) {
-    t.peer[nic_count()] = domains_[nic_count()]->insert_peer(peer.local());
-    t.local = true;
+    try {
+      t.peer[nic_count()] = domains_[nic_count()]->insert_peer(peer.local());
+      t.local = true;
+    } catch (const Error& e) {  // e.g. another container's endpoint: the NICs still reach it
+      log::info("cuda_ipc cannot reach a same-host peer, using the NICs: {}", e.what());
+    }
   }
-  peers_.emplace(std::move(key), t);
-  return t;
+  t.record = new_record(std::move(key), t);
+  return records_[t.record].target;
+}
+
+uint32_t Worker::new_record(std::string key, const ResolvedTarget& t) {
+  uint32_t r;
+  if (!free_records_.empty()) {
+    r = free_records_.back();
+    free_records_.pop_back();
+  } else {
+    r = static_cast<uint32_t>(records_.size());
+    records_.emplace_back();
+  }
+  PeerRecord& p = records_[r];
+  p.state = PeerRecord::State::kLive;
+  p.target = t;
+  p.target.record = r;
+  p.key = key;
+  p.holders = p.outstanding = 0;
+  peer_index_.emplace(std::move(key), r);
+  return r;
+}
+
+// The domains forget the peer now; transfers still naming the record see its state at their
+// next post (kReleased: re-resolve; kRemoved: fail). The record is reused once none holds it.
+void Worker::release_record(uint32_t r) {
+  PeerRecord& p = records_[r];
+  for (size_t i = 0; i < nic_count(); i++) domains_[i]->remove_peer(p.target.peer[i]);
+  if (p.target.local) domains_[nic_count()]->remove_peer(p.target.peer[nic_count()]);
+  auto it = peer_index_.find(p.key);
+  if (it != peer_index_.end() && it->second == r) peer_index_.erase(it);
+  std::erase_if(peer_backoff_, [&](const PeerBackoff& b) {
+    return b.peer == p.target.peer[b.domain] && (b.domain < nic_count() || p.target.local);
+  });
+  if (p.state != PeerRecord::State::kRemoved) p.state = PeerRecord::State::kReleased;
+  maybe_free_record(r);
+}
+
+void Worker::unhold_record(uint32_t r) {
+  if (records_[r].holders > 0) records_[r].holders--;
+  maybe_free_record(r);
+}
+
+void Worker::maybe_free_record(uint32_t r) {
+  PeerRecord& p = records_[r];
+  bool gone = p.state == PeerRecord::State::kReleased || p.state == PeerRecord::State::kRemoved;
+  if (gone && p.holders == 0 && p.outstanding == 0) {
+    p.state = PeerRecord::State::kFree;
+    p.key.clear();
+    p.key.shrink_to_fit();
+    free_records_.push_back(r);
+  }
+}
+
+// An operation to the peer failed in a way that says its connection is gone.
+void Worker::peer_failed(uint32_t r) {
+  PeerRecord& p = records_[r];
+  if (p.state != PeerRecord::State::kLive) return;
+  p.state = PeerRecord::State::kFailed;
+  log::info("a peer's connection failed; its resources go once nothing of it is in flight");
+  if (p.outstanding == 0) release_record(r);
+}
+
+void Worker::remove_peer(const NetAddr& peer) {
+  auto it = peer_index_.find(peer_key(peer));
+  if (it == peer_index_.end()) return;
+  uint32_t r = it->second;
+  records_[r].state = PeerRecord::State::kRemoved;
+  release_record(r);
+}
+
+// A transfer's target whose peer record is no longer live: a released one (its connection
+// failed) is resolved afresh, a removed one fails the transfer.
+bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
+  PeerRecord::State s = records_[target.record].state;
+  if (s == PeerRecord::State::kLive || s == PeerRecord::State::kFailed) return true;
+  if (s == PeerRecord::State::kRemoved) {
+    fail(t, Status(ErrorCode::kCancelled, "the destination peer was removed (remove_peer)"));
+    return false;
+  }
+  const TransferRequest& q = t.req;
+  try {
+    ResolvedTarget fresh;
+    switch (q.kind) {
+      case TransferKind::kSend: fresh = resolve(q.send_dst); break;
+      case TransferKind::kScatter: fresh = route(q.scatter[op].dst.owner(), q.scatter[op].dst); break;
+      case TransferKind::kBarrier: fresh = route(q.barrier[op].owner(), q.barrier[op]); break;
+      default: fresh = route(q.dst.owner(), q.dst); break;
+    }
+    records_[fresh.record].holders++;
+    uint32_t old = target.record;
+    target = fresh;
+    unhold_record(old);
+  } catch (const Error& e) {
+    fail(t, e.status());
+    return false;
+  }
+  return true;
 }
 
 ResolvedTarget Worker::route(const NetAddr& owner, const MrDesc& d) {
@@ -209,10 +330,16 @@ void Worker::handle(TransferRequest&& r) {
     }
   } catch (const Error& e) {
     fail(t, e.status());
+  }
+  for (auto& target : t.targets) records_[target.record].holders++;
+  if (t.failed) {
     maybe_finish(t);
     return;
   }
-  if (!pump(t)) {
+  // FIFO under back-pressure: while older transfers wait to post, a new one waits behind them
+  // (posting it first would let a stream of small writes starve a large pending one). When
+  // nothing waits, its first WRITE goes out at once.
+  if (!pending_.empty() || !pump(t)) {
     t.queued = true;
     pending_.push_back(&t);
   }
@@ -231,7 +358,14 @@ bool Worker::post_next(Transfer& t) {
   const TransferRequest& q = t.req;
   const uint32_t i = t.next_op;
   const bool per_destination = q.kind == TransferKind::kScatter || q.kind == TransferKind::kBarrier;
-  const ResolvedTarget* target = per_destination ? &t.targets[i] : &t.targets[0];
+  ResolvedTarget* target = per_destination ? &t.targets[i] : &t.targets[0];
+  if (records_[target->record].state != PeerRecord::State::kLive && !usable(t, *target, i))
+    return true;  // failed: pump stops
+  if (t.src && t.src->generation.load(std::memory_order_relaxed) != q.src.generation) {
+    fail(t, Status(ErrorCode::kNotFound, "the source region was deregistered while this transfer "
+                                         "was being posted"));
+    return true;
+  }
   // Same-host GPU peers take the local domain (sharded writes keep their shard count, so the
   // receiver's immediate count does not depend on the route); others NIC by NIC.
   size_t nic = q.kind == TransferKind::kSend ? 0
@@ -239,10 +373,13 @@ bool Worker::post_next(Transfer& t) {
                                            : nic_for_op(i, nic_count(), q.pinned_nic);
   // The NIC pushed back or is full: wait for its completions.
   if (backoff_[nic] > 0 || in_flight_[nic] >= max_in_flight_[nic]) return false;
+  for (const PeerBackoff& b : peer_backoff_)  // empty unless a peer pushed back
+    if (b.domain == nic && b.peer == target->peer[nic]) return false;
   Domain& d = *domains_[nic];
   OpContext* ctx = contexts_.acquire();
   ctx->owner = &t;
   ctx->nic = static_cast<uint32_t>(nic);
+  ctx->peer = target->record;
 
   PostResult result;
   if (q.kind == TransferKind::kSend) {
@@ -301,10 +438,15 @@ bool Worker::post_next(Transfer& t) {
     result = d.post_write(op, ctx);
   }
 
-  if (result == PostResult::kRetry || result == PostResult::kRetryPeer) {
+  if (result == PostResult::kRetry) {
     // Retrying at once would only take the provider's locks again (shm shares one with the
     // peer): skip this NIC until it completes something or a few polls have passed.
     backoff_[nic] = kRetryBackoffPolls;
+    contexts_.release(ctx);
+    return false;
+  }
+  if (result == PostResult::kRetryPeer) {  // only this peer: the NIC keeps serving the others
+    peer_backoff_.push_back({static_cast<uint32_t>(nic), target->peer[nic], kRetryBackoffPolls});
     contexts_.release(ctx);
     return false;
   }
@@ -318,6 +460,8 @@ bool Worker::post_next(Transfer& t) {
   t.outstanding++;
   t.outstanding_on[nic]++;
   in_flight_[nic]++;
+  records_[target->record].outstanding++;
+  if (t.src) t.src->writes_in_flight++;
   if (config_.record_post_timings) record_post_timing(t);
   return true;
 }
@@ -341,8 +485,31 @@ bool Worker::post_pending() {
   return any;
 }
 
+// Receive buffers the provider did not take when their pool was added (its receive queue was
+// full): offered again every round until taken.
+bool Worker::post_recv_backlog() {
+  if (recvs_unposted_ == 0) return false;
+  bool any = false;
+  for (auto& pool : recv_pools_) {
+    while (pool->next_unposted < pool->contexts.size()) {
+      OpContext& ctx = pool->contexts[pool->next_unposted];
+      PostResult res = domains_[0]->post_recv(pool->buffer.data() + ctx.aux * pool->len, pool->len,
+                                              pool->region.desc, &ctx);
+      if (res == PostResult::kRetry || res == PostResult::kRetryPeer) return any;
+      if (res == PostResult::kFailed)
+        log::error("posting receive buffer {} failed: {}", ctx.aux, domains_[0]->last_error());
+      pool->next_unposted++;
+      recvs_unposted_--;
+      any = true;
+    }
+  }
+  return any;
+}
+
 bool Worker::poll_domains() {
   bool any = false;
+  if (!peer_backoff_.empty())
+    std::erase_if(peer_backoff_, [](PeerBackoff& b) { return --b.polls == 0; });
   for (size_t nic = 0; nic < domains_.size(); nic++) {
     size_t n = domains_[nic]->poll(completions_);
     for (size_t i = 0; i < n; i++) on_completion(nic, completions_[i]);
@@ -361,9 +528,16 @@ void Worker::on_completion(size_t nic, Completion& c) {
   switch (c.kind) {
     case Completion::Kind::kRemoteImm:
       st.imms_received.fetch_add(1, std::memory_order_relaxed);
-      imms_.arrive(c.imm, met_);
-      for (auto& w : met_) report(w, Status::ok_status());
-      met_.clear();
+      if (!imms_.arrive(c.imm, met_)) {
+        st.imms_dropped.fetch_add(1, std::memory_order_relaxed);
+        if (!warned_imm_drop_)
+          log::warn("immediate {:#x} dropped: {} distinct immediates are already counted with no "
+                    "expectation waiting (EngineConfig::max_unexpected_imms); NicStats::imms_dropped "
+                    "counts further drops",
+                    c.imm, config_.max_unexpected_imms);
+        warned_imm_drop_ = true;
+      }
+      report_met();
       return;
     case Completion::Kind::kRecv: {
       auto* pool = static_cast<RecvPool*>(c.context->owner);
@@ -403,10 +577,17 @@ void Worker::on_completion(size_t nic, Completion& c) {
       }
       // Reported with this WRITE outstanding means timed out: its budget was released then.
       const uint32_t op_domain = ctx->nic;  // read before the context goes back to the pool
+      const uint32_t record = ctx->peer;
       contexts_.release(ctx);
       if (!t->reported) in_flight_[op_domain]--;
       t->outstanding--;
       t->outstanding_on[op_domain]--;
+      if (t->src) t->src->writes_in_flight--;
+      PeerRecord& p = records_[record];
+      p.outstanding--;
+      if (c.kind == Completion::Kind::kError && c.peer_lost) peer_failed(record);
+      else if (p.state == PeerRecord::State::kFailed && p.outstanding == 0) release_record(record);
+      else maybe_free_record(record);  // a released record may wait for its last completion
       maybe_finish(*t);
       return;
     }
@@ -447,6 +628,7 @@ void Worker::maybe_finish(Transfer& t) {
   }
   if (t.reported && t.outstanding == 0 && !t.queued) {
     if (t.send_slot != UINT32_MAX) free_send_slots_.push_back(t.send_slot);
+    for (auto& target : t.targets) unhold_record(target.record);
     transfers_.release(&t);
   }
 }
@@ -483,8 +665,21 @@ void Worker::report(OnDone& on_done, Status status) {
 
 // Transfers are linked in submission order and share one timeout, so the oldest expires first.
 void Worker::check_deadlines() {
-  if (!oldest_) return;
+  if (!oldest_ && expect_deadlines_.empty()) return;
   Clock::time_point now = Clock::now();
+  while (!expect_deadlines_.empty() && std::get<0>(*expect_deadlines_.begin()) <= now) {
+    auto [when, id, imm] = *expect_deadlines_.begin();
+    expect_deadlines_.erase(expect_deadlines_.begin());
+    ImmWaiter w;
+    if (!imms_.cancel(imm, id, w, met_)) continue;
+    report(w.on_done,
+           Status(ErrorCode::kTimeout,
+                  fmt::format("expect_imm_count: immediate {:#x} arrived {} of the {} times expected "
+                              "before the timeout (ExpectOptions::timeout): did a sender fail, or "
+                              "is the expected count wrong?",
+                              imm, imms_.count(imm), w.count)));
+    report_met();
+  }
   while (oldest_ && oldest_->req.deadline <= now) {
     Transfer& t = *oldest_;
     fail(t, Status(ErrorCode::kTimeout,
@@ -495,6 +690,14 @@ void Worker::check_deadlines() {
     t.reported = true;
     unlink(t);
     report(t.req.on_done, t.error);
+    // The peer it waited for is unreachable (its connection never came up, or its WRITEs never
+    // complete): release it once nothing of it is in flight, so a restarted peer is met afresh.
+    // Per-destination transfers post in order: the one it stopped at is the one to blame.
+    if (!t.targets.empty()) {
+      bool per_destination = t.req.kind == TransferKind::kScatter || t.req.kind == TransferKind::kBarrier;
+      size_t blocker = per_destination ? std::min<size_t>(t.next_op, t.targets.size() - 1) : 0;
+      peer_failed(t.targets[blocker].record);
+    }
     // Outstanding WRITEs keep their context; the transfer is freed when they complete or at
     // shutdown. They stop counting against the in-flight limits: a completion that never comes
     // (a stuck operation) must not take a NIC's budget for good.
@@ -503,31 +706,47 @@ void Worker::check_deadlines() {
 }
 
 void Worker::handle(ExpectRequest&& r) {
-  imms_.expect(r.imm, r.count, std::move(r.on_done), met_);
-  for (auto& w : met_) report(w, Status::ok_status());
+  imms_.expect(r.imm, r.count, r.id, ImmWaiter{std::move(r.on_done), r.id, r.count, r.imm, r.deadline},
+               met_);
+  bool met_now = !met_.empty();  // only this one can be met: the count did not change
+  report_met();
+  if (!met_now && r.deadline) expect_deadlines_.emplace(*r.deadline, r.id, r.imm);
+}
+
+void Worker::report_met() {
+  for (auto& w : met_) {
+    if (w.deadline) expect_deadlines_.erase({*w.deadline, w.id, w.imm});
+    report(w.on_done, Status::ok_status());
+  }
   met_.clear();
 }
 
-void Worker::handle(RecvPoolRequest&& r) {
+bool Worker::cancel_expectation(uint32_t imm, uint64_t id) {
+  ImmWaiter w;
+  if (!imms_.cancel(imm, id, w, met_)) return false;
+  if (w.deadline) expect_deadlines_.erase({*w.deadline, id, imm});
+  report(w.on_done, Status(ErrorCode::kCancelled, "the expectation was cancelled (cancel_imm_expectation)"));
+  report_met();
+  return true;
+}
+
+void Worker::add_recv_pool(size_t len, size_t count,
+                           std::shared_ptr<TransferEngine::RecvCallback> on_recv) {
   auto pool = std::make_unique<RecvPool>();
-  pool->len = r.len;
-  pool->buffer.resize(r.len * r.count);
-  pool->on_recv = std::move(r.on_recv);
+  pool->len = len;
+  pool->buffer.resize(len * count);  // the engine checked len * count for overflow
+  pool->on_recv = std::move(on_recv);
   pool->region = domains_[0]->register_memory(pool->buffer.data(), pool->buffer.size(), Device::host());
-  pool->contexts.resize(r.count);
-  for (size_t i = 0; i < r.count; i++) {
+  pool->contexts.resize(count);
+  for (size_t i = 0; i < count; i++) {
     OpContext& ctx = pool->contexts[i];
     ctx.owner = pool.get();
     ctx.kind = kOpRecv;
     ctx.aux = i;
-    PostResult res;
-    while ((res = domains_[0]->post_recv(pool->buffer.data() + i * r.len, r.len, pool->region.desc,
-                                         &ctx)) == PostResult::kRetry)
-      poll_domains();
-    if (res == PostResult::kFailed)
-      log::error("posting receive buffer {} of {} failed: {}", i, r.count, domains_[0]->last_error());
   }
+  recvs_unposted_ += count;
   recv_pools_.push_back(std::move(pool));
+  post_recv_backlog();  // what the provider takes now; the rest as it frees room
 }
 
 DomainRegion Worker::register_on(size_t nic, void* ptr, size_t len, Device device) {
@@ -539,7 +758,6 @@ void Worker::deregister_on(size_t nic, DomainRegion& region) {
 }
 
 size_t Worker::fail_transfers_from(const RegionSlot* src) {
-  size_t outstanding = 0;
   for (Transfer* t = oldest_; t;) {
     Transfer* next = t->next;  // maybe_finish may unlink and free t
     if (t->src == src) {
@@ -547,12 +765,11 @@ size_t Worker::fail_transfers_from(const RegionSlot* src) {
                       fmt::format("the source region was deregistered while this transfer was in "
                                   "flight ({} of {} WRITEs posted)",
                                   t->next_op, t->total_ops)));
-      outstanding += t->outstanding;
       maybe_finish(*t);
     }
     t = next;
   }
-  return outstanding;
+  return src->writes_in_flight;  // timed-out transfers' WRITEs still with a NIC included
 }
 
 void Worker::shutdown() {
@@ -563,12 +780,19 @@ void Worker::shutdown() {
     unlink(t);
     report(t.req.on_done, stopped);
   }
-  for (auto& w : imms_.take_all_waiting()) report(w, stopped);
-  // Requests that raced with the stop request.
-  while (auto r = requests_.try_pop()) {
-    if (auto* t = std::get_if<TransferRequest>(&*r)) report(t->on_done, stopped);
-    if (auto* e = std::get_if<ExpectRequest>(&*r)) report(e->on_done, stopped);
-    if (auto* c = std::get_if<ControlRequest>(&*r)) c->run();
+  for (auto& w : imms_.take_all_waiting()) report(w.on_done, stopped);
+  expect_deadlines_.clear();
+  // Requests that raced with the stop request. No submitter may push after the last drain: stop
+  // accepting, then drain until none is inside submit() (one may be waiting for queue room).
+  accepting_.store(false, std::memory_order_seq_cst);
+  for (bool last = false; !last;) {
+    last = submitters_.load(std::memory_order_seq_cst) == 0;
+    while (auto r = requests_.try_pop()) {
+      if (auto* t = std::get_if<TransferRequest>(&*r)) report(t->on_done, stopped);
+      if (auto* e = std::get_if<ExpectRequest>(&*r)) report(e->on_done, stopped);
+      if (auto* c = std::get_if<ControlRequest>(&*r)) c->run();
+    }
+    if (!last) std::this_thread::yield();
   }
   while (!callbacks_.flush(overflow_)) std::this_thread::yield();
   for (uint32_t s = 0; s < mrs_.capacity(); s++) {

@@ -7,8 +7,11 @@
 #include <deque>
 #include <future>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -26,7 +29,16 @@ namespace fabric {
 
 struct AtomicNicStats {
   std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
-      messages_received{0}, errors{0};
+      messages_received{0}, errors{0}, imms_dropped{0};
+};
+
+// What ImmCounter holds per expectation.
+struct ImmWaiter {
+  OnDone on_done;
+  uint64_t id = 0;
+  uint64_t count = 0;
+  uint32_t imm = 0;
+  std::optional<Clock::time_point> deadline;
 };
 
 class Worker {
@@ -50,7 +62,8 @@ class Worker {
   // Any thread: the domains live as long as the worker.
   Domain::InjectedFaults injected_faults(size_t domain) const { return domains_[domain]->injected_faults(); }
 
-  // Any thread. Waits (yielding) while the queue is full.
+  // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has
+  // stopped taking requests (nothing submitted is ever silently lost).
   void submit(Request&& request);
 
   // Runs fn on the worker thread and returns its result (or rethrows its exception).
@@ -67,12 +80,19 @@ class Worker {
   DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
   void deregister_on(size_t nic, DomainRegion& region);
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
-  // how many of their WRITEs are still with the NICs, which may be reading the memory.
+  // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);
   ResolvedTarget resolve(const NetAddr& peer);
   // The route to one destination region: the local domain where both ends offer it, else NICs.
   ResolvedTarget route(const NetAddr& owner, const MrDesc& dst);
+  // Application says the peer left: its pending transfers end with kCancelled, its resources go.
+  void remove_peer(const NetAddr& peer);
+  size_t peer_count() const { return peer_index_.size(); }
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+  bool cancel_expectation(uint32_t imm, uint64_t id);
+  // A pool of receive buffers: registered and posted here (as many as the provider takes now;
+  // the rest as it frees room). Throws what registration throws.
+  void add_recv_pool(size_t len, size_t count, std::shared_ptr<TransferEngine::RecvCallback> on_recv);
   std::vector<PostTiming> take_post_timings() { return std::exchange(post_timings_, {}); }
 
  private:
@@ -84,14 +104,22 @@ class Worker {
   bool take_requests();
   void handle(TransferRequest&& r);
   void handle(ExpectRequest&& r);
-  void handle(RecvPoolRequest&& r);
   void handle(ControlRequest&& r) { r.run(); }
   void handle(StopRequest&&) { stopping_ = true; }
 
   bool pump(Transfer& t);  // posts what it can; false if a NIC pushed back
   bool post_next(Transfer& t);
   bool post_pending();
+  bool post_recv_backlog();
   bool poll_domains();
+  // Peer records: what the domains hold for one remote engine, shared by the transfers to it.
+  uint32_t new_record(std::string key, const ResolvedTarget& t);
+  void release_record(uint32_t r);     // the domains forget the peer (the record may stay held)
+  void unhold_record(uint32_t r);      // a transfer let go of it
+  void maybe_free_record(uint32_t r);  // reused once released, unheld and with nothing in flight
+  bool usable(Transfer& t, ResolvedTarget& target, uint32_t op);  // re-resolves a failed peer
+  void peer_failed(uint32_t r);
+  void report_met();
   void on_completion(size_t nic, Completion& c);
   void repost_recv(size_t nic, OpContext* ctx);
   void record_post_timing(Transfer& t);
@@ -116,15 +144,28 @@ class Worker {
 
   // Owned by the worker thread.
   std::vector<std::unique_ptr<Domain>> domains_;
-  std::unordered_map<std::string, ResolvedTarget> peers_;
-  ImmCounter<OnDone> imms_;
-  std::vector<OnDone> met_;
+  struct PeerRecord {
+    enum class State : uint8_t { kFree, kLive, kFailed, kReleased, kRemoved };
+    State state = State::kFree;
+    ResolvedTarget target;
+    std::string key;
+    uint32_t holders = 0;      // transfers whose targets name this record
+    uint32_t outstanding = 0;  // operations posted to it, not completed
+  };
+  std::vector<PeerRecord> records_;
+  std::vector<uint32_t> free_records_;
+  std::unordered_map<std::string, uint32_t> peer_index_;  // live and failed records by address
+  ImmCounter<ImmWaiter> imms_;
+  std::vector<ImmWaiter> met_;
+  std::set<std::tuple<Clock::time_point, uint64_t, uint32_t>> expect_deadlines_;  // (when, id, imm)
+  bool warned_imm_drop_ = false;
   util::ObjectPool<Transfer> transfers_{64};
   util::ObjectPool<OpContext> contexts_{1024};
   std::deque<Transfer*> pending_;       // transfers with WRITEs left to post, FIFO
   Transfer* oldest_ = nullptr;          // unreported transfers, oldest first (deadline order)
   Transfer* newest_ = nullptr;
   std::vector<std::unique_ptr<RecvPool>> recv_pools_;
+  size_t recvs_unposted_ = 0;  // receive buffers the provider did not take yet
   std::vector<uint8_t> send_buffer_;
   DomainRegion send_region_;
   std::vector<uint32_t> free_send_slots_;
@@ -136,9 +177,20 @@ class Worker {
   // ours will lift (a connection still being set up).
   static constexpr uint32_t kRetryBackoffPolls = 16;
   std::array<uint32_t, kMaxDomains> backoff_{};
+  // The same for one peer of one domain (PostResult::kRetryPeer): other peers keep posting.
+  struct PeerBackoff {
+    uint32_t domain;
+    PeerId peer;
+    uint32_t polls;
+  };
+  std::vector<PeerBackoff> peer_backoff_;
   std::array<size_t, kMaxDomains> in_flight_{};  // posted, not completed
   std::array<size_t, kMaxDomains> max_in_flight_{};
   bool stopping_ = false;
+  // Submitters inside submit(), and whether the worker still takes requests: the last drain
+  // waits for the first to reach zero after the second turned false, so none is lost.
+  std::atomic<uint32_t> submitters_{0};
+  std::atomic<bool> accepting_{true};
 };
 
 }  // namespace fabric

@@ -50,7 +50,7 @@ TEST_P(Faults, EveryTransferEndsOnceAndEveryArrivingImmediateIsCountedOnce) {
 
   auto receiver = [&](Channel& ch) {
     EngineConfig cfg = config_for(pc);
-    cfg.faults = FaultConfig{true, 9, 0, 0, 0, /*duplicate_imm=*/0.05, /*delay_imm=*/0.2, 200};
+    cfg.faults = FaultConfig{true, 9, 0, 0, 0, /*duplicate_imm=*/0.05, /*delay_imm=*/0.2, 200, {}};
     std::vector<uint8_t> dst(kSlot * kTransfers, 0);
     TransferEngine engine(cfg);
     auto [h, d] = engine.reg_mr(dst.data(), dst.size());
@@ -110,7 +110,7 @@ TEST_P(Faults, EveryTransferEndsOnceAndEveryArrivingImmediateIsCountedOnce) {
 
   auto sender = [&](Channel& ch) {
     EngineConfig cfg = config_for(pc);
-    cfg.faults = FaultConfig{true, 7, /*post_failure=*/0.03, /*completion_error=*/0.03, /*stuck=*/0.03, 0, 0, 0};
+    cfg.faults = FaultConfig{true, 7, /*post_failure=*/0.03, /*completion_error=*/0.03, /*stuck=*/0.03, 0, 0, 0, {}};
     cfg.transfer_timeout = std::chrono::milliseconds(1500);
     // Fewer stuck operations than this would block a NIC for good if the engine did not release
     // the in-flight budget of timed-out transfers.

@@ -7,7 +7,9 @@
 #include <atomic>
 #include <deque>
 #include <random>
+#include <algorithm>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "providers/fault/forwarding_domain.h"
@@ -25,10 +27,23 @@ class FaultDomain final : public ForwardingDomain {
     return {total_.load(std::memory_order_relaxed), duplicated_.load(std::memory_order_relaxed)};
   }
 
+  PeerId insert_peer(const std::string& address) override {
+    PeerId id = inner_->insert_peer(address);
+    if (std::find(config_.busy_peers.begin(), config_.busy_peers.end(), address) != config_.busy_peers.end())
+      busy_.insert(id);
+    return id;
+  }
+  void remove_peer(PeerId peer) override {
+    busy_.erase(peer);
+    inner_->remove_peer(peer);
+  }
+
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
+    if (busy_.count(op.peer)) return PostResult::kRetryPeer;
     return post(ctx, "WRITE", [&] { return inner_->post_write(op, ctx); });
   }
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
+    if (busy_.count(peer)) return PostResult::kRetryPeer;
     return post(ctx, "SEND", [&] { return inner_->post_send(peer, buf, len, desc, ctx); });
   }
 
@@ -116,6 +131,7 @@ class FaultDomain final : public ForwardingDomain {
   FaultConfig config_;
   std::mt19937_64 rng_;
   std::unordered_map<OpContext*, Fate> fates_;
+  std::unordered_set<PeerId> busy_;
   std::deque<Completion> ready_;
   std::vector<Delayed> delayed_;
   bool injected_error_ = false;

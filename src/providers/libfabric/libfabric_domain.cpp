@@ -615,6 +615,15 @@ class LibfabricDomain final : public Domain {
     c.context = static_cast<OpContext*>(err.op_context);
     c.error = fmt::format("{} completion error: {} (provider: {})", provider_,
                           fi_strerror(err.err), prov_msg ? prov_msg : "-");
+    switch (err.err) {  // the connection is gone (a dead or restarted peer), not one bad operation
+      case FI_ECONNRESET: case FI_ECONNREFUSED: case FI_ECONNABORTED: case FI_ENOTCONN:
+      case FI_EHOSTUNREACH: case FI_ENETUNREACH: case FI_ETIMEDOUT: case FI_EIO:
+      case FI_ESHUTDOWN:
+        c.peer_lost = true;
+        break;
+      default:
+        break;
+    }
     if (Piece* p = piece_of(err.op_context)) {
       Completion piece_error = std::move(c);
       return piece_done(*p, &piece_error, c) ? 1 : 0;

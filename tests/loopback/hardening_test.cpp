@@ -1,0 +1,328 @@
+// The ways an engine could wait forever, starve, leak or send the wrong bytes, each closed: expectation
+// timeouts and cancellation, bounded early immediates, receive pools larger than the provider's
+// queue, FIFO posting under back-pressure, back-pressure scoped to one peer, dereg_mr racing with
+// posting, calls racing with shutdown, and removing peers.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#include "fabric/fabric.h"
+#include "test_support.h"
+
+namespace fabric::testing {
+namespace {
+
+const ProviderCase kTcp{"tcp;ofi_rxm", 1, false};
+
+bool ended(const std::atomic<int>& f) { return f.load() != kDonePending; }
+
+// A write from `engine` to itself lands: imm counted, bytes checked.
+void self_write_lands(TransferEngine& engine) {
+  auto src = random_bytes(4096, 9);
+  auto [h, d] = engine.reg_mr(src.data(), src.size());
+  expect_write_to_self_works(engine, h, src, engine.nic_count());
+  engine.dereg_mr(h);
+}
+
+// ---- expectations: timeout and cancel ------------------------------------------------------
+
+TEST(Hardening, ExpectationsTimeOutAndCancelAndKeepWhatTheyCounted) {
+  TransferEngine engine(config_for(kTcp));
+  std::vector<uint8_t> buf(4096, 1);
+  auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+  std::atomic<int> done{kDonePending};
+  engine.submit_single_write(8, h, 0, d, 64, OnDone::flag(&done), WriteOptions{0x31, std::nullopt});
+  ASSERT_TRUE(wait_until([&] { return engine.imm_count(0x31) == 1; }));
+
+  // Needs 3, sees 1: ends with kTimeout, and the one arrival stays counted.
+  std::mutex mu;
+  std::optional<Status> timed_out, cancelled, late;
+  engine.expect_imm_count(0x31, 3, OnDone::callback([&](const Status& s) {
+                            std::lock_guard l(mu);
+                            timed_out = s;
+                          }),
+                          ExpectOptions{std::chrono::milliseconds(200)});
+  ASSERT_TRUE(wait_until([&] { std::lock_guard l(mu); return timed_out.has_value(); }, std::chrono::seconds(20)));
+  EXPECT_EQ(timed_out->code(), ErrorCode::kTimeout);
+  EXPECT_NE(timed_out->message().find("arrived 1 of the 3"), std::string::npos) << timed_out->message();
+  EXPECT_EQ(engine.imm_count(0x31), 1u);
+
+  // Cancelled: kCancelled once; a second cancel finds nothing.
+  ImmExpectation e = engine.expect_imm_count(0x32, 5, OnDone::callback([&](const Status& s) {
+                                               std::lock_guard l(mu);
+                                               cancelled = s;
+                                             }));
+  EXPECT_TRUE(engine.cancel_imm_expectation(e));
+  EXPECT_FALSE(engine.cancel_imm_expectation(e));
+  ASSERT_TRUE(wait_until([&] { std::lock_guard l(mu); return cancelled.has_value(); }));
+  EXPECT_EQ(cancelled->code(), ErrorCode::kCancelled);
+
+  // A met expectation cannot be cancelled, and its timeout never fires.
+  std::atomic<int> met{kDonePending};
+  ImmExpectation m = engine.expect_imm_count(0x31, 1, OnDone::flag(&met), ExpectOptions{std::chrono::milliseconds(100)});
+  ASSERT_TRUE(wait_until([&] { return ended(met); }));
+  EXPECT_EQ(met.load(), kDoneSucceeded);
+  EXPECT_FALSE(engine.cancel_imm_expectation(m));
+  engine.expect_imm_count(0x33, 1, OnDone::callback([&](const Status& s) {
+                            std::lock_guard l(mu);
+                            late = s;
+                          }),
+                          ExpectOptions{std::chrono::seconds(30)});
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  {
+    std::lock_guard l(mu);
+    EXPECT_FALSE(late.has_value()) << "an expectation with a long timeout ended early";
+  }
+  engine.dereg_mr(h);
+}
+
+// ---- early immediates are bounded ----------------------------------------------------------
+
+TEST(Hardening, UnexpectedImmediatesAreBoundedAndDropsCounted) {
+  EngineConfig cfg = config_for(kTcp);
+  cfg.max_unexpected_imms = 100;
+  TransferEngine engine(cfg);
+  std::vector<uint8_t> buf(4096, 1);
+  auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+  constexpr uint32_t kValues = 1000;
+  std::atomic<uint64_t> done{0}, failed{0};
+  for (uint32_t i = 0; i < kValues; i++)
+    engine.submit_barrier(std::nullopt, 0x1000 + i, {d}, OnDone::counter(&done, &failed));
+  ASSERT_TRUE(wait_until([&] { return done.load() + failed.load() == kValues; }));
+  ASSERT_TRUE(wait_until([&] { return engine.nic_stats()[0].imms_received == kValues; }));
+  NicStats st = engine.nic_stats()[0];
+  EXPECT_EQ(st.imms_dropped, kValues - 100);
+  uint64_t kept = 0;
+  for (uint32_t i = 0; i < kValues; i++) kept += engine.imm_count(0x1000 + i);
+  EXPECT_EQ(kept, 100u);
+  // Expected values are never dropped: an expectation waits for one more of a new value.
+  std::atomic<int> met{kDonePending};
+  engine.expect_imm_count(0x9999, 1, OnDone::flag(&met));
+  engine.submit_barrier(std::nullopt, 0x9999, {d}, OnDone::none());
+  ASSERT_TRUE(wait_until([&] { return ended(met); }));
+  EXPECT_EQ(met.load(), kDoneSucceeded);
+  engine.dereg_mr(h);
+}
+
+// ---- receive pools -------------------------------------------------------------------------
+
+TEST(Hardening, ReceivePoolsLargerThanTheProviderQueueNeitherHangNorLoseMessages) {
+  TransferEngine a(config_for(kTcp)), b(config_for(kTcp));
+  std::atomic<uint64_t> got{0};
+  // Far more buffers than tcp;ofi_rxm's receive queue holds: the call returns, the worker keeps
+  // serving, and the buffers it could not post yet are posted as room appears.
+  b.submit_recvs(64, 20000, [&](std::span<const std::byte> m) {
+    if (m.size() == 8) got++;
+  });
+  self_write_lands(b);
+  std::atomic<uint64_t> sent{0};
+  uint64_t x = 42;
+  for (int i = 0; i < 3000; i++)
+    a.submit_send(b.main_address(), std::as_bytes(std::span(&x, 1)), OnDone::counter(&sent));
+  EXPECT_TRUE(wait_until([&] { return got.load() == 3000; })) << got.load() << " of 3000 arrived";
+}
+
+TEST(Hardening, ReceivePoolsBeyondWhatMemoryCanHoldAreRejected) {
+  TransferEngine a(config_for(kTcp));
+  try {
+    a.submit_recvs(size_t{1} << 30, 64, [](std::span<const std::byte>) {});
+    ADD_FAILURE() << "a 64 GiB receive pool was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+  }
+  try {
+    a.submit_recvs(SIZE_MAX / 2, 4, [](std::span<const std::byte>) {});  // len * count overflows
+    ADD_FAILURE() << "an overflowing receive pool was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+  }
+  self_write_lands(a);
+}
+
+// ---- fairness ------------------------------------------------------------------------------
+
+// A 10,000-page transfer posted behind a steady stream of small writes finishes: pending work is
+// posted first-in first-out, so freed room goes to the oldest transfer.
+TEST(Hardening, ALargePendingTransferIsNotStarvedByAStreamOfSmallWrites) {
+  EngineConfig cfg = config_for(kTcp);
+  cfg.transfer_timeout = std::chrono::seconds(10);
+  cfg.max_in_flight_per_nic = 8;  // little room: every freed slot is contested
+  TransferEngine a(cfg), b(cfg);
+  constexpr uint32_t kPages = 10000;
+  constexpr uint64_t kPage = 256;
+  auto src = random_bytes(kPage * kPages, 4);
+  std::vector<uint8_t> dst(kPage * kPages, 0);
+  auto [hs, ds] = a.reg_mr(src.data(), src.size());
+  auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
+  std::vector<uint32_t> idx(kPages);
+  for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> small_done{0}, small_failed{0};
+  uint64_t small_sent = 0;
+  std::thread stream([&] {
+    while (!stop.load()) {
+      a.submit_single_write(64, hs, 0, dd, 0, OnDone::counter(&small_done, &small_failed));
+      small_sent++;
+      while (small_sent - small_done.load() - small_failed.load() > 256) std::this_thread::yield();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::atomic<int> big{kDonePending};
+  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0}, OnDone::flag(&big));
+  bool finished = wait_until([&] { return ended(big); }, std::chrono::seconds(25));  // past 2 x timeout
+  stop = true;
+  stream.join();
+  ASSERT_TRUE(finished);
+  EXPECT_EQ(big.load(), kDoneSucceeded) << "the large transfer starved behind the small writes";
+  EXPECT_TRUE(wait_until([&] { return small_done.load() + small_failed.load() == small_sent; }));
+  EXPECT_EQ(small_failed.load(), 0u);
+  EXPECT_GT(small_done.load(), 0u);
+  EXPECT_EQ(dst, src);  // the small writes carry page 0's first bytes too
+}
+
+// ---- back-pressure of one peer -------------------------------------------------------------
+
+// A peer that cannot take work (its connection never comes up) holds back only its own
+// transfers: a write to a healthy peer on the same NIC completes at once, not after the stuck
+// one times out.
+TEST(Hardening, OnePeerPushingBackDoesNotStallTheOthers) {
+  TransferEngine healthy(config_for(kTcp)), stuck(config_for(kTcp));
+  EngineConfig cfg = config_for(kTcp);
+  cfg.transfer_timeout = std::chrono::seconds(30);
+  cfg.faults.enabled = true;
+  cfg.faults.busy_peers = {stuck.main_address().nic(0)};
+  TransferEngine a(cfg);
+  auto src = random_bytes(1 << 16, 6);
+  std::vector<uint8_t> hbuf(1 << 16, 0), sbuf(1 << 16, 0);
+  auto [hs, ds] = a.reg_mr(src.data(), src.size());
+  auto [hh, dh] = healthy.reg_mr(hbuf.data(), hbuf.size());
+  auto [hst, dst] = stuck.reg_mr(sbuf.data(), sbuf.size());
+  std::atomic<int> to_stuck{kDonePending}, to_healthy{kDonePending};
+  a.submit_single_write(src.size(), hs, 0, dst, 0, OnDone::flag(&to_stuck));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  a.submit_single_write(src.size(), hs, 0, dh, 0, OnDone::flag(&to_healthy));
+  EXPECT_TRUE(wait_until([&] { return ended(to_healthy); }, std::chrono::seconds(10)))
+      << "the healthy peer waited for the stuck one";
+  EXPECT_EQ(to_healthy.load(), kDoneSucceeded);
+  EXPECT_FALSE(ended(to_stuck));
+  // Removing the stuck peer ends its transfer at once, with kCancelled.
+  a.remove_peer(stuck.main_address());
+  EXPECT_TRUE(wait_until([&] { return ended(to_stuck); }, std::chrono::seconds(10)));
+  EXPECT_EQ(to_stuck.load(), kDoneFailed);
+  EXPECT_TRUE(wait_until([&] { return hbuf == src; }));
+}
+
+// ---- dereg_mr racing with posting ----------------------------------------------------------
+
+// One thread submits paged writes from region A in a loop while another deregisters A and
+// registers region B (other bytes) in its slot: the receiver must only ever see A's bytes (or
+// nothing), never B's.
+TEST(Hardening, DeregisteringWhileWritesArePostedNeverSendsAnotherRegionsBytes) {
+  EngineConfig cfg = config_for(kTcp);
+  cfg.max_in_flight_per_nic = 4;  // transfers wait pending, where a stale slot used to be read
+  TransferEngine a(cfg), b(config_for(kTcp));
+  constexpr uint64_t kPage = 4096;
+  constexpr uint32_t kPages = 64;
+  std::vector<uint8_t> region_a(kPage * kPages, 0xAA), region_b(kPage * kPages, 0xBB);
+  std::vector<uint8_t> dst(kPage * kPages, 0);
+  auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
+  std::vector<uint32_t> idx(kPages);
+  for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
+  for (int round = 0; round < 20; round++) {
+    auto [ha, da] = a.reg_mr(region_a.data(), region_a.size());
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> done{0}, failed{0};
+    std::atomic<uint64_t> submitted{0};
+    std::thread writer([&] {
+      while (!stop.load()) {
+        try {
+          a.submit_paged_writes(kPage, ha, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0},
+                                OnDone::counter(&done, &failed));
+          submitted++;
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), ErrorCode::kNotFound) << e.what();  // the handle went stale
+          break;
+        }
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    a.dereg_mr(ha);
+    auto [hb, db] = a.reg_mr(region_b.data(), region_b.size());  // likely the same slot
+    stop = true;
+    writer.join();
+    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == submitted.load(); }));
+    // Whatever landed came from A.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (size_t i = 0; i < dst.size(); i++)
+      if (dst[i] == 0xBB) {
+        ADD_FAILURE() << "round " << round << ": byte " << i << " came from the region registered after dereg_mr";
+        break;
+      }
+    a.dereg_mr(hb);
+  }
+}
+
+// ---- calls racing with shutdown ------------------------------------------------------------
+
+// Completion callbacks that call into the engine while it is destroyed: each call either works
+// or throws kShutdown, and the destructor returns (it used to be able to lose a request pushed
+// after the worker's last drain, and deadlock on a control call waiting for it).
+TEST(Hardening, CallsRacingWithShutdownEndInShutdownNeverAHang) {
+  for (int round = 0; round < 30; round++) {
+    std::atomic<uint64_t> shutdown_errors{0}, other_errors{0};
+    std::vector<uint8_t> buf(4096, 3);
+    {
+      TransferEngine engine(config_for(kTcp));
+      auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+      for (int i = 0; i < 200; i++)
+        engine.submit_single_write(64, h, 0, d, 128, OnDone::callback([&, h = h, d = d](const Status&) {
+                                     try {
+                                       engine.imm_count(1);  // a control round trip
+                                       engine.submit_single_write(64, h, 0, d, 256, OnDone::none());
+                                     } catch (const Error& e) {
+                                       // kNotFound: the region went with the worker's shutdown.
+                                       bool expected = e.code() == ErrorCode::kShutdown ||
+                                                       e.code() == ErrorCode::kNotFound;
+                                       (expected ? shutdown_errors : other_errors)++;
+                                     }
+                                   }));
+    }  // destroyed with callbacks still running
+    EXPECT_EQ(other_errors.load(), 0u);
+  }
+}
+
+// ---- removing peers ------------------------------------------------------------------------
+
+TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
+  TransferEngine a(config_for(kTcp)), b(config_for(kTcp));
+  auto src = random_bytes(1 << 16, 8);
+  std::vector<uint8_t> dst(1 << 16, 0);
+  auto [hs, ds] = a.reg_mr(src.data(), src.size());
+  auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
+  EXPECT_EQ(a.peer_count(), 0u);
+  for (int round = 0; round < 5; round++) {
+    std::fill(dst.begin(), dst.end(), 0);
+    std::atomic<int> done{kDonePending}, landed{kDonePending};
+    b.expect_imm_count(0x44, 1, OnDone::flag(&landed));
+    a.submit_single_write(src.size(), hs, 0, dd, 0, OnDone::flag(&done), WriteOptions{0x44, std::nullopt});
+    ASSERT_TRUE(wait_until([&] { return ended(done) && ended(landed); }));
+    EXPECT_EQ(done.load(), kDoneSucceeded) << "round " << round;
+    EXPECT_EQ(dst, src) << "round " << round;
+    EXPECT_EQ(a.peer_count(), 1u);
+    a.remove_peer(b.main_address());
+    EXPECT_EQ(a.peer_count(), 0u);
+    a.remove_peer(b.main_address());  // unknown now: ignored
+  }
+  try {
+    TransferEngine wide(config_for(ProviderCase{"tcp;ofi_rxm", 2, false}));
+    a.remove_peer(wide.main_address());
+    ADD_FAILURE() << "a peer with another NIC count was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace fabric::testing
