@@ -227,6 +227,33 @@ TEST(EfaSim, AFailedPieceFailsItsWriteOnceWithTheFirstErrorAndNoImmediate) {
   EXPECT_EQ(std::memcmp(bufs.dst.data(), bufs.src.data(), kLen), 0);
 }
 
+TEST(EfaSim, DeregisteringTheSourceOfASplitWriteStopsItsPiecesAndFailsItOnce) {
+  DomainPair p;
+  Buffers bufs(p);
+  OpContext warm;
+  ASSERT_EQ(p.write(bufs.op(8, 0, 0, std::nullopt), &warm), PostResult::kPosted);
+  ASSERT_TRUE(p.poll_until([&] { return p.completions_of(&warm, Completion::Kind::kLocal) == 1; }));
+  // 15 pieces go at once; the 16th, with the immediate, waits for their completions. The source is
+  // deregistered before: the last piece must never be posted with its stale descriptor.
+  const efa_sim::Stats before = efa_sim::stats();
+  OpContext ctx;
+  ASSERT_EQ(p.write(bufs.op(1 << 20, 0, 0, 0x99), &ctx), PostResult::kPosted);
+  p.a->deregister_memory(bufs.src_region);
+  ASSERT_TRUE(p.poll_until([&] { return p.completions_of(&ctx, Completion::Kind::kError) > 0; }));
+  p.poll_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(p.completions_of(&ctx, Completion::Kind::kError), 1u);
+  EXPECT_EQ(p.completions_of(&ctx, Completion::Kind::kLocal), 0u);
+  for (auto& c : p.at_a) {
+    if (c.context == &ctx) {
+      EXPECT_NE(c.error.find("deregistered"), std::string::npos) << c.error;
+    }
+  }
+  EXPECT_TRUE(p.imms().empty());
+  const efa_sim::Stats after = efa_sim::stats();
+  EXPECT_EQ(after.writes - before.writes, 15u);
+  EXPECT_EQ(after.violations, before.violations) << efa_sim::last_violation();
+}
+
 TEST(EfaSim, ThePostsThatBreakEfasMemoryRulesAreRefusedByTheShim) {
   DomainPair p;
   Buffers bufs(p);

@@ -109,6 +109,15 @@ class LibfabricDomain final : public Domain {
   }
 
   void deregister_memory(DomainRegion& region) override {
+    // A split WRITE from the region posts no more pieces (its descriptor is about to go stale);
+    // it fails once those posted have completed.
+    for (size_t i = 0; splits_ && region.desc && i < kMaxSplits; i++) {
+      Split& s = splits_[i];
+      if (s.parent && s.op.desc == region.desc && !s.failed && s.posted < s.op.len) {
+        fail_split(s, "its source region was deregistered while the WRITE was being posted");
+        enqueue(s);
+      }
+    }
     if (region.provider) check("fi_close(mr)", fi_close(&static_cast<fid_mr*>(region.provider)->fid));
     region = {};
   }
