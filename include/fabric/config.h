@@ -67,6 +67,9 @@ struct FaultConfig {
   // Posts to these peer endpoints (NetAddr::nic(i) of the peer, per NIC) always answer
   // PostResult::kRetryPeer, as a peer whose connection never comes up: per-peer back-pressure.
   std::vector<std::string> busy_peers;
+  // After this many posted operations (0: never) the domain's next poll never returns, as a
+  // provider spinning on a lock that a dead peer held: the engine must still not hang its caller.
+  uint64_t wedge_after_posts = 0;
 };
 
 struct EngineConfig {
@@ -82,6 +85,11 @@ struct EngineConfig {
 
   // A transfer (or send) that has not completed after this long fails with kTimeout.
   std::chrono::milliseconds transfer_timeout{30000};
+  // A worker that makes no progress for this long is wedged inside a provider call that does not
+  // return (seen: shm spinning on a lock a killed peer held). Calls that wait for it throw
+  // kTimeout instead of hanging, and closing the engine abandons the worker (its thread and
+  // memory are left behind, its pending transfers never report) instead of waiting for ever.
+  std::chrono::milliseconds worker_stall_timeout{30000};
 
   size_t request_queue_capacity = 16384;
   size_t event_queue_capacity = 65536;

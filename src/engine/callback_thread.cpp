@@ -10,9 +10,7 @@ namespace fabric {
 CallbackThread::CallbackThread(size_t capacity, PollMode mode)
     : queue_(capacity), mode_(mode), thread_([this] { run(); }) {}
 
-CallbackThread::~CallbackThread() {
-  if (thread_.joinable()) thread_.join();
-}
+CallbackThread::~CallbackThread() { join(); }
 
 void CallbackThread::push(Event&& event, std::deque<Event>& overflow) {
   if (!overflow.empty() || !queue_.try_push(event)) overflow.push_back(std::move(event));

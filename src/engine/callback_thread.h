@@ -22,6 +22,9 @@ class CallbackThread {
   // Retries a worker's overflow list; returns true when it is empty.
   bool flush(std::deque<Event>& overflow);
   void stop();  // queues the final event; the thread exits after running all before it
+  void join() {  // waits for the thread after stop(); the object itself may then be kept
+    if (thread_.joinable()) thread_.join();
+  }
 
  private:
   void run();

@@ -68,7 +68,9 @@ class EngineImpl {
   TransferRequest make_request(TransferKind kind, OnDone on_done, const WriteOptions& opts) const;
 
   EngineConfig config_;
-  MrTable mrs_;
+  // Heap-held so that a wedged worker, abandoned at close, never sees them freed.
+  std::unique_ptr<MrTable> mrs_owner_;
+  MrTable& mrs_;
   std::unique_ptr<CallbackThread> callbacks_;
   std::unique_ptr<Worker> worker_;
   NetAddr address_;

@@ -34,7 +34,9 @@ std::string addr_key(const NetAddr& a) {
 }  // namespace
 
 EngineImpl::EngineImpl(EngineConfig config)
-    : config_(std::move(config)), mrs_(config_.max_regions) {
+    : config_(std::move(config)),
+      mrs_owner_(std::make_unique<MrTable>(config_.max_regions)),
+      mrs_(*mrs_owner_) {
   if (config_.nics.empty() || config_.nics.size() > kMaxNics)
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("EngineConfig::nics must list 1 to {} NICs, it lists {}", kMaxNics,
@@ -55,8 +57,18 @@ EngineImpl::~EngineImpl() {
   // From here on every call throws kShutdown, callbacks of the failed transfers included (they
   // run below, after the worker is gone but before its object is).
   closing_.store(true, std::memory_order_release);
-  worker_->stop();  // fails what is pending (events queued), closes NICs, joins
+  // Fails what is pending (events queued), closes NICs, joins.
+  bool joined = worker_->stop();
   callbacks_->stop();
+  if (!joined) {
+    // Wedged inside its provider: the worker may still wake up and touch its own object, the
+    // region table and the callback queue, so all three are left behind (a leak, not a crash).
+    callbacks_->join();
+    (void)callbacks_.release();
+    (void)mrs_owner_.release();
+    (void)worker_.release();
+    return;
+  }
   callbacks_.reset();  // runs every queued callback, joins
   worker_.reset();
 }

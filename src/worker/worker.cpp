@@ -57,11 +57,44 @@ Worker::Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbac
 
 Worker::~Worker() { stop(); }
 
-void Worker::stop() {
-  if (thread_.joinable()) {
+bool Worker::stop() {
+  if (!thread_.joinable()) return true;
+  try {
     submit(StopRequest{});
-    thread_.join();
+  } catch (const Error&) {  // wedged with a full queue: the stop request cannot even be queued
   }
+  while (!exited_.load(std::memory_order_acquire)) {
+    if (stalled()) {
+      log::error("{}; closing the engine without it: its thread and memory are left behind and "
+                 "its pending transfers will not report",
+                 stall_error("closing the engine").what());
+      thread_.detach();
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  thread_.join();
+  return true;
+}
+
+bool Worker::stalled() {
+  std::lock_guard l(watch_mu_);
+  uint64_t beat = heartbeat_.load(std::memory_order_relaxed);
+  Clock::time_point now = Clock::now();
+  if (beat != watched_beat_ || watched_since_ == Clock::time_point{}) {
+    watched_beat_ = beat;
+    watched_since_ = now;
+    return false;
+  }
+  return now - watched_since_ > config_.worker_stall_timeout;
+}
+
+Error Worker::stall_error(const char* what) const {
+  return Error(ErrorCode::kTimeout,
+               fmt::format("{}: the engine's worker has made no progress for {} ms, stuck inside "
+                           "the '{}' provider (shm does this after a peer died holding its lock); "
+                           "restart this process (EngineConfig::worker_stall_timeout)",
+                           what, config_.worker_stall_timeout.count(), provider_));
 }
 
 void Worker::submit(Request&& request) {
@@ -72,7 +105,13 @@ void Worker::submit(Request&& request) {
     submitters_.fetch_sub(1, std::memory_order_seq_cst);
     throw Error(ErrorCode::kShutdown, "the engine is shutting down and takes no more requests");
   }
-  while (!requests_.try_push(request)) std::this_thread::yield();
+  for (uint32_t spins = 0; !requests_.try_push(request); spins++) {
+    if ((spins & 1023) == 1023 && stalled()) {  // full and nobody takes from it
+      submitters_.fetch_sub(1, std::memory_order_seq_cst);
+      throw stall_error("submitting");
+    }
+    std::this_thread::yield();
+  }
   submitters_.fetch_sub(1, std::memory_order_seq_cst);
 }
 
@@ -95,6 +134,7 @@ void Worker::run(std::promise<void> opened) {
   opened.set_value();
   loop();
   shutdown();
+  exited_.store(true, std::memory_order_release);
 }
 
 void Worker::open_domains() {
@@ -127,6 +167,7 @@ void Worker::loop() {
   util::Idle idle(config_.worker_poll, config_.idle_sleep);
   uint32_t rounds = 0;
   while (!stopping_) {
+    heartbeat_.store(rounds, std::memory_order_relaxed);
     bool busy = take_requests();
     busy |= post_pending();
     busy |= post_recv_backlog();
@@ -792,6 +833,7 @@ void Worker::shutdown() {
       if (auto* e = std::get_if<ExpectRequest>(&*r)) report(e->on_done, stopped);
       if (auto* c = std::get_if<ControlRequest>(&*r)) c->run();
     }
+    heartbeat_.fetch_add(1, std::memory_order_relaxed);  // still making progress
     if (!last) std::this_thread::yield();
   }
   while (!callbacks_.flush(overflow_)) std::this_thread::yield();
@@ -799,6 +841,7 @@ void Worker::shutdown() {
     RegionSlot& slot = mrs_.slot(s);
     if ((slot.generation.load(std::memory_order_relaxed) & 1) == 0) continue;
     for (size_t nic = 0; nic < domains_.size(); nic++) domains_[nic]->deregister_memory(slot.per_nic[nic]);
+    heartbeat_.fetch_add(1, std::memory_order_relaxed);
     slot.generation.fetch_add(1, std::memory_order_release);
   }
   for (auto& pool : recv_pools_) domains_[0]->deregister_memory(pool->region);

@@ -5,8 +5,10 @@
 #include <array>
 #include <atomic>
 #include <deque>
+#include <chrono>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -48,8 +50,10 @@ class Worker {
   Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbacks);
   ~Worker();  // stop(), if not done
   // Fails everything pending with kShutdown, closes the NICs and joins the thread. The object
-  // stays (other threads may still look at it) but takes no more work.
-  void stop();
+  // stays (other threads may still look at it) but takes no more work. False: the worker was
+  // wedged (no progress for worker_stall_timeout) and its thread was abandoned; it may still
+  // touch this object, the region table and the callback thread, which must then never be freed.
+  bool stop();
 
   const std::vector<std::string>& nic_addresses() const { return nic_addresses_; }
   const std::string& provider() const { return provider_; }
@@ -66,15 +70,27 @@ class Worker {
   // stopped taking requests (nothing submitted is ever silently lost).
   void submit(Request&& request);
 
-  // Runs fn on the worker thread and returns its result (or rethrows its exception).
+  // Runs fn on the worker thread and returns its result (or rethrows its exception). Throws
+  // kTimeout if the worker makes no progress for worker_stall_timeout before it starts fn (a
+  // wedged provider): fn is then never run.
   template <class F>
   auto call(F&& fn) -> decltype(fn()) {
     using R = decltype(fn());
     std::packaged_task<R()> task(std::forward<F>(fn));
     auto result = task.get_future();
-    submit(ControlRequest{[&task] { task(); }});
+    auto gate = std::make_shared<CallGate>();
+    // The task lives on this stack: the worker touches it only after taking the gate, which an
+    // abandoning caller has closed first.
+    submit(ControlRequest{[gate, &task] {
+      if (gate->enter()) task();
+    }});
+    while (result.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready)
+      if (stalled() && gate->abandon()) throw stall_error("a control call (registration, query)");
     return result.get();
   }
+  // No loop round for worker_stall_timeout (checked from another thread; it keeps its own clock).
+  bool stalled();
+  Error stall_error(const char* what) const;
 
   // Worker thread only (through call()).
   DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
@@ -97,6 +113,22 @@ class Worker {
 
  private:
   struct RecvPool;
+  // Between a caller that may give up and the worker that may start its task: whoever comes
+  // first decides.
+  struct CallGate {
+    std::mutex mu;
+    bool started = false, abandoned = false;
+    bool enter() {
+      std::lock_guard l(mu);
+      started = !abandoned;
+      return started;
+    }
+    bool abandon() {
+      std::lock_guard l(mu);
+      abandoned = !started;
+      return abandoned;
+    }
+  };
 
   void run(std::promise<void> opened);
   void open_domains();
@@ -191,6 +223,13 @@ class Worker {
   // waits for the first to reach zero after the second turned false, so none is lost.
   std::atomic<uint32_t> submitters_{0};
   std::atomic<bool> accepting_{true};
+  // Progress, for wedge detection: the loop bumps heartbeat_; waiters remember when they last
+  // saw it move (under watch_mu_, off the data path).
+  std::atomic<uint64_t> heartbeat_{0};
+  std::atomic<bool> exited_{false};
+  std::mutex watch_mu_;
+  uint64_t watched_beat_ = 0;
+  Clock::time_point watched_since_{};
 };
 
 }  // namespace fabric

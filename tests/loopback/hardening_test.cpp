@@ -319,5 +319,32 @@ TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
   }
 }
 
+// ---- a wedged provider ----------------------------------------------------------------
+
+// The provider stops returning (as shm spinning on a lock a killed peer held): calls that wait for
+// the worker throw kTimeout naming the cause, and closing the engine returns instead of hanging.
+TEST(Hardening, AWedgedProviderNeverHangsTheCaller) {
+  EngineConfig cfg = config_for(kTcp);
+  cfg.worker_stall_timeout = std::chrono::milliseconds(500);
+  cfg.faults.enabled = true;
+  cfg.faults.wedge_after_posts = 1;
+  static std::vector<uint8_t> buf(4096, 1);  // the abandoned worker may still hold it: never freed
+  auto start = std::chrono::steady_clock::now();
+  {
+    TransferEngine engine(cfg);
+    auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+    engine.submit_single_write(64, h, 0, d, 128, OnDone::none());  // the one post; then it wedges
+    try {
+      for (int i = 0; i < 1000; i++) engine.imm_count(1);  // a control round trip each
+      ADD_FAILURE() << "the wedged worker kept answering";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("no progress"), std::string::npos) << e.what();
+    }
+  }  // closes: abandons the worker
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(secs, 20.0) << "closing waited for the wedged worker";
+}
+
 }  // namespace
 }  // namespace fabric::testing

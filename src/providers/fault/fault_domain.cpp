@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <deque>
+#include <chrono>
 #include <random>
+#include <thread>
 #include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
@@ -48,6 +50,8 @@ class FaultDomain final : public ForwardingDomain {
   }
 
   size_t poll(std::span<Completion> out) override {
+    if (config_.wedge_after_posts && posts_ >= config_.wedge_after_posts)
+      for (;;) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // never returns
     Completion fresh[64];
     size_t n = inner_->poll(std::span(fresh, std::min(out.size(), std::size(fresh))));
     for (size_t i = 0; i < n; i++) apply(std::move(fresh[i]));
@@ -77,6 +81,7 @@ class FaultDomain final : public ForwardingDomain {
     }
     PostResult r = inner_post();
     if (r != PostResult::kPosted) return r;
+    posts_++;
     if (roll(config_.completion_error)) fates_[ctx] = Fate::kError;
     else if (roll(config_.stuck)) fates_[ctx] = Fate::kStuck;
     return r;
@@ -135,6 +140,7 @@ class FaultDomain final : public ForwardingDomain {
   std::deque<Completion> ready_;
   std::vector<Delayed> delayed_;
   bool injected_error_ = false;
+  uint64_t posts_ = 0;
   std::string error_;
   std::atomic<uint64_t> total_{0}, duplicated_{0};
 };
