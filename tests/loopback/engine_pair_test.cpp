@@ -327,11 +327,21 @@ TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
     auto [h, d] = engine.reg_mr(src.data(), kLen);
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
     std::atomic<uint64_t> done{0}, failed{0};
-    for (uint32_t i = 0; i < kBefore; i++)
+    // One WRITE at a time, so that each has the 2 s timeout to itself: submitted together, the
+    // last ones waited behind 19 MiB, which Soft-RoCE under TCG moves in more than 2 s when the
+    // host is loaded, and timed out before the victim was told to die.
+    for (uint32_t i = 0; i < kBefore; i++) {
       engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::counter(&done, &failed));
-    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == kBefore; }));
+      EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == i + 1; }));
+    }
     EXPECT_EQ(done.load(), kBefore);
     ch.send("die");
+    // The victim's end of the channel closes as it dies: wait for that instead of guessing (a victim
+    // slow to die could take every later write), then give its queue pairs a moment to go.
+    try {
+      ch.recv();
+    } catch (const std::runtime_error&) {
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::vector<Status> errors;
     std::mutex mu;
