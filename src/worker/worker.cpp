@@ -723,11 +723,17 @@ void Worker::check_deadlines() {
   }
   while (oldest_ && oldest_->req.deadline <= now) {
     Transfer& t = *oldest_;
+    // shm does not recover from a peer that died with operations in flight (measured: even
+    // writes to live peers stop completing), so say what to do about it.
+    const char* hint = provider_ == "shm" ? "; with shm, a peer that died with WRITEs in flight "
+                                            "can leave this endpoint unable to complete large "
+                                            "writes: restart this process"
+                                          : "";
     fail(t, Status(ErrorCode::kTimeout,
                    fmt::format("transfer not completed after {} ms ({} of {} WRITEs posted, {} "
-                               "outstanding): is the peer alive? (EngineConfig::transfer_timeout)",
+                               "outstanding): is the peer alive? (EngineConfig::transfer_timeout){}",
                                config_.transfer_timeout.count(), t.next_op, t.total_ops,
-                               t.outstanding)));
+                               t.outstanding, hint)));
     t.reported = true;
     unlink(t);
     report(t.req.on_done, t.error);
