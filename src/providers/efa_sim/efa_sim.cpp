@@ -73,6 +73,8 @@ struct NoSys<R (*)(A...)> {
   static R call(A...) { return static_cast<R>(-FI_ENOSYS); }
 };
 #define FABRIC_NOSYS(table, member) NoSys<decltype(table::member)>::call
+// The operation tables below are filled member by member: members that newer headers add (and we
+// do not name) stay null, which libfabric's FI_CHECK_OP reads as "not supported".
 
 // ---- the wrappers ------------------------------------------------------------------------------
 
@@ -206,8 +208,15 @@ int mr_control(fid* f, int command, void* arg) {
   fid_mr* real = self<SimMr>(f)->real;
   return real->fid.ops->control(&real->fid, command, arg);
 }
-fi_ops g_mr_fid_ops = {sizeof(fi_ops), mr_close, mr_bind, mr_control,
-                       FABRIC_NOSYS(fi_ops, ops_open), nullptr, nullptr};
+fi_ops g_mr_fid_ops = [] {
+  fi_ops o{};
+  o.size = sizeof o;
+  o.close = mr_close;
+  o.bind = mr_bind;
+  o.control = mr_control;
+  o.ops_open = FABRIC_NOSYS(fi_ops, ops_open);
+  return o;
+}();
 
 int domain_regattr(fid* f, const fi_mr_attr* attr, uint64_t flags, fid_mr** out) {
   DomainState* dom = self<SimDomain>(f)->s;
@@ -257,7 +266,14 @@ int domain_reg(fid* f, const void* buf, size_t len, uint64_t access, uint64_t of
   attr.context = context;
   return domain_regattr(f, &attr, flags, out);
 }
-fi_ops_mr g_domain_mr_ops = {sizeof(fi_ops_mr), domain_reg, FABRIC_NOSYS(fi_ops_mr, regv), domain_regattr};
+fi_ops_mr g_domain_mr_ops = [] {
+  fi_ops_mr o{};
+  o.size = sizeof o;
+  o.reg = domain_reg;
+  o.regv = FABRIC_NOSYS(fi_ops_mr, regv);
+  o.regattr = domain_regattr;
+  return o;
+}();
 
 // ---- completion queue --------------------------------------------------------------------------
 
@@ -273,8 +289,15 @@ int cq_control(fid* f, int command, void* arg) {
   fid_cq* real = self<SimCq>(f)->s->real;
   return real->fid.ops->control(&real->fid, command, arg);
 }
-fi_ops g_cq_fid_ops = {sizeof(fi_ops), cq_close, FABRIC_NOSYS(fi_ops, bind), cq_control,
-                       FABRIC_NOSYS(fi_ops, ops_open), nullptr, nullptr};
+fi_ops g_cq_fid_ops = [] {
+  fi_ops o{};
+  o.size = sizeof o;
+  o.close = cq_close;
+  o.bind = FABRIC_NOSYS(fi_ops, bind);
+  o.control = cq_control;
+  o.ops_open = FABRIC_NOSYS(fi_ops, ops_open);
+  return o;
+}();
 
 ssize_t cq_read(fid_cq* f, void* buf, size_t count) {
   CqState* s = self<SimCq>(f)->s;
@@ -311,9 +334,18 @@ int cq_signal(fid_cq* f) { return fi_cq_signal(self<SimCq>(f)->s->real); }
 const char* cq_strerror(fid_cq* f, int prov_errno, const void* err_data, char* buf, size_t len) {
   return fi_cq_strerror(self<SimCq>(f)->s->real, prov_errno, err_data, buf, len);
 }
-fi_ops_cq g_cq_ops = {sizeof(fi_ops_cq), cq_read, FABRIC_NOSYS(fi_ops_cq, readfrom), cq_readerr,
-                      FABRIC_NOSYS(fi_ops_cq, sread), FABRIC_NOSYS(fi_ops_cq, sreadfrom), cq_signal,
-                      cq_strerror};
+fi_ops_cq g_cq_ops = [] {
+  fi_ops_cq o{};
+  o.size = sizeof o;
+  o.read = cq_read;
+  o.readfrom = FABRIC_NOSYS(fi_ops_cq, readfrom);
+  o.readerr = cq_readerr;
+  o.sread = FABRIC_NOSYS(fi_ops_cq, sread);
+  o.sreadfrom = FABRIC_NOSYS(fi_ops_cq, sreadfrom);
+  o.signal = cq_signal;
+  o.strerror = cq_strerror;
+  return o;
+}();
 
 // ---- endpoint ----------------------------------------------------------------------------------
 
@@ -339,8 +371,15 @@ int ep_control(fid* f, int command, void* arg) {
   if (rc == 0 && command == FI_ENABLE) ep->enabled = true;
   return rc;
 }
-fi_ops g_ep_fid_ops = {sizeof(fi_ops), ep_close, ep_bind, ep_control, FABRIC_NOSYS(fi_ops, ops_open),
-                       nullptr, nullptr};
+fi_ops g_ep_fid_ops = [] {
+  fi_ops o{};
+  o.size = sizeof o;
+  o.close = ep_close;
+  o.bind = ep_bind;
+  o.control = ep_control;
+  o.ops_open = FABRIC_NOSYS(fi_ops, ops_open);
+  return o;
+}();
 
 ssize_t ep_cancel(fid_t f, void* context) { return fi_cancel(&self<SimEp>(f)->real->fid, context); }
 int ep_getopt(fid_t f, int level, int optname, void* optval, size_t* optlen) {
@@ -361,9 +400,18 @@ int ep_setopt(fid_t f, int level, int optname, const void* optval, size_t optlen
 }
 ssize_t ep_tx_size_left(fid_ep* f) { return self<SimEp>(f)->real->ops->tx_size_left(self<SimEp>(f)->real); }
 ssize_t ep_rx_size_left(fid_ep* f) { return self<SimEp>(f)->real->ops->rx_size_left(self<SimEp>(f)->real); }
-fi_ops_ep g_ep_ops = {sizeof(fi_ops_ep), ep_cancel, ep_getopt, ep_setopt,
-                      FABRIC_NOSYS(fi_ops_ep, tx_ctx), FABRIC_NOSYS(fi_ops_ep, rx_ctx),
-                      ep_rx_size_left, ep_tx_size_left};
+fi_ops_ep g_ep_ops = [] {
+  fi_ops_ep o{};
+  o.size = sizeof o;
+  o.cancel = ep_cancel;
+  o.getopt = ep_getopt;
+  o.setopt = ep_setopt;
+  o.tx_ctx = FABRIC_NOSYS(fi_ops_ep, tx_ctx);
+  o.rx_ctx = FABRIC_NOSYS(fi_ops_ep, rx_ctx);
+  o.rx_size_left = ep_rx_size_left;
+  o.tx_size_left = ep_tx_size_left;
+  return o;
+}();
 
 int ep_getname(fid_t f, void* addr, size_t* addrlen) {
   return fi_getname(&self<SimEp>(f)->real->fid, addr, addrlen);
@@ -371,10 +419,20 @@ int ep_getname(fid_t f, void* addr, size_t* addrlen) {
 int ep_setname(fid_t f, void* addr, size_t addrlen) {
   return fi_setname(&self<SimEp>(f)->real->fid, addr, addrlen);
 }
-fi_ops_cm g_ep_cm_ops = {sizeof(fi_ops_cm), ep_setname, ep_getname, FABRIC_NOSYS(fi_ops_cm, getpeer),
-                         FABRIC_NOSYS(fi_ops_cm, connect), FABRIC_NOSYS(fi_ops_cm, listen),
-                         FABRIC_NOSYS(fi_ops_cm, accept), FABRIC_NOSYS(fi_ops_cm, reject),
-                         FABRIC_NOSYS(fi_ops_cm, shutdown), FABRIC_NOSYS(fi_ops_cm, join)};
+fi_ops_cm g_ep_cm_ops = [] {
+  fi_ops_cm o{};
+  o.size = sizeof o;
+  o.setname = ep_setname;
+  o.getname = ep_getname;
+  o.getpeer = FABRIC_NOSYS(fi_ops_cm, getpeer);
+  o.connect = FABRIC_NOSYS(fi_ops_cm, connect);
+  o.listen = FABRIC_NOSYS(fi_ops_cm, listen);
+  o.accept = FABRIC_NOSYS(fi_ops_cm, accept);
+  o.reject = FABRIC_NOSYS(fi_ops_cm, reject);
+  o.shutdown = FABRIC_NOSYS(fi_ops_cm, shutdown);
+  o.join = FABRIC_NOSYS(fi_ops_cm, join);
+  return o;
+}();
 
 ssize_t ep_recv(fid_ep* f, void* buf, size_t len, void* desc, fi_addr_t src, void* context) {
   SimEp* ep = self<SimEp>(f);
@@ -404,10 +462,20 @@ ssize_t ep_inject(fid_ep* f, const void* buf, size_t len, fi_addr_t dest) {
   global().sends++;
   return fi_inject(self<SimEp>(f)->real, buf, len, dest);
 }
-fi_ops_msg g_ep_msg_ops = {sizeof(fi_ops_msg), ep_recv, FABRIC_NOSYS(fi_ops_msg, recvv),
-                           FABRIC_NOSYS(fi_ops_msg, recvmsg), ep_send, FABRIC_NOSYS(fi_ops_msg, sendv),
-                           FABRIC_NOSYS(fi_ops_msg, sendmsg), ep_inject, ep_senddata,
-                           FABRIC_NOSYS(fi_ops_msg, injectdata)};
+fi_ops_msg g_ep_msg_ops = [] {
+  fi_ops_msg o{};
+  o.size = sizeof o;
+  o.recv = ep_recv;
+  o.recvv = FABRIC_NOSYS(fi_ops_msg, recvv);
+  o.recvmsg = FABRIC_NOSYS(fi_ops_msg, recvmsg);
+  o.send = ep_send;
+  o.sendv = FABRIC_NOSYS(fi_ops_msg, sendv);
+  o.sendmsg = FABRIC_NOSYS(fi_ops_msg, sendmsg);
+  o.inject = ep_inject;
+  o.senddata = ep_senddata;
+  o.injectdata = FABRIC_NOSYS(fi_ops_msg, injectdata);
+  return o;
+}();
 
 ssize_t ep_write_common(const char* call, fid_ep* f, const void* buf, size_t len, void* desc,
                         const uint64_t* data, fi_addr_t dest, uint64_t addr, uint64_t key, void* context) {
@@ -454,10 +522,20 @@ ssize_t ep_inject_writedata(fid_ep* f, const void* buf, size_t len, uint64_t dat
   if (rc == 0) count_write(len, true);
   return rc;
 }
-fi_ops_rma g_ep_rma_ops = {sizeof(fi_ops_rma), FABRIC_NOSYS(fi_ops_rma, read),
-                           FABRIC_NOSYS(fi_ops_rma, readv), FABRIC_NOSYS(fi_ops_rma, readmsg), ep_write,
-                           FABRIC_NOSYS(fi_ops_rma, writev), FABRIC_NOSYS(fi_ops_rma, writemsg),
-                           ep_inject_write, ep_writedata, ep_inject_writedata};
+fi_ops_rma g_ep_rma_ops = [] {
+  fi_ops_rma o{};
+  o.size = sizeof o;
+  o.read = FABRIC_NOSYS(fi_ops_rma, read);
+  o.readv = FABRIC_NOSYS(fi_ops_rma, readv);
+  o.readmsg = FABRIC_NOSYS(fi_ops_rma, readmsg);
+  o.write = ep_write;
+  o.writev = FABRIC_NOSYS(fi_ops_rma, writev);
+  o.writemsg = FABRIC_NOSYS(fi_ops_rma, writemsg);
+  o.inject = ep_inject_write;
+  o.writedata = ep_writedata;
+  o.injectdata = ep_inject_writedata;
+  return o;
+}();
 
 // ---- domain ------------------------------------------------------------------------------------
 
@@ -476,8 +554,15 @@ int domain_control(fid* f, int command, void* arg) {
   fid_domain* real = self<SimDomain>(f)->s->real;
   return real->fid.ops->control(&real->fid, command, arg);
 }
-fi_ops g_domain_fid_ops = {sizeof(fi_ops), domain_close, domain_bind, domain_control,
-                           FABRIC_NOSYS(fi_ops, ops_open), nullptr, nullptr};
+fi_ops g_domain_fid_ops = [] {
+  fi_ops o{};
+  o.size = sizeof o;
+  o.close = domain_close;
+  o.bind = domain_bind;
+  o.control = domain_control;
+  o.ops_open = FABRIC_NOSYS(fi_ops, ops_open);
+  return o;
+}();
 
 int domain_av_open(fid_domain* f, fi_av_attr* attr, fid_av** av, void* context) {
   return fi_av_open(self<SimDomain>(f)->s->real, attr, av, context);
@@ -514,12 +599,22 @@ int domain_endpoint(fid_domain* f, fi_info* info, fid_ep** out, void* context) {
   *out = &ep->pub;
   return 0;
 }
-fi_ops_domain g_domain_ops = {
-    sizeof(fi_ops_domain), domain_av_open, domain_cq_open, domain_endpoint,
-    FABRIC_NOSYS(fi_ops_domain, scalable_ep), FABRIC_NOSYS(fi_ops_domain, cntr_open),
-    FABRIC_NOSYS(fi_ops_domain, poll_open), FABRIC_NOSYS(fi_ops_domain, stx_ctx),
-    FABRIC_NOSYS(fi_ops_domain, srx_ctx), FABRIC_NOSYS(fi_ops_domain, query_atomic),
-    FABRIC_NOSYS(fi_ops_domain, query_collective), FABRIC_NOSYS(fi_ops_domain, endpoint2)};
+fi_ops_domain g_domain_ops = [] {
+  fi_ops_domain o{};
+  o.size = sizeof o;
+  o.av_open = domain_av_open;
+  o.cq_open = domain_cq_open;
+  o.endpoint = domain_endpoint;
+  o.scalable_ep = FABRIC_NOSYS(fi_ops_domain, scalable_ep);
+  o.cntr_open = FABRIC_NOSYS(fi_ops_domain, cntr_open);
+  o.poll_open = FABRIC_NOSYS(fi_ops_domain, poll_open);
+  o.stx_ctx = FABRIC_NOSYS(fi_ops_domain, stx_ctx);
+  o.srx_ctx = FABRIC_NOSYS(fi_ops_domain, srx_ctx);
+  o.query_atomic = FABRIC_NOSYS(fi_ops_domain, query_atomic);
+  o.query_collective = FABRIC_NOSYS(fi_ops_domain, query_collective);
+  o.endpoint2 = FABRIC_NOSYS(fi_ops_domain, endpoint2);
+  return o;
+}();
 
 }  // namespace
 
