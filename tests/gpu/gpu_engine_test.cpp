@@ -372,6 +372,13 @@ constexpr int kNoNamespace = 77;  // a process could not make its namespace here
 
 int exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
+// The namespace tests' processes keep copies of the channel in waiting intermediates, so a dead
+// peer does not close it: a read gives up after 20 s instead of hanging the run.
+void bound_channel_reads(const Channel& ch) {
+  timeval tv{20, 0};
+  setsockopt(ch.fd(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
 // Runs `body` as process 1 of a new PID namespace (a child unshares; its own child runs `body`),
 // and returns body's result or kNoNamespace. Called before anything in this process uses CUDA.
 int as_pid1(const std::function<int()>& body) {
@@ -422,6 +429,7 @@ bool segment_exists(const NetAddr& a) {
 // must be written over the NICs, and the owner's segment must survive the writer's start (its
 // stale sweep).
 int owner_for_a_foreign_writer(Channel& ch) {
+  bound_channel_reads(ch);
   TransferEngine engine(gpu_engine_config(0));
   std::vector<uint8_t> host(1 << 20, 0);
   DeviceBuffer gpu(1 << 20, 0);
@@ -447,6 +455,7 @@ int owner_for_a_foreign_writer(Channel& ch) {
 // The writer: its engine starts after the owner's; the host region goes over the NICs (tcp) and
 // the GPU region, which only cuda_ipc could reach, is refused at submit time.
 int writer_from_another_container(Channel& ch) {
+  bound_channel_reads(ch);
   NetAddr owner = NetAddr::from_bytes(ch.recv_bytes());
   MrDesc hdst = MrDesc::from_bytes(ch.recv_bytes());
   MrDesc gdst = MrDesc::from_bytes(ch.recv_bytes());
@@ -599,6 +608,63 @@ TEST(CudaIpcPeers, RemovingAPeerClosesItsMappingsSoItsFreedGpuMemoryReturns) {
         return now >= with + kBig * 9 / 10 ? 0 : 50;
       });
   EXPECT_TRUE(result.ok()) << "writer rc " << result.parent_rc << ", owner rc " << exit_code(result.child_status);
+}
+
+// A peer that dies (SIGKILL) while we map its memory: within a few hundred milliseconds the next
+// WRITE to it fails saying so (the flock on its segment is free), and the engine releases the
+// peer, which closes our mappings of its memory (they kept it allocated before).
+TEST(CudaIpcPeers, APeerThatDiesIsDetectedAndReleased) {
+  REQUIRE_GPU();
+  auto result = tools::run_process_pair(
+      [](Channel& ch) {  // the writer
+        bound_channel_reads(ch);
+        TransferEngine engine(gpu_engine_config(sender_device()));
+        NetAddr owner = NetAddr::from_bytes(ch.recv_bytes());
+        MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
+        pid_t owner_pid = std::stoi(ch.recv());
+        DeviceBuffer src(1 << 20, sender_device());
+        auto [h, desc] = engine.reg_mr(src.ptr, src.len, Device::cuda(sender_device()));
+        auto write = [&](std::string* why) {
+          std::atomic<int> f{kDonePending};
+          engine.submit_single_write(1 << 20, h, 0, dst, 0, OnDone::callback([&](const Status& st) {
+                                       if (why) *why = st.message();
+                                       f.store(st.ok() ? kDoneSucceeded : kDoneFailed);
+                                       f.notify_all();
+                                     }));
+          f.wait(kDonePending);
+          return f.load() == kDoneSucceeded;
+        };
+        if (!write(nullptr)) return 70;
+        if (engine.nic_stats().back().writes_posted != 1) return 71;  // through cuda_ipc
+        kill(owner_pid, SIGKILL);
+        auto t0 = std::chrono::steady_clock::now();
+        std::string why;
+        while (write(&why) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        auto detected = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+        if (why.find("has ended") == std::string::npos) {
+          std::fprintf(stderr, "writer: no failure naming the dead peer after %lld ms: '%s'\n",
+                       static_cast<long long>(detected.count()), why.c_str());
+          return 72;
+        }
+        while (engine.peer_count() != 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        size_t left = engine.peer_count();
+        std::printf("dead peer: the first WRITE failed %lld ms after the SIGKILL ('%s'); peers held "
+                    "afterwards: %zu\n",
+                    static_cast<long long>(detected.count()), why.c_str(), left);
+        return left == 0 ? 0 : 73;
+      },
+      [](Channel& ch) -> int {  // the owner, killed by the writer
+        TransferEngine engine(gpu_engine_config(0));
+        DeviceBuffer dst(64 << 20, 0);
+        auto [h, desc] = engine.reg_mr(dst.ptr, dst.len, Device::cuda(0));
+        ch.send(engine.main_address().to_bytes());
+        ch.send(desc.to_bytes());
+        ch.send(std::to_string(getpid()));
+        for (;;) pause();
+      });
+  EXPECT_EQ(result.parent_rc, 0);
 }
 
 // ---- deregistration against a streaming writer --------------------------------------------------

@@ -75,6 +75,7 @@ struct Peer {
   ShmSegment shm;
   ipc::Endpoint inbox;
   bool same_process = false;
+  bool lost = false;  // its process has ended (its segment's lock is free) or its endpoint closed
   std::unordered_map<uint32_t, Mapped> regions;
 };
 
@@ -112,7 +113,7 @@ class CudaIpcDomain final : public Domain {
     inbox_ = ipc::Endpoint(shm_.data());
     for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
     scope_ = shm::host_scope();
-    address_ = fmt::format("{}/{}", scope_, shm_.name());
+    address_ = shm::endpoint_address(scope_, shm_.name());
     shm::LocalEndpoints::add(shm_.nonce());
     log::info("cuda_ipc: device {} ({} SMs), endpoint {}", device_, sm_count_, address_);
   }
@@ -193,15 +194,15 @@ class CudaIpcDomain final : public Domain {
   // engine may then use its NICs for that peer.
   PeerId insert_peer(const std::string& address) override {
     if (auto it = by_address_.find(address); it != by_address_.end()) return it->second;
-    auto slash = address.find('/');
-    if (slash == std::string::npos || address.compare(0, slash, scope_) != 0 || slash != scope_.size())
+    shm::AddressParts parts = shm::split_address(address);
+    if (parts.segment_name.empty() || parts.scope != scope_)
       throw Error(ErrorCode::kUnsupported,
                   fmt::format("cuda_ipc: peer endpoint '{}' is not in this host scope ({}: boot id, "
                               "IPC and PID namespaces, /dev/shm); use the NICs",
                               address, scope_));
     auto p = std::make_unique<Peer>();
     p->address = address;
-    p->shm = ShmSegment::open_endpoint(address.substr(slash));
+    p->shm = ShmSegment::open_endpoint(std::string(parts.segment_name));
     auto* h = static_cast<ipc::Header*>(p->shm.data());
     if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic)
       throw Error(ErrorCode::kUnsupported,
@@ -255,10 +256,11 @@ class CudaIpcDomain final : public Domain {
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
     Peer* peer = live_peer(op.peer);
-    if (!peer || peer->inbox.closed()) {
-      last_error_ = peer ? "cuda_ipc: the peer's endpoint has closed" : "cuda_ipc: unknown or removed peer";
+    if (!peer) {
+      last_error_ = "cuda_ipc: unknown or removed peer";
       return PostResult::kFailed;
     }
+    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
     uint8_t* dst = nullptr;
     ipc::RegionEntry* region = nullptr;
     auto generation = static_cast<uint32_t>(op.rkey);
@@ -275,10 +277,11 @@ class CudaIpcDomain final : public Domain {
 
   PostResult post_send(PeerId peer_id, const void* buf, size_t len, void*, OpContext* ctx) override {
     Peer* found = live_peer(peer_id);
-    if (!found || found->inbox.closed()) {
-      last_error_ = found ? "cuda_ipc: the peer's endpoint has closed" : "cuda_ipc: unknown or removed peer";
+    if (!found) {
+      last_error_ = "cuda_ipc: unknown or removed peer";
       return PostResult::kFailed;
     }
+    if (report_if_lost(*found, ctx)) return PostResult::kPosted;
     Peer& peer = *found;
     if (len > peer.inbox.msg_capacity()) {
       last_error_ = fmt::format("cuda_ipc: message of {} bytes exceeds the peer's slots of {} bytes "
@@ -299,6 +302,7 @@ class CudaIpcDomain final : public Domain {
   const std::string& last_error() const override { return last_error_; }
 
   size_t poll(std::span<Completion> out) override {
+    if ((++polls_ & 1023) == 0) check_peers();
     flush();
     complete_batches();
     if (!pending_.empty()) flush();  // completed batches freed descriptor blocks
@@ -361,6 +365,34 @@ class CudaIpcDomain final : public Domain {
     c.context = ctx;
     c.error = std::move(why);
     return c;
+  }
+
+  static Completion lost_completion(OpContext* ctx) {
+    Completion c = error_completion(ctx, "cuda_ipc: the peer's process has ended or its endpoint "
+                                         "closed (a restarted peer has a new address)");
+    c.peer_lost = true;  // the engine releases the peer: its mappings close, its memory can go
+    return c;
+  }
+
+  // An operation for a lost peer completes at once with peer_lost (true); false: carry on.
+  bool report_if_lost(Peer& peer, OpContext* ctx) {
+    if (!peer.lost && peer.inbox.closed()) peer.lost = true;
+    if (!peer.lost) return false;
+    ready_.push_back(lost_completion(ctx));
+    return true;
+  }
+
+  // About every 100 ms: which peers' processes have ended (one flock test each). Our mappings
+  // keep a dead peer's GPU memory allocated until the engine releases the peer.
+  void check_peers() {
+    auto now = std::chrono::steady_clock::now();
+    if (now - last_peer_check_ < std::chrono::milliseconds(100)) return;
+    last_peer_check_ = now;
+    for (auto& s : peers_)
+      if (s.peer && !s.peer->lost && (s.peer->inbox.closed() || !s.peer->shm.owner_alive())) {
+        s.peer->lost = true;
+        log::info("cuda_ipc: peer {} has ended", s.peer->address);
+      }
   }
 
   Peer* live_peer(PeerId id) {
@@ -619,6 +651,10 @@ class CudaIpcDomain final : public Domain {
           op.ctx, "cuda_ipc: the peer was removed before this WRITE's immediate was delivered"));
       return true;
     }
+    if (peer->lost) {  // its inbox has no reader any more
+      ready_.push_back(lost_completion(op.ctx));
+      return true;
+    }
     if (!peer->inbox.push_imm(op.imm)) return false;
     ready_.push_back(local_completion(op.ctx));
     return true;
@@ -642,6 +678,8 @@ class CudaIpcDomain final : public Domain {
   std::string address_;
   std::string last_error_;
   std::chrono::milliseconds drain_timeout_;
+  uint32_t polls_ = 0;
+  std::chrono::steady_clock::time_point last_peer_check_{};
   std::vector<PeerSlot> peers_;
   std::vector<uint32_t> free_peer_slots_;
   std::unordered_map<std::string, PeerId> by_address_;

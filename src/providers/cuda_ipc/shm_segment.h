@@ -93,6 +93,21 @@ inline std::string host_scope() {
                      detail::inode_of("/proc/self/ns/pid"), shm_dev);
 }
 
+// An endpoint's address: "<host scope>/fabric-ipc-<nonce>" (the scope never holds a '/'), and
+// its two parts back: the scope, and the segment name with its leading '/'. Empty parts when the
+// address has no '/'.
+inline std::string endpoint_address(const std::string& scope, const std::string& segment_name) {
+  return scope + "/" + (segment_name.empty() || segment_name.front() != '/' ? segment_name : segment_name.substr(1));
+}
+struct AddressParts {
+  std::string_view scope, segment_name;
+};
+inline AddressParts split_address(std::string_view address) {
+  size_t slash = address.find('/');
+  if (slash == std::string_view::npos) return {};
+  return {address.substr(0, slash), address.substr(slash)};
+}
+
 // The nonces of this process's own endpoints: a peer whose nonce is here lives in this process
 // (CUDA refuses to open an IPC handle in the process that exported it). Never decided by PID,
 // which another PID namespace may share. Emptied in the child of a fork: it owns none of them.
