@@ -19,6 +19,7 @@ from ._fabric_lib import (
     DoneFlag,
     Engine as _Engine,
     FabricError,
+    ImmExpectation,
     MrDesc,
     MrHandle,
     NetAddr,
@@ -31,7 +32,7 @@ from ._fabric_lib import (
 )
 
 __all__ = [
-    "DoneCounter", "DoneFlag", "FabricError", "MrDesc", "MrHandle", "NetAddr", "NicStats",
+    "DoneCounter", "DoneFlag", "FabricError", "ImmExpectation", "MrDesc", "MrHandle", "NetAddr", "NicStats",
     "Pages", "PeerGroupHandle", "ScatterDst", "Status", "TransferEngine", "single_write_imm_count",
 ]
 
@@ -180,9 +181,11 @@ class TransferEngine(_Engine):
         self.submit_send(dst, bytes(data), on_done)
         await fut
 
-    async def imm_count_reached(self, imm: int, count: int) -> None:
-        """Awaits until immediate `imm` has been received `count` times (early arrivals count)."""
+    async def imm_count_reached(self, imm: int, count: int,
+                                timeout_s: Optional[float] = None) -> None:
+        """Awaits until immediate `imm` has been received `count` times (early arrivals count);
+        with timeout_s, raises FabricError (timeout) if that does not happen in time."""
         fut, on_done = self._future()
-        self.expect_imm_count(imm, count, on_done)
+        self.expect_imm_count(imm, count, on_done, timeout_s=timeout_s)
         await fut
 

@@ -269,7 +269,12 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("messages_received", &NicStats::messages_received)
       .def_ro("errors", &NicStats::errors)
       .def_ro("faults_injected", &NicStats::faults_injected)
-      .def_ro("imms_duplicated", &NicStats::imms_duplicated);
+      .def_ro("imms_duplicated", &NicStats::imms_duplicated)
+      .def_ro("imms_dropped", &NicStats::imms_dropped);
+
+  nb::class_<ImmExpectation>(m, "ImmExpectation", "A pending expect_imm_count, to cancel it.")
+      .def_ro("imm", &ImmExpectation::imm)
+      .def_ro("id", &ImmExpectation::id);
 
   m.def("single_write_imm_count", &single_write_imm_count, "len"_a, "nic_count"_a,
         "pinned_to_one_nic"_a = false,
@@ -349,6 +354,7 @@ NB_MODULE(_fabric_lib, m) {
            [](PyEngine& e, size_t len, size_t count, nb::callable on_recv) {
              TransferEngine& eng = e.get();
              auto ref = std::make_shared<PyRef>(nb::borrow(on_recv));
+             nb::gil_scoped_release release;  // registers on the worker and waits for it
              eng.submit_recvs(len, count, [ref](std::span<const std::byte> msg) {
                nb::gil_scoped_acquire gil;
                try {
@@ -360,13 +366,38 @@ NB_MODULE(_fabric_lib, m) {
            },
            "length"_a, "count"_a, "on_recv"_a)
       .def("expect_imm_count",
-           [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done) {
+           [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done,
+              std::optional<double> timeout_s) {
              TransferEngine& eng = e.get();
              OnDone d = make_on_done(on_done);
+             ExpectOptions opts;
+             if (timeout_s) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000));
              nb::gil_scoped_release release;
-             eng.expect_imm_count(imm, count, std::move(d));
+             return eng.expect_imm_count(imm, count, std::move(d), opts);
            },
-           "imm"_a, "count"_a, "on_done"_a)
+           "imm"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(),
+           "Calls on_done once `imm` arrived `count` times; with timeout_s it ends with a timeout "
+           "error if not met by then. Returns an ImmExpectation for cancel_imm_expectation.")
+      .def("cancel_imm_expectation",
+           [](PyEngine& e, const ImmExpectation& x) {
+             TransferEngine& eng = e.get();
+             nb::gil_scoped_release release;
+             return eng.cancel_imm_expectation(x);
+           },
+           "expectation"_a, "Ends a pending expectation with a 'cancelled' error; False if it had ended.")
+      .def("remove_peer",
+           [](PyEngine& e, const NetAddr& peer) {
+             TransferEngine& eng = e.get();
+             nb::gil_scoped_release release;
+             eng.remove_peer(peer);
+           },
+           "peer"_a, "Forgets a peer that left: its pending transfers end cancelled, its NIC resources go.")
+      .def_prop_ro("peer_count",
+                   [](PyEngine& e) {
+                     TransferEngine& eng = e.get();
+                     nb::gil_scoped_release release;
+                     return eng.peer_count();
+                   })
       .def("imm_count",
            [](PyEngine& e, uint32_t imm) {
              TransferEngine& eng = e.get();

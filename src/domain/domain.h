@@ -89,7 +89,7 @@ class Domain {
   // must still come back through poll() with their context, never touching released state.
   // Inserting the same address again afterwards gives a working peer (a restarted process at the
   // same address). An unknown id is ignored.
-  virtual void remove_peer(PeerId) {}  // pure once every provider implements it (in progress)
+  virtual void remove_peer(PeerId peer) = 0;
 
   // kRetry / kRetryPeer: see PostResult; poll and try again later.
   // kFailed: the message is in last_error().

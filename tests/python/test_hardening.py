@@ -1,0 +1,52 @@
+"""Expectations that time out or are cancelled, removing peers, and the dropped-immediate counter."""
+
+import time
+
+import numpy as np
+
+import fabric_lib as fl
+
+
+def wait_for(pred, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_expectations_time_out_and_cancel():
+    with fl.TransferEngine() as e:
+        statuses = []
+        e.expect_imm_count(7, 2, statuses.append, timeout_s=0.2)
+        assert wait_for(lambda: statuses)
+        assert statuses[0].code == "timeout" and "arrived 0 of the 2" in statuses[0].message
+
+        cancelled = []
+        x = e.expect_imm_count(8, 1, cancelled.append)
+        assert isinstance(x, fl.ImmExpectation) and x.imm == 8
+        assert e.cancel_imm_expectation(x)
+        assert not e.cancel_imm_expectation(x)
+        assert wait_for(lambda: cancelled) and cancelled[0].code == "cancelled"
+
+
+def test_removed_peers_are_forgotten_and_reachable_again():
+    with fl.TransferEngine() as a, fl.TransferEngine() as b:
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        hs, _ = a.register_tensor(src)
+        _, dd = b.register_tensor(dst)
+        assert a.peer_count == 0
+        for _ in range(3):
+            dst[:] = 0
+            flag = fl.DoneFlag()
+            landed = fl.DoneFlag()
+            b.expect_imm_count(5, 1, landed)
+            a.submit_single_write(4096, hs, 0, dd, 0, flag, imm=5)
+            assert flag.wait(30) and flag.ok and landed.wait(30) and landed.ok
+            assert (dst == src).all()
+            assert a.peer_count == 1
+            a.remove_peer(dd.owner)
+            assert a.peer_count == 0
+        assert a.nic_stats()[0].imms_dropped == 0
