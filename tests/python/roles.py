@@ -2,6 +2,7 @@
 check passed, anything else is the failure."""
 
 import asyncio
+import time
 import traceback
 
 import numpy as np
@@ -12,6 +13,16 @@ SEED = 1234
 PAGE = 4096
 N_PAGES = 64
 PAGE_RANGE = 256
+
+
+def wait_for(pred, timeout=30.0):
+    """Polls pred until it is true (True) or timeout seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def source_bytes(n, seed=SEED):

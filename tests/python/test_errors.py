@@ -11,13 +11,7 @@ import fabric_lib as fl
 import roles
 
 
-def wait_for(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
+from roles import wait_for
 
 
 def test_bad_offsets_raise_and_complete_nothing():

@@ -1,19 +1,9 @@
 """Expectations that time out or are cancelled, removing peers, and the dropped-immediate counter."""
 
-import time
-
 import numpy as np
 
 import fabric_lib as fl
-
-
-def wait_for(pred, timeout=30.0):
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
+from roles import wait_for
 
 
 def test_expectations_time_out_and_cancel():
