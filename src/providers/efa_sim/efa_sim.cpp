@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <unordered_set>
 
+#include <unistd.h>
+
 #include "providers/libfabric/fi_compat.h"
 #include "util/log.h"
 
@@ -28,8 +30,9 @@ namespace {
 struct Global {
   std::atomic<uint64_t> domains{0}, shm_false{0}, cuda_false{0}, regions{0}, requested_keys{0};
   std::atomic<uint64_t> writes{0}, writes_with_data{0}, largest_write{0}, sends{0}, recvs{0};
-  std::atomic<uint64_t> violations{0};
+  std::atomic<uint64_t> violations{0}, dmabuf_regions{0}, hmem_range_regions{0};
   std::atomic<uint64_t> fail_post_countdown{0}, fail_completion_countdown{0};
+  std::atomic<bool> offer_hmem{false};
   std::mutex mu;
   std::string last_violation;
 };
@@ -86,6 +89,7 @@ struct SimMr {
   DomainState* dom;
   uintptr_t base;
   size_t len;
+  bool gpu;  // GPU memory (offer_hmem): registered, never moved (tcp cannot read it)
 };
 
 struct CqState {
@@ -138,6 +142,10 @@ const SimMr* local_region(DomainState* dom, const char* call, const void* buf, s
     return nullptr;
   }
   auto* mr = static_cast<const SimMr*>(desc);
+  if (mr->gpu) {
+    violation("{}: the region is GPU memory, which efa-sim registers but cannot move", call);
+    return nullptr;
+  }
   auto b = reinterpret_cast<uintptr_t>(buf);
   if (b < mr->base || b - mr->base > mr->len || len > mr->len - (b - mr->base)) {
     violation("{}: buffer [{:#x}, +{}) lies outside its descriptor's region [{:#x}, +{})", call, b,
@@ -193,6 +201,13 @@ void after_posted(SimEp* ep, void* context) {
 
 // ---- memory regions ----------------------------------------------------------------------------
 
+// What an open file descriptor refers to ("anon_inode:dmabuf", "/dmabuf:..."); empty if not open.
+std::string fd_target(int fd) {
+  char buf[256];
+  ssize_t n = readlink(fmt::format("/proc/self/fd/{}", fd).c_str(), buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
 int mr_close(fid* f) {
   SimMr* mr = self<SimMr>(f);
   int rc = fi_close(&mr->real->fid);
@@ -220,23 +235,47 @@ fi_ops g_mr_fid_ops = [] {
 
 int domain_regattr(fid* f, const fi_mr_attr* attr, uint64_t flags, fid_mr** out) {
   DomainState* dom = self<SimDomain>(f)->s;
-  if (flags & FI_MR_DMABUF) return -FI_EBADFLAGS;  // as EFA below API 1.20; no FI_HMEM here anyway
-  if (attr->iface != FI_HMEM_SYSTEM) return -FI_EOPNOTSUPP;
+  const bool hmem = global().offer_hmem.load();
+  const bool gpu = attr->iface == FI_HMEM_CUDA;
+  if ((flags & ~FI_MR_DMABUF) || ((flags & FI_MR_DMABUF) && !hmem)) return -FI_EBADFLAGS;  // as EFA
+  if (attr->iface != FI_HMEM_SYSTEM && !(gpu && hmem)) return -FI_EOPNOTSUPP;
   if (attr->iov_count != 1 || !attr->mr_iov) return -FI_EINVAL;
-  auto base = reinterpret_cast<uintptr_t>(attr->mr_iov->iov_base);
-  size_t len = attr->mr_iov->iov_len;
+  uintptr_t base = 0;
+  size_t len = 0;
+  if (flags & FI_MR_DMABUF) {
+    // What EFA hands to ibv_reg_dmabuf_mr: the fd, the offset into it, the length, and the
+    // region's virtual address base_addr + offset (its iova under FI_MR_VIRT_ADDR).
+    const fi_compat::fi_mr_dmabuf* d = fi_compat::get_dmabuf(*attr);
+    if (!gpu) return violation("FI_MR_DMABUF with iface {} (fabric-lib uses dma-bufs for GPU memory)", static_cast<int>(attr->iface));
+    std::string what = fd_target(d->fd);
+    if (what.find("dmabuf") == std::string::npos)
+      return violation("FI_MR_DMABUF: fd {} is not a dma-buf ({})", d->fd, what.empty() ? "not open" : what);
+    base = reinterpret_cast<uintptr_t>(d->base_addr) + d->offset;
+    len = d->len;
+    global().dmabuf_regions++;
+  } else {
+    base = reinterpret_cast<uintptr_t>(attr->mr_iov->iov_base);
+    len = attr->mr_iov->iov_len;
+    if (gpu) global().hmem_range_regions++;
+  }
   if (base + len > kBaseMask)
     return violation("a region at {:#x} (+{}) is above 2^48: its key cannot carry the base", base, len);
   if (attr->requested_key != 0) global().requested_keys++;  // ignored, as under FI_MR_PROV_KEY
 
   // tcp keys are the application's: the shim picks unused ones (EFA picks its own keys).
+  // GPU memory gets a tcp registration of its address range (bookkeeping only: tcp maps keys to
+  // ranges and touches memory only when data moves, which the shim refuses for GPU regions).
   fi_mr_attr tcp_attr = *attr;
+  iovec range{reinterpret_cast<void*>(base), len};
+  tcp_attr.mr_iov = &range;
+  tcp_attr.iface = FI_HMEM_SYSTEM;
+  tcp_attr.device.reserved = 0;
   fid_mr* real = nullptr;
   int rc = -FI_ENOKEY;
   for (uint32_t attempt = 0; attempt < 0xffff && rc == -FI_ENOKEY; attempt++) {
     tcp_attr.requested_key = dom->next_key;
     dom->next_key = dom->next_key == 0xffff ? 1 : dom->next_key + 1;
-    rc = fi_mr_regattr(dom->real, &tcp_attr, flags, &real);
+    rc = fi_mr_regattr(dom->real, &tcp_attr, 0, &real);
   }
   if (rc != 0) return rc;
   auto* mr = new SimMr{};
@@ -249,6 +288,7 @@ int domain_regattr(fid* f, const fi_mr_attr* attr, uint64_t flags, fid_mr** out)
   mr->dom = dom;
   mr->base = base;
   mr->len = len;
+  mr->gpu = gpu;
   dom->live.insert(mr);
   global().regions++;
   *out = &mr->pub;
@@ -618,14 +658,22 @@ fi_ops_domain g_domain_ops = [] {
 
 }  // namespace
 
-void present_as_efa(ProviderAttrs& a) {
+void present_as_efa(ProviderAttrs& a, bool hmem_wanted) {
   a.prov_name = "efa";
   a.mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_HMEM;
   a.mr_key_size = 8;  // EFA's are 4; the shim's carry a base address as well
   a.cq_data_size = kCqDataSize;
   a.max_msg_size = kMaxMsgSize;
   a.inject_size = kInjectSize;
-  a.caps &= ~FI_HMEM;  // tcp moves host memory only
+  // tcp moves host memory only. offer_hmem: FI_HMEM is offered where the domain asks for it, as
+  // EFA on a GPU host does, at API 1.20 (dma-buf registration): GPU regions are registered (and
+  // checked) by the shim, never moved.
+  if (global().offer_hmem && hmem_wanted) {
+    a.caps |= FI_HMEM;
+    a.api_version = std::max<uint32_t>(a.api_version, fi_compat::kDmabufApi);
+  } else {
+    a.caps &= ~FI_HMEM;
+  }
 }
 
 int open_domain(fid_fabric* fabric, fi_info* info, fid_domain** out) {
@@ -657,6 +705,8 @@ Stats stats() {
   s.sends = g.sends;
   s.recvs = g.recvs;
   s.violations = g.violations;
+  s.dmabuf_regions = g.dmabuf_regions;
+  s.hmem_range_regions = g.hmem_range_regions;
   return s;
 }
 
@@ -666,6 +716,7 @@ std::string last_violation() {
   return g.last_violation;
 }
 
+void offer_hmem(bool on) { global().offer_hmem = on; }
 void fail_write_post(uint64_t nth) { global().fail_post_countdown = nth; }
 void fail_write_completion(uint64_t nth) { global().fail_completion_countdown = nth; }
 

@@ -47,8 +47,11 @@ inline constexpr size_t kCqDataSize = 4;
 
 // Rewrites what tcp's fi_getinfo returned into what EFA's would: prov_name "efa", mr_mode
 // FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_HMEM, 4-byte CQ data,
-// kMaxMsgSize, kInjectSize. Capabilities stay tcp's (no FI_HMEM: the shim moves host memory only).
-void present_as_efa(ProviderAttrs& attrs);
+// kMaxMsgSize, kInjectSize. Capabilities stay tcp's (no FI_HMEM: the shim moves host memory
+// only), unless offer_hmem(true) and the domain asked for FI_HMEM (hmem_wanted): then FI_HMEM at
+// API 1.20, as EFA on a GPU host, so that GPU memory takes the domain's dma-buf path; the shim
+// checks and registers such regions but refuses to move them.
+void present_as_efa(ProviderAttrs& attrs, bool hmem_wanted);
 
 // fi_domain on the tcp fabric, wrapped (see above). Same contract as fi_domain.
 int open_domain(fid_fabric* fabric, fi_info* info, fid_domain** domain);
@@ -65,9 +68,14 @@ struct Stats {
   uint64_t largest_write = 0;    // bytes
   uint64_t sends = 0, recvs = 0;
   uint64_t violations = 0;       // posts and calls refused (see above)
+  uint64_t dmabuf_regions = 0;      // GPU regions registered as dma-bufs (FI_MR_DMABUF)
+  uint64_t hmem_range_regions = 0;  // GPU regions registered as FI_HMEM_CUDA address ranges
 };
 Stats stats();
 std::string last_violation();
+
+// Process-wide, for GPU tests: offer FI_HMEM to domains that ask for it (see present_as_efa).
+void offer_hmem(bool on);
 
 // Test hooks, process-wide: the Nth WRITE handed to the shim from now on (1 = the next one) is
 // refused with -FI_EIO at post time, or posted and completed with an FI_EREMOTEIO error (as a

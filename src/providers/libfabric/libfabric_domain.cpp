@@ -231,12 +231,14 @@ class LibfabricDomain final : public Domain {
       try {
         info_ = pick_info(prov, nic, FI_HMEM);
       } catch (const Error&) {
-        log::info("nic {}: provider {} offers no FI_HMEM: host memory only", nic_index, config.provider);
+        log::info("nic {}: provider {} offers no FI_HMEM{}", nic_index, prov,
+                  sim_ ? " (efa-sim presents its own attributes)" : ": host memory only");
       }
     }
     if (!info_) info_ = pick_info(prov, nic, 0);
     attrs_ = ProviderAttrs::of(info_);
-    if (sim_) efa_sim::present_as_efa(attrs_);  // from here on the domain sees EFA's attributes
+    // From here on the domain sees EFA's attributes.
+    if (sim_) efa_sim::present_as_efa(attrs_, config.cuda_device.has_value());
     provider_ = sim_ ? efa_sim::kName : attrs_.prov_name;
     const bool efa = attrs_.prov_name == "efa";
     if (attrs_.mode & FI_RX_CQ_DATA)
