@@ -143,37 +143,49 @@ TEST(Hardening, ReceivePoolsBeyondWhatMemoryCanHoldAreRejected) {
 // ---- fairness ------------------------------------------------------------------------------
 
 // A 10,000-page transfer is not overtaken by the small writes submitted after it: pending work is
-// posted first-in first-out, so at most the NIC's in-flight budget of them can complete before it
-// does (freed room used to go to each new request first, so a stream of small writes could starve
-// the large one until it timed out).
+// posted first-in first-out (freed room used to go to each new request first, so a stream of
+// small writes could starve the large one until it timed out). The worker's post timings are
+// recorded in the order transfers finished posting, so none of the small ones may come first.
 TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt) {
   EngineConfig cfg = config_for(kTcp);
   cfg.max_in_flight_per_nic = 8;  // little room: every freed slot is contested
-  constexpr uint32_t kPages = 10000, kSmall = 3000;
+  cfg.record_post_timings = true;
+  constexpr uint32_t kPages = 10000, kSmall = 20000;
   constexpr uint64_t kPage = 256;
-  auto src = random_bytes(kPage * kPages, 4);  // buffers outlive the engines
+  auto src = random_bytes(kPage * kPages, 4);  // buffers and counters outlive the engines
   std::vector<uint8_t> dst(kPage * kPages, 0);
+  std::atomic<uint64_t> small_done{0}, small_failed{0};
+  std::atomic<int> big{kDonePending};
   TransferEngine a(cfg), b(cfg);
   auto [hs, ds] = a.reg_mr(src.data(), src.size());
   auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
   std::vector<uint32_t> idx(kPages);
   for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
-  std::atomic<uint64_t> small_done{0}, small_failed{0}, overtaken{UINT64_MAX};
-  std::atomic<int> big{kDonePending};
-  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0},
-                        OnDone::callback([&](const Status& s) {
-                          overtaken = small_done.load();  // callbacks run in completion order
-                          big = s.ok() ? kDoneSucceeded : kDoneFailed;
-                        }));
-  for (uint32_t i = 0; i < kSmall; i++)
+  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0}, OnDone::flag(&big));
+  // A steady stream, one small write every 10 us for as long as the large transfer runs (at most
+  // kSmall), so that new requests keep arriving while the NIC's slots are contested.
+  uint64_t sent = 0;
+  auto next = std::chrono::steady_clock::now();
+  while (!ended(big) && sent < kSmall) {
+    while (std::chrono::steady_clock::now() < next) {
+    }
+    next += std::chrono::microseconds(10);
     a.submit_single_write(64, hs, 0, dd, 0, OnDone::counter(&small_done, &small_failed));
+    sent++;
+  }
   ASSERT_TRUE(wait_until([&] { return ended(big); }));
   EXPECT_EQ(big.load(), kDoneSucceeded);
-  EXPECT_TRUE(wait_until([&] { return small_done.load() + small_failed.load() == kSmall; }));
+  EXPECT_TRUE(wait_until([&] { return small_done.load() + small_failed.load() == sent; }));
   EXPECT_EQ(small_failed.load(), 0u);
-  // Counters are stored by the worker before the callback thread runs the big one's callback,
-  // so this bounds the small writes that completed before the large transfer did.
-  EXPECT_LE(overtaken.load(), 64u) << "small writes submitted later went first";
+  std::vector<PostTiming> order = a.take_post_timings();
+  size_t overtaken = 0;
+  bool big_posted = false;
+  for (const PostTiming& p : order) {
+    if (p.writes == kPages) big_posted = true;
+    else if (!big_posted) overtaken++;
+  }
+  EXPECT_TRUE(big_posted);
+  EXPECT_EQ(overtaken, 0u) << "small writes submitted later were posted before the large transfer";
   EXPECT_EQ(dst, src);  // the small writes carry page 0's first bytes too
 }
 
