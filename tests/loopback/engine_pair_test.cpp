@@ -484,9 +484,10 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
 INSTANTIATE_TEST_SUITE_P(Providers, KilledMidTransfer,
                          ::testing::Values(ProviderCase{"shm", 1, false}, ProviderCase{"tcp;ofi_rxm", 1, false},
                                            ProviderCase{"tcp;ofi_rxm", 2, false},
-                                           ProviderCase{"tcp;ofi_rxm", 4, false},
-                                           ProviderCase{"verbs", 2, false}),
+                                           ProviderCase{"tcp;ofi_rxm", 4, false}),
                          case_name);
+// No verbs case: a stopped process's RDMA device still acknowledges WRITEs (the kernel's rxe
+// does, as a NIC would), so SIGSTOP does not keep them in flight there.
 INSTANTIATE_TEST_SUITE_P(EfaSim, KilledMidTransfer,  // 256 KiB pages: split WRITEs in flight
                          ::testing::Values(ProviderCase{"efa-sim", 1, false},
                                            ProviderCase{"efa-sim", 2, true}),
