@@ -129,7 +129,12 @@ TEST(PeerChurn, AThousandPeersComeAndGoAndTheSurvivorHoldsNothingAfterThem) {
   EXPECT_EQ(survivor.peer_count(), 0u);
   // Flat: after the first tenth, the remaining peers may not add 2 MiB (a leaked peer is an
   // address-vector entry, connection buffers and records: tens of KiB each).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // ASan's quarantine and TSan's shadow memory grow RSS with every allocation: not comparable.
+  (void)rss_end;
+#else
   EXPECT_LT(rss_end, rss_warm + 2048) << "memory grew with the peers";
+#endif
   {  // the survivor still works
     auto bytes = random_bytes(4096, 1);
     auto [h, d] = survivor.reg_mr(bytes.data(), bytes.size());

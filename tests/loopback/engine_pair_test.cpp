@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "fabric/fabric.h"
@@ -416,6 +417,10 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
     cfg.worker_stall_timeout = std::chrono::seconds(5);
     auto src = random_bytes(kPage, 5);
     std::atomic<uint64_t> done{0}, failed{0};
+    // shm's last write may still be pending when the engine closes: what it touches outlives it.
+    std::vector<uint8_t> shm_dst(kPage, 0);
+    std::mutex mu;
+    std::optional<Status> st;
     TransferEngine engine(cfg);
     auto [h, d] = engine.reg_mr(src.data(), src.size());
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
@@ -442,10 +447,7 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
     if (pc.provider == "shm") {
       // shm does not recover from a peer killed with WRITEs in flight (docs/reliability.md):
       // later writes end in bounded time, with an error that says so, and the engine closes.
-      std::vector<uint8_t> mine(kPage, 0);
-      auto [mh, md] = engine.reg_mr(mine.data(), mine.size());
-      std::mutex mu;
-      std::optional<Status> st;
+      auto [mh, md] = engine.reg_mr(shm_dst.data(), shm_dst.size());
       engine.submit_single_write(kPage, h, 0, md, 0, OnDone::callback([&](const Status& s) {
                                    std::lock_guard l(mu);
                                    st = s;

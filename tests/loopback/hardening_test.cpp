@@ -29,16 +29,16 @@ void self_write_lands(TransferEngine& engine) {
 // ---- expectations: timeout and cancel ------------------------------------------------------
 
 TEST(Hardening, ExpectationsTimeOutAndCancelAndKeepWhatTheyCounted) {
-  std::vector<uint8_t> buf(4096, 1);  // outlives the engine, as does the flag
+  std::vector<uint8_t> buf(4096, 1);  // outlives the engine, as do the flags and statuses
   std::atomic<int> done{kDonePending};
+  std::mutex mu;  // the last expectation ends with kShutdown inside the engine's destructor
+  std::optional<Status> timed_out, cancelled, late;
   TransferEngine engine(config_for(kTcp));
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
   engine.submit_single_write(8, h, 0, d, 64, OnDone::flag(&done), WriteOptions{0x31, std::nullopt});
   ASSERT_TRUE(wait_until([&] { return engine.imm_count(0x31) == 1; }));
 
   // Needs 3, sees 1: ends with kTimeout, and the one arrival stays counted.
-  std::mutex mu;
-  std::optional<Status> timed_out, cancelled, late;
   engine.expect_imm_count(0x31, 3, OnDone::callback([&](const Status& s) {
                             std::lock_guard l(mu);
                             timed_out = s;
