@@ -274,8 +274,9 @@ ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done,
   r.id = next_expectation_id_.fetch_add(1, std::memory_order_relaxed);
   if (opts.timeout) r.deadline = Clock::now() + *opts.timeout;
   r.on_done = std::move(on_done);
+  ImmExpectation handle{imm, r.id};
   worker_->submit(std::move(r));
-  return ImmExpectation{imm, r.id};
+  return handle;
 }
 
 bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
