@@ -161,7 +161,9 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
   auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
   std::vector<uint32_t> idx(kPages);
   for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
-  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0}, OnDone::flag(&big));
+  constexpr uint32_t kImm = 0x66;
+  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0}, OnDone::flag(&big),
+                        WriteOptions{kImm, std::nullopt});
   // A steady stream, one small write every 10 us for as long as the large transfer runs (at most
   // kSmall), so that new requests keep arriving while the NIC's slots are contested.
   uint64_t sent = 0;
@@ -170,7 +172,8 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
     while (std::chrono::steady_clock::now() < next) {
     }
     next += std::chrono::microseconds(10);
-    a.submit_single_write(64, hs, 0, dd, 0, OnDone::counter(&small_done, &small_failed));
+    a.submit_single_write(64, hs, 0, dd, 0, OnDone::counter(&small_done, &small_failed),
+                          WriteOptions{kImm, std::nullopt});
     sent++;
   }
   ASSERT_TRUE(wait_until([&] { return ended(big); }));
@@ -186,6 +189,9 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
   }
   EXPECT_TRUE(big_posted);
   EXPECT_EQ(overtaken, 0u) << "small writes submitted later were posted before the large transfer";
+  std::atomic<int> landed{kDonePending};  // the receiver's word that every write landed
+  b.expect_imm_count(kImm, kPages + sent, OnDone::flag(&landed));
+  ASSERT_TRUE(wait_until([&] { return ended(landed); }));
   EXPECT_EQ(dst, src);  // the small writes carry page 0's first bytes too
 }
 
@@ -209,7 +215,9 @@ TEST(Hardening, OnePeerPushingBackDoesNotStallTheOthers) {
   std::atomic<int> to_stuck{kDonePending}, to_healthy{kDonePending};
   a.submit_single_write(src.size(), hs, 0, dst, 0, OnDone::flag(&to_stuck));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  a.submit_single_write(src.size(), hs, 0, dh, 0, OnDone::flag(&to_healthy));
+  std::atomic<int> landed{kDonePending};
+  healthy.expect_imm_count(0x67, 1, OnDone::flag(&landed));
+  a.submit_single_write(src.size(), hs, 0, dh, 0, OnDone::flag(&to_healthy), WriteOptions{0x67, std::nullopt});
   EXPECT_TRUE(wait_until([&] { return ended(to_healthy); }, std::chrono::seconds(10)))
       << "the healthy peer waited for the stuck one";
   EXPECT_EQ(to_healthy.load(), kDoneSucceeded);
@@ -218,7 +226,8 @@ TEST(Hardening, OnePeerPushingBackDoesNotStallTheOthers) {
   a.remove_peer(stuck.main_address());
   EXPECT_TRUE(wait_until([&] { return ended(to_stuck); }, std::chrono::seconds(10)));
   EXPECT_EQ(to_stuck.load(), kDoneFailed);
-  EXPECT_TRUE(wait_until([&] { return hbuf == src; }));
+  ASSERT_TRUE(wait_until([&] { return ended(landed); }));
+  EXPECT_EQ(hbuf, src);
 }
 
 // ---- dereg_mr racing with posting ----------------------------------------------------------
@@ -260,8 +269,12 @@ TEST(Hardening, DeregisteringWhileWritesArePostedNeverSendsAnotherRegionsBytes) 
     stop = true;
     writer.join();
     EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == submitted.load(); }));
-    // Whatever landed came from A.
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // A barrier behind them on the same in-order connection: once the receiver counts it, every
+    // WRITE before it has landed. Whatever landed came from A.
+    std::atomic<int> fence{kDonePending};
+    b.expect_imm_count(0x68, 1, OnDone::flag(&fence));
+    a.submit_barrier(std::nullopt, 0x68, {dd}, OnDone::none());
+    ASSERT_TRUE(wait_until([&] { return ended(fence); }));
     for (size_t i = 0; i < dst.size(); i++)
       if (dst[i] == 0xBB) {
         ADD_FAILURE() << "round " << round << ": byte " << i << " came from the region registered after dereg_mr";
@@ -340,7 +353,8 @@ TEST(Hardening, AWedgedProviderNeverHangsTheCaller) {
   cfg.worker_stall_timeout = std::chrono::milliseconds(500);
   cfg.faults.enabled = true;
   cfg.faults.wedge_after_posts = 1;
-  static std::vector<uint8_t> buf(4096, 1);  // the abandoned worker may still hold it: never freed
+  // The abandoned worker may still hold it: never freed, not even at exit.
+  static std::vector<uint8_t>& buf = *new std::vector<uint8_t>(4096, 1);
   auto start = std::chrono::steady_clock::now();
   {
     TransferEngine engine(cfg);
