@@ -17,6 +17,9 @@ namespace fabric {
 namespace {
 enum OpKind : uint32_t { kOpWrite = 1, kOpSend = 2, kOpRecv = 3 };
 
+// Scatters and barriers have one destination per WRITE; the other kinds one in all.
+bool per_destination(TransferKind k) { return k == TransferKind::kScatter || k == TransferKind::kBarrier; }
+
 std::string peer_key(const NetAddr& a) {
   std::string key = a.local();
   for (size_t i = 0; i < a.nic_count(); i++) {
@@ -300,15 +303,8 @@ bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
     fail(t, Status(ErrorCode::kCancelled, "the destination peer was removed (remove_peer)"));
     return false;
   }
-  const TransferRequest& q = t.req;
   try {
-    ResolvedTarget fresh;
-    switch (q.kind) {
-      case TransferKind::kSend: fresh = resolve(q.send_dst); break;
-      case TransferKind::kScatter: fresh = route(q.scatter[op].dst.owner(), q.scatter[op].dst); break;
-      case TransferKind::kBarrier: fresh = route(q.barrier[op].owner(), q.barrier[op]); break;
-      default: fresh = route(q.dst.owner(), q.dst); break;
-    }
+    ResolvedTarget fresh = target_of(t.req, per_destination(t.req.kind) ? op : 0);
     records_[fresh.record].holders++;
     uint32_t old = target.record;
     target = fresh;
@@ -318,6 +314,16 @@ bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
     return false;
   }
   return true;
+}
+
+// Destination i of a scatter or barrier, or the one destination of the other kinds.
+ResolvedTarget Worker::target_of(const TransferRequest& q, size_t i) {
+  switch (q.kind) {
+    case TransferKind::kSend: return resolve(q.send_dst);
+    case TransferKind::kScatter: return route(q.scatter[i].dst.owner(), q.scatter[i].dst);
+    case TransferKind::kBarrier: return route(q.barrier[i].owner(), q.barrier[i]);
+    default: return route(q.dst.owner(), q.dst);
+  }
 }
 
 ResolvedTarget Worker::route(const NetAddr& owner, const MrDesc& d) {
@@ -349,26 +355,23 @@ void Worker::handle(TransferRequest&& r) {
     }
     switch (q.kind) {
       case TransferKind::kSingle:
-        t.targets.push_back(route(q.dst.owner(), q.dst));
         t.total_ops = static_cast<uint32_t>(single_write_shards(q.len, nics, q.pinned_nic >= 0));
         break;
       case TransferKind::kPaged:
-        t.targets.push_back(route(q.dst.owner(), q.dst));
         t.total_ops = static_cast<uint32_t>(q.src_pages.indices.size());
         break;
       case TransferKind::kScatter:
-        for (auto& d : q.scatter) t.targets.push_back(route(d.dst.owner(), d.dst));
         t.total_ops = static_cast<uint32_t>(q.scatter.size());
         break;
       case TransferKind::kBarrier:
-        for (auto& d : q.barrier) t.targets.push_back(route(d.owner(), d));
         t.total_ops = static_cast<uint32_t>(q.barrier.size());
         break;
       case TransferKind::kSend:
-        t.targets.push_back(resolve(q.send_dst));
         t.total_ops = 1;
         break;
     }
+    size_t destinations = per_destination(q.kind) ? t.total_ops : 1;
+    for (size_t i = 0; i < destinations; i++) t.targets.push_back(target_of(q, i));
   } catch (const Error& e) {
     fail(t, e.status());
   }
@@ -398,8 +401,7 @@ bool Worker::pump(Transfer& t) {
 bool Worker::post_next(Transfer& t) {
   const TransferRequest& q = t.req;
   const uint32_t i = t.next_op;
-  const bool per_destination = q.kind == TransferKind::kScatter || q.kind == TransferKind::kBarrier;
-  ResolvedTarget* target = per_destination ? &t.targets[i] : &t.targets[0];
+  ResolvedTarget* target = per_destination(q.kind) ? &t.targets[i] : &t.targets[0];
   if (records_[target->record].state != PeerRecord::State::kLive && !usable(t, *target, i))
     return true;  // failed: pump stops
   if (t.src && t.src->generation.load(std::memory_order_relaxed) != q.src.generation) {
@@ -741,8 +743,7 @@ void Worker::check_deadlines() {
     // complete): release it once nothing of it is in flight, so a restarted peer is met afresh.
     // Per-destination transfers post in order: the one it stopped at is the one to blame.
     if (!t.targets.empty()) {
-      bool per_destination = t.req.kind == TransferKind::kScatter || t.req.kind == TransferKind::kBarrier;
-      size_t blocker = per_destination ? std::min<size_t>(t.next_op, t.targets.size() - 1) : 0;
+      size_t blocker = per_destination(t.req.kind) ? std::min<size_t>(t.next_op, t.targets.size() - 1) : 0;
       peer_failed(t.targets[blocker].record);
     }
     // Outstanding WRITEs keep their context; the transfer is freed when they complete or at

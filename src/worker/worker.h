@@ -150,6 +150,7 @@ class Worker {
   void unhold_record(uint32_t r);      // a transfer let go of it
   void maybe_free_record(uint32_t r);  // reused once released, unheld and with nothing in flight
   bool usable(Transfer& t, ResolvedTarget& target, uint32_t op);  // re-resolves a failed peer
+  ResolvedTarget target_of(const TransferRequest& q, size_t destination);
   void peer_failed(uint32_t r);
   void report_met();
   void on_completion(size_t nic, Completion& c);
