@@ -96,6 +96,16 @@ class Domain {
   // A provider may hold posted work back until its next poll() and hand it to the hardware as
   // one batch (cuda_ipc gathers many WRITEs into one kernel launch); poll() must flush it.
   virtual PostResult post_write(const WriteOp& op, OpContext* ctx) = 0;
+  // WRITEs to one peer that complete together: a single Completion for ctx once every op has
+  // landed (or an error for the batch), each op's immediate delivered as with post_write. The
+  // engine uses it for paged transfers where max_write_batch() > 0 (cuda_ipc: one gather kernel
+  // for many pages), with at most max_write_batch() ops per call.
+  virtual size_t max_write_batch() const { return 0; }
+  virtual PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) {
+    (void)ops;
+    (void)ctx;
+    return PostResult::kFailed;
+  }
   virtual PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
                                OpContext* ctx) = 0;
   virtual PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) = 0;
