@@ -94,6 +94,7 @@ struct EngineConfig {
   size_t request_queue_capacity = 16384;
   size_t event_queue_capacity = 65536;
   size_t max_regions = 4096;         // registered regions at once
+  size_t max_remotes = 65536;        // remote regions interned at once (add_remote)
   size_t max_message_size = 16384;   // largest submit_send payload
   size_t send_slots = 256;           // send buffers per engine (sends wait when all are in use)
   size_t cq_batch = 64;              // completions read per poll

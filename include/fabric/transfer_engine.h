@@ -16,6 +16,7 @@
 #include "fabric/config.h"
 #include "fabric/error.h"
 #include "fabric/on_done.h"
+#include "fabric/requests.h"
 #include "fabric/types.h"
 
 namespace fabric {
@@ -71,13 +72,15 @@ struct ExpectOptions {
 
 // The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver
 // expects exactly as many immediates as the initiator posts WRITEs:
-//   submit_single_write: single_write_imm_count(len, nic_count, pinned) (1 if pinned, if the
-//                        engine has one NIC or if len <= 32 KiB; else min(nics, ceil(len/32 KiB)))
-//   submit_paged_writes: one per page
-//   submit_scatter:      one per destination (zero-length slices included)
-//   submit_barrier:      one per destination
+//   SingleWrite:  num_shards if given; else single_write_imm_count(len, nic_count, pinned) (1 if
+//                 pinned, if the engine has one NIC or if len <= 32 KiB; else
+//                 min(nics, ceil(len / 32 KiB)))
+//   PagedWrites:  one per page
+//   Scatter, GroupScatter: one per slice (zero-length slices included)
+//   Barrier, GroupBarrier: one per destination
 // Both sides have the same NIC count (rail alignment), so the receiver can compute it.
 size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic);
+size_t single_write_imm_count(const SingleWrite& write, size_t nic_count);
 
 // Posting cost of one transfer (EngineConfig::record_post_timings).
 struct PostTiming {
@@ -122,31 +125,38 @@ class TransferEngine {
   // diagnostics; answered by the worker, so it costs a round trip).
   uint64_t imm_count(uint32_t imm);
 
-  // len bytes from src+src_offset to dst+dst_offset. Split evenly over all NICs (one WRITE per
-  // NIC that gets a non-empty share) unless opts.nic pins it; each WRITE carries opts.imm.
-  void submit_single_write(uint64_t len, const MrHandle& src, uint64_t src_offset, const MrDesc& dst,
-                           uint64_t dst_offset, OnDone on_done, WriteOptions opts = {});
-  // One WRITE of page_len bytes per page: src page i goes to dst page i; pages round-robin over NICs.
-  void submit_paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
-                           const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
-                           WriteOptions opts = {});
+  // Interns a remote region: resolves its owner's addresses (address-vector insertion,
+  // connection set-up starts) and copies its keys, once. Idempotent: the same descriptor gives
+  // the same handle until remove_remote. Throws kInvalidArgument for a descriptor of another
+  // provider or NIC count, kResourceExhausted when EngineConfig::max_remotes are interned.
+  RemoteMr add_remote(const MrDesc& desc);
+  // Forgets an interned region (requests naming it afterwards fail with kNotFound; those already
+  // taken by the worker finish). The peer stays connected for its other regions.
+  void remove_remote(RemoteMr remote);
 
-  PeerGroupHandle add_peer_group(const std::vector<NetAddr>& peers);
+  // Write requests (fabric/requests.h). Validated here: errors found now are thrown
+  // (kNotFound for stale handles, kOutOfBounds, kInvalidArgument, kUnsupported for a route that
+  // cannot carry the memory); later ones reach on_done exactly once. No heap allocation.
+  void submit(const SingleWrite& write, OnDone on_done);
+  void submit(const PagedWrites& write, OnDone on_done);
+  void submit(const Scatter& write, OnDone on_done);
+  void submit(const GroupScatter& write, OnDone on_done);
+  void submit(const Barrier& write, OnDone on_done);
+  void submit(const GroupBarrier& write, OnDone on_done);
+
+  // Prebuilds, per member and NIC, the WRITE a scatter or barrier to the group posts (peer,
+  // remote key, base address). Members are interned remote regions; the group holds their peers
+  // until the engine closes.
+  PeerGroupHandle add_peer_group(std::span<const RemoteMr> members);
   // Forgets a peer that left: transfers to it still waiting to be posted end with kCancelled, and
   // what every NIC holds for it (address-vector entries, queue pairs, IPC mappings) is released.
-  // Writing to the same address later connects afresh. A peer whose operations fail is released
-  // the same way by the engine itself once nothing of it is in flight. Unknown peers are ignored.
+  // Its interned regions stay (requests to them fail with kCancelled) until remove_remote; a new
+  // process at the same address is reached through the descriptors it publishes. A peer whose
+  // operations fail is released by the engine itself once nothing of it is in flight, and
+  // reached afresh by the next write. Unknown peers are ignored.
   void remove_peer(const NetAddr& peer);
   // Peers this engine holds NIC resources for (diagnostics and tests; a worker round trip).
   size_t peer_count();
-  // One WRITE per destination (round-robin over NICs). With a group, every destination must
-  // belong to it (its addresses were resolved up front).
-  void submit_scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
-                      const std::vector<ScatterDst>& dsts, OnDone on_done, WriteOptions opts = {});
-  // One zero-byte WRITE carrying `imm` to each destination region's owner.
-  void submit_barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
-                      const std::vector<MrDesc>& dsts, OnDone on_done,
-                      std::optional<uint8_t> nic = std::nullopt);
 
   // One entry per NIC, then one for the cuda_ipc domain where EngineConfig::cuda_ipc is on.
   std::vector<NicStats> nic_stats();

@@ -102,30 +102,54 @@ class MrDesc {
   std::optional<RemoteKey> local_key_;
 };
 
-// Page i of a paged transfer lives at offset + stride * indices[i] in its region.
+// A remote region interned by TransferEngine::add_remote: its owner's addresses are resolved and
+// its keys copied once, so requests name it by this handle instead of carrying the descriptor.
+// Cheap to copy; stale after remove_remote (detected: its generation no longer matches).
+struct RemoteMr {
+  uint32_t slot = UINT32_MAX;
+  uint32_t generation = 0;
+  bool operator==(const RemoteMr&) const = default;
+};
+
+// Where a write reads: a registered local region and an offset into it.
+struct LocalSlice {
+  MrHandle mr;
+  uint64_t offset = 0;
+};
+
+// Where a write lands: an interned remote region and an offset into it.
+struct RemoteSlice {
+  RemoteMr mr;
+  uint64_t offset = 0;
+};
+
+// Page i of a paged transfer lives at offset + stride * indices[i] in its region. The indices are
+// copied at submit: the caller may reuse its array when the call returns.
 struct Pages {
-  std::vector<uint32_t> indices;
+  std::span<const uint32_t> indices;
   uint64_t stride = 0;
   uint64_t offset = 0;
 };
 
-// One slice of a scatter: len bytes from src_offset in the source region to dst_offset in dst.
-struct ScatterDst {
+// One slice of a scatter: len bytes from src_offset in the source region to dst.
+struct ScatterSlice {
   uint64_t len = 0;
   uint64_t src_offset = 0;
-  MrDesc dst;
+  RemoteSlice dst;
+};
+
+// One slice of a scatter to a peer group: slice i goes to member i of the group.
+struct GroupSlice {
+  uint64_t len = 0;
+  uint64_t src_offset = 0;
   uint64_t dst_offset = 0;
 };
 
-// A pre-registered set of peers (their addresses resolved once, up front).
+// A set of destination regions (typically one per peer) whose routes and WRITE templates are
+// built once, by add_peer_group; scatters and barriers to it patch and post them.
 struct PeerGroupHandle {
   uint32_t id = UINT32_MAX;
-};
-
-// Per-transfer options common to all writes.
-struct WriteOptions {
-  std::optional<uint32_t> imm;  // deliver a 32-bit immediate with each WRITE (see docs/api.md)
-  std::optional<uint8_t> nic;   // pin every WRITE of the transfer to this NIC index
+  uint32_t size = 0;
 };
 
 }  // namespace fabric

@@ -7,19 +7,22 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda/gpu_signals.h"
 #include "engine/callback_thread.h"
 #include "engine/mr_table.h"
+#include "engine/remote_table.h"
 #include "fabric/transfer_engine.h"
 #include "worker/worker.h"
 
 namespace fabric {
 
+// What submitting threads check of a peer group (the worker holds its routes).
 struct PeerGroup {
-  std::unordered_set<std::string> members;  // NetAddr bytes
+  std::vector<uint64_t> lens;  // each member region's length
+  bool all_local = true;       // every member is reached through cuda_ipc
 };
 
 class EngineImpl {
@@ -40,16 +43,15 @@ class EngineImpl {
   void remove_peer(const NetAddr& peer);
   size_t peer_count();
   uint64_t imm_count(uint32_t imm);
-  void single_write(uint64_t len, const MrHandle& src, uint64_t src_offset, const MrDesc& dst,
-                    uint64_t dst_offset, OnDone on_done, const WriteOptions& opts);
-  void paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
-                    const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
-                    const WriteOptions& opts);
-  PeerGroupHandle add_peer_group(const std::vector<NetAddr>& peers);
-  void scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
-               const std::vector<ScatterDst>& dsts, OnDone on_done, const WriteOptions& opts);
-  void barrier(std::optional<PeerGroupHandle> group, uint32_t imm, const std::vector<MrDesc>& dsts,
-               OnDone on_done, std::optional<uint8_t> nic);
+  RemoteMr add_remote(const MrDesc& desc);
+  void remove_remote(RemoteMr remote);
+  void submit(const SingleWrite& w, OnDone on_done);
+  void submit(const PagedWrites& w, OnDone on_done);
+  void submit(const Scatter& w, OnDone on_done);
+  void submit(const GroupScatter& w, OnDone on_done);
+  void submit(const Barrier& w, OnDone on_done);
+  void submit(const GroupBarrier& w, OnDone on_done);
+  PeerGroupHandle add_peer_group(std::span<const RemoteMr> members);
   std::vector<NicStats> nic_stats() const;
   GpuSignals& signals();  // created on first use
   std::vector<PostTiming> take_post_timings() {
@@ -61,22 +63,29 @@ class EngineImpl {
   void check_open() const;  // throws kShutdown once destruction has begun
   const RegionSlot& source(const MrHandle& h) const;
   void check_peer(const NetAddr& peer, const char* what) const;
-  void check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const;
+  RemoteView remote(const RemoteMr& r, const char* what) const;
+  const PeerGroup& group(const PeerGroupHandle& g, const char* what) const;
   bool reachable_locally(const MrDesc& dst) const;
-  void check_route(const RegionSlot& src, const MrDesc& dst, const char* what) const;
-  void check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const;
-  TransferRequest make_request(TransferKind kind, OnDone on_done, const WriteOptions& opts) const;
+  void check_route(const RegionSlot& src, bool dst_local, const char* what) const;
+  TransferRequest make_request(TransferKind kind, OnDone on_done, std::optional<uint32_t> imm,
+                               std::optional<uint8_t> nic, const char* what) const;
+  void submit_request(TransferRequest&& r);  // gives its buffer back if the worker refuses it
 
   EngineConfig config_;
   // Heap-held so that a wedged worker, abandoned at close, never sees them freed.
   std::unique_ptr<MrTable> mrs_owner_;
   MrTable& mrs_;
+  std::unique_ptr<RemoteTable> remotes_owner_;
+  RemoteTable& remotes_;
+  std::unique_ptr<RequestBufferPool> buffers_owner_;
+  RequestBufferPool& buffers_;
   std::unique_ptr<CallbackThread> callbacks_;
   std::unique_ptr<Worker> worker_;
   NetAddr address_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_expectation_id_{1};
-  std::mutex control_mu_;  // registration and peer groups only (control path)
+  std::mutex control_mu_;  // registration, interning and peer groups only (control path)
+  std::unordered_map<std::string, RemoteMr> remote_index_;  // MrDesc bytes: add_remote is idempotent
   static constexpr size_t kMaxGroups = 1024;
   std::array<std::atomic<const PeerGroup*>, kMaxGroups> groups_{};
   std::vector<std::unique_ptr<PeerGroup>> group_storage_;

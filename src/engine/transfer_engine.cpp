@@ -21,29 +21,37 @@ __extension__ typedef unsigned __int128 u128;
 
 // Highest byte (exclusive) touched by a page list, in 128 bits so nothing overflows.
 u128 pages_end(const Pages& p, uint64_t page_len) {
+  // Precondition: at least one index.
   uint32_t max_index = *std::max_element(p.indices.begin(), p.indices.end());
   return static_cast<u128>(p.offset) +
          static_cast<u128>(p.stride) * max_index + page_len;
 }
 
-std::string addr_key(const NetAddr& a) {
-  auto b = a.to_bytes();
+std::string desc_key(const MrDesc& d) {
+  auto b = d.to_bytes();
   return std::string(b.begin(), b.end());
 }
+
+// Explicit shard counts: enough for any NIC layout, few enough that a mistake is caught.
+constexpr uint32_t kMaxShards = 256;
 
 }  // namespace
 
 EngineImpl::EngineImpl(EngineConfig config)
     : config_(std::move(config)),
       mrs_owner_(std::make_unique<MrTable>(config_.max_regions)),
-      mrs_(*mrs_owner_) {
+      mrs_(*mrs_owner_),
+      remotes_owner_(std::make_unique<RemoteTable>(config_.max_remotes)),
+      remotes_(*remotes_owner_),
+      buffers_owner_(std::make_unique<RequestBufferPool>()),
+      buffers_(*buffers_owner_) {
   if (config_.nics.empty() || config_.nics.size() > kMaxNics)
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("EngineConfig::nics must list 1 to {} NICs, it lists {}", kMaxNics,
                             config_.nics.size()));
   callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
   try {
-    worker_ = std::make_unique<Worker>(config_, mrs_, *callbacks_);
+    worker_ = std::make_unique<Worker>(config_, mrs_, remotes_, buffers_, *callbacks_);
   } catch (...) {
     callbacks_->stop();
     callbacks_.reset();
@@ -66,6 +74,8 @@ EngineImpl::~EngineImpl() {
     callbacks_->join();
     (void)callbacks_.release();
     (void)mrs_owner_.release();
+    (void)remotes_owner_.release();
+    (void)buffers_owner_.release();
     (void)worker_.release();
     return;
   }
@@ -181,22 +191,24 @@ void EngineImpl::check_peer(const NetAddr& peer, const char* what) const {
                             peer.provider(), address_.provider()));
 }
 
-void EngineImpl::check_dst(const MrDesc& dst, uint64_t offset, uint64_t len, const char* what) const {
-  check_peer(dst.owner(), what);
-  if (dst.keys().empty() && !reachable_locally(dst))
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("{}: the destination region has no NIC keys (its owner's NIC provider "
-                            "cannot reach that memory) and this engine cannot reach it through "
-                            "cuda_ipc (needs EngineConfig::cuda_ipc on both engines, one host)",
-                            what));
-  if (!in_bounds(offset, len, dst.len()))
-    throw Error(ErrorCode::kOutOfBounds,
-                fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
-                            what, offset, offset, len, dst.len()));
+RemoteView EngineImpl::remote(const RemoteMr& r, const char* what) const {
+  std::optional<RemoteView> v = remotes_.view(r);
+  if (!v)
+    throw Error(ErrorCode::kNotFound,
+                fmt::format("{}: unknown or removed RemoteMr (slot {}, generation {}): use the "
+                            "handle add_remote returned, and not after remove_remote",
+                            what, r.slot, r.generation));
+  return *v;
 }
 
-void EngineImpl::check_route(const RegionSlot& src, const MrDesc& dst, const char* what) const {
-  if (!src.on_nics && !reachable_locally(dst))
+const PeerGroup& EngineImpl::group(const PeerGroupHandle& h, const char* what) const {
+  const PeerGroup* g = h.id < kMaxGroups ? groups_[h.id].load(std::memory_order_acquire) : nullptr;
+  if (!g) throw Error(ErrorCode::kNotFound, fmt::format("{}: unknown peer group {}", what, h.id));
+  return *g;
+}
+
+void EngineImpl::check_route(const RegionSlot& src, bool dst_local, const char* what) const {
+  if (!src.on_nics && !dst_local)
     throw Error(ErrorCode::kUnsupported,
                 fmt::format("{}: the source is GPU memory that this engine's NICs cannot read, and "
                             "the destination is not reachable through cuda_ipc",
@@ -209,30 +221,30 @@ bool EngineImpl::reachable_locally(const MrDesc& dst) const {
          local_scope(dst.owner().local()) == local_scope(ours);
 }
 
-void EngineImpl::check_group_member(std::optional<PeerGroupHandle> group, const NetAddr& peer) const {
-  if (!group) return;
-  const PeerGroup* g = group->id < kMaxGroups ? groups_[group->id].load(std::memory_order_acquire)
-                                              : nullptr;
-  if (!g) throw Error(ErrorCode::kNotFound, fmt::format("unknown peer group {}", group->id));
-  if (!g->members.count(addr_key(peer)))
-    throw Error(ErrorCode::kInvalidArgument,
-                "a destination's owner is not a member of the given peer group; add it to the "
-                "group or pass no group");
-}
-
 TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
-                                         const WriteOptions& opts) const {
-  if (opts.nic && *opts.nic >= nic_count())
+                                         std::optional<uint32_t> imm, std::optional<uint8_t> nic,
+                                         const char* what) const {
+  if (nic && *nic >= nic_count())
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("WriteOptions::nic {} but this engine has {} NICs", *opts.nic, nic_count()));
+                fmt::format("{}: nic {} but this engine has {} NICs", what, *nic, nic_count()));
   TransferRequest r;
   r.kind = kind;
   r.on_done = std::move(on_done);
-  r.has_imm = opts.imm.has_value();
-  r.imm = opts.imm.value_or(0);
-  r.pinned_nic = opts.nic ? *opts.nic : -1;
+  r.has_imm = imm.has_value();
+  r.imm = imm.value_or(0);
+  r.pinned_nic = nic ? *nic : -1;
   r.deadline = Clock::now() + config_.transfer_timeout;
   return r;
+}
+
+void EngineImpl::submit_request(TransferRequest&& r) {
+  RequestBuffer* buf = r.buf;
+  try {
+    worker_->submit(std::move(r));
+  } catch (...) {
+    buffers_.give(buf);  // never queued: nobody else will
+    throw;
+  }
 }
 
 void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
@@ -243,10 +255,11 @@ void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDo
                 fmt::format("submit_send: message of {} bytes exceeds EngineConfig::max_message_size "
                             "({}); use a WRITE for bulk data or raise the limit",
                             bytes.size(), config_.max_message_size));
-  TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {});
-  r.send_dst = dst;
-  r.payload.assign(bytes.begin(), bytes.end());
-  worker_->submit(std::move(r));
+  TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
+  r.buf = buffers_.take();
+  r.buf->send_dst = dst;  // copy-assigned into kept capacity: no allocation after warm-up
+  r.buf->payload.assign(bytes.begin(), bytes.end());
+  submit_request(std::move(r));
 }
 
 void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv) {
@@ -300,115 +313,201 @@ uint64_t EngineImpl::imm_count(uint32_t imm) {
   return worker_->call([&] { return worker_->imm_count(imm); });
 }
 
-void EngineImpl::single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
-                              const MrDesc& dst, uint64_t dst_offset, OnDone on_done,
-                              const WriteOptions& opts) {
+RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
   check_open();
-  const RegionSlot& s = source(src);
-  if (!in_bounds(src_offset, len, s.len))
-    throw Error(ErrorCode::kOutOfBounds,
-                fmt::format("submit_single_write: source [{}, {}+{}) is outside the registered "
-                            "region of {} bytes",
-                            src_offset, src_offset, len, s.len));
-  check_dst(dst, dst_offset, len, "submit_single_write");
-  check_route(s, dst, "submit_single_write");
-  TransferRequest r = make_request(TransferKind::kSingle, std::move(on_done), opts);
-  r.src = src;
-  r.len = len;
-  r.src_offset = src_offset;
-  r.dst_offset = dst_offset;
-  r.dst = dst;
-  worker_->submit(std::move(r));
-}
-
-void EngineImpl::paged_writes(uint64_t page_len, const MrHandle& src, const Pages& src_pages,
-                              const MrDesc& dst, const Pages& dst_pages, OnDone on_done,
-                              const WriteOptions& opts) {
-  check_open();
-  const RegionSlot& s = source(src);
-  check_dst(dst, 0, 0, "submit_paged_writes");  // peer and route; pages are bounded below
-  if (page_len == 0)
-    throw Error(ErrorCode::kInvalidArgument, "submit_paged_writes: page_len must be > 0");
-  if (src_pages.indices.size() != dst_pages.indices.size())
+  check_peer(desc.owner(), "add_remote");
+  if (!desc.keys().empty() && desc.keys().size() != nic_count())
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("submit_paged_writes: {} source pages but {} destination pages",
-                            src_pages.indices.size(), dst_pages.indices.size()));
-  if (src_pages.indices.size() > UINT32_MAX)
-    throw Error(ErrorCode::kInvalidArgument, "submit_paged_writes: too many pages");
-  if (!src_pages.indices.empty()) {
-    if (pages_end(src_pages, page_len) > s.len)
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("submit_paged_writes: a source page ends beyond the registered "
-                              "region of {} bytes (offset + stride * max index + page_len)",
-                              s.len));
-    if (pages_end(dst_pages, page_len) > dst.len())
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("submit_paged_writes: a destination page ends beyond the remote "
-                              "region of {} bytes (offset + stride * max index + page_len)",
-                              dst.len()));
-  }
-  check_route(s, dst, "submit_paged_writes");
-  TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), opts);
-  r.src = src;
-  r.len = page_len;
-  r.dst = dst;
-  r.src_pages = src_pages;
-  r.dst_pages = dst_pages;
-  worker_->submit(std::move(r));
+                fmt::format("add_remote: the descriptor has keys for {} NICs and this engine has {}",
+                            desc.keys().size(), nic_count()));
+  if (desc.keys().empty() && !reachable_locally(desc))
+    throw Error(ErrorCode::kUnsupported,
+                "add_remote: the region has no NIC keys (its owner's NIC provider cannot reach "
+                "that memory) and this engine cannot reach it through cuda_ipc (needs "
+                "EngineConfig::cuda_ipc on both engines, one host)");
+  std::string key = desc_key(desc);
+  std::lock_guard lock(control_mu_);
+  auto it = remote_index_.find(key);
+  if (it != remote_index_.end()) return it->second;
+  RemoteMr r = worker_->call([&] { return worker_->add_remote(desc); });
+  remote_index_.emplace(std::move(key), r);
+  return r;
 }
 
-PeerGroupHandle EngineImpl::add_peer_group(const std::vector<NetAddr>& peers) {
+void EngineImpl::remove_remote(RemoteMr r) {
   check_open();
-  for (auto& p : peers) check_peer(p, "add_peer_group");
+  std::lock_guard lock(control_mu_);
+  worker_->call([&] { worker_->remove_remote(r); });
+  std::erase_if(remote_index_, [&](const auto& kv) { return kv.second == r; });
+}
+
+void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
+  constexpr const char* what = "submit(SingleWrite)";
+  check_open();
+  const RegionSlot& s = source(w.src.mr);
+  if (!in_bounds(w.src.offset, w.len, s.len))
+    throw Error(ErrorCode::kOutOfBounds,
+                fmt::format("{}: source [{}, {}+{}) is outside the registered region of {} bytes",
+                            what, w.src.offset, w.src.offset, w.len, s.len));
+  RemoteView d = remote(w.dst.mr, what);
+  if (!in_bounds(w.dst.offset, w.len, d.len))
+    throw Error(ErrorCode::kOutOfBounds,
+                fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
+                            what, w.dst.offset, w.dst.offset, w.len, d.len));
+  check_route(s, d.local, what);
+  if (w.num_shards && (*w.num_shards == 0 || *w.num_shards > kMaxShards))
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: num_shards must be 1 to {}, got {}", what, kMaxShards, *w.num_shards));
+  TransferRequest r = make_request(TransferKind::kSingle, std::move(on_done), w.imm, w.nic, what);
+  r.src = w.src.mr;
+  r.len = w.len;
+  r.src_offset = w.src.offset;
+  r.dst_offset = w.dst.offset;
+  r.dst = w.dst.mr;
+  r.shards = static_cast<uint32_t>(single_write_imm_count(w, nic_count()));
+  submit_request(std::move(r));
+}
+
+void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
+  constexpr const char* what = "submit(PagedWrites)";
+  check_open();
+  const RegionSlot& s = source(w.src);
+  RemoteView d = remote(w.dst, what);
+  if (w.page_len == 0) throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: page_len must be > 0", what));
+  if (w.src_pages.indices.size() != w.dst_pages.indices.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: {} source pages but {} destination pages", what,
+                            w.src_pages.indices.size(), w.dst_pages.indices.size()));
+  if (w.src_pages.indices.size() > UINT32_MAX)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many pages", what));
+  if (!w.src_pages.indices.empty()) {
+    if (pages_end(w.src_pages, w.page_len) > s.len)
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: a source page ends beyond the registered region of {} bytes "
+                              "(offset + stride * max index + page_len)",
+                              what, s.len));
+    if (pages_end(w.dst_pages, w.page_len) > d.len)
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: a destination page ends beyond the remote region of {} bytes "
+                              "(offset + stride * max index + page_len)",
+                              what, d.len));
+  }
+  check_route(s, d.local, what);
+  TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), w.imm, w.nic, what);
+  r.src = w.src;
+  r.len = w.page_len;
+  r.dst = w.dst;
+  r.src_offset = w.src_pages.offset;
+  r.src_stride = w.src_pages.stride;
+  r.dst_offset = w.dst_pages.offset;
+  r.dst_stride = w.dst_pages.stride;
+  r.count = static_cast<uint32_t>(w.src_pages.indices.size());
+  r.buf = buffers_.take();
+  r.buf->src_pages.assign(w.src_pages.indices.begin(), w.src_pages.indices.end());
+  r.buf->dst_pages.assign(w.dst_pages.indices.begin(), w.dst_pages.indices.end());
+  submit_request(std::move(r));
+}
+
+void EngineImpl::submit(const Scatter& w, OnDone on_done) {
+  constexpr const char* what = "submit(Scatter)";
+  check_open();
+  const RegionSlot& s = source(w.src);
+  if (w.slices.size() > UINT32_MAX)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many slices", what));
+  for (size_t i = 0; i < w.slices.size(); i++) {
+    const ScatterSlice& sl = w.slices[i];
+    if (!in_bounds(sl.src_offset, sl.len, s.len))
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: slice {}: source [{}, {}+{}) is outside the registered region "
+                              "of {} bytes",
+                              what, i, sl.src_offset, sl.src_offset, sl.len, s.len));
+    RemoteView d = remote(sl.dst.mr, what);
+    if (!in_bounds(sl.dst.offset, sl.len, d.len))
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: slice {}: destination [{}, {}+{}) is outside the remote region "
+                              "of {} bytes",
+                              what, i, sl.dst.offset, sl.dst.offset, sl.len, d.len));
+    check_route(s, d.local, what);
+  }
+  TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
+  r.src = w.src;
+  r.count = static_cast<uint32_t>(w.slices.size());
+  r.buf = buffers_.take();
+  r.buf->slices.assign(w.slices.begin(), w.slices.end());
+  submit_request(std::move(r));
+}
+
+void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
+  constexpr const char* what = "submit(GroupScatter)";
+  check_open();
+  const RegionSlot& s = source(w.src);
+  const PeerGroup& g = group(w.group, what);
+  if (w.slices.size() != g.lens.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: {} slices for a group of {} members (one slice per member)", what,
+                            w.slices.size(), g.lens.size()));
+  for (size_t i = 0; i < w.slices.size(); i++) {
+    const GroupSlice& sl = w.slices[i];
+    if (!in_bounds(sl.src_offset, sl.len, s.len))
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: slice {}: source [{}, {}+{}) is outside the registered region "
+                              "of {} bytes",
+                              what, i, sl.src_offset, sl.src_offset, sl.len, s.len));
+    if (!in_bounds(sl.dst_offset, sl.len, g.lens[i]))
+      throw Error(ErrorCode::kOutOfBounds,
+                  fmt::format("{}: slice {}: destination [{}, {}+{}) is outside member {}'s region "
+                              "of {} bytes",
+                              what, i, sl.dst_offset, sl.dst_offset, sl.len, i, g.lens[i]));
+  }
+  check_route(s, g.all_local, what);
+  TransferRequest r = make_request(TransferKind::kGroupScatter, std::move(on_done), w.imm, w.nic, what);
+  r.src = w.src;
+  r.group = w.group.id;
+  r.count = static_cast<uint32_t>(w.slices.size());
+  r.buf = buffers_.take();
+  r.buf->group_slices.assign(w.slices.begin(), w.slices.end());
+  submit_request(std::move(r));
+}
+
+void EngineImpl::submit(const Barrier& w, OnDone on_done) {
+  constexpr const char* what = "submit(Barrier)";
+  check_open();
+  if (w.dsts.size() > UINT32_MAX)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many destinations", what));
+  for (const RemoteMr& d : w.dsts) remote(d, what);
+  TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
+  r.count = static_cast<uint32_t>(w.dsts.size());
+  r.buf = buffers_.take();
+  r.buf->remotes.assign(w.dsts.begin(), w.dsts.end());
+  submit_request(std::move(r));
+}
+
+void EngineImpl::submit(const GroupBarrier& w, OnDone on_done) {
+  constexpr const char* what = "submit(GroupBarrier)";
+  check_open();
+  const PeerGroup& g = group(w.group, what);
+  TransferRequest r = make_request(TransferKind::kGroupBarrier, std::move(on_done), w.imm, w.nic, what);
+  r.group = w.group.id;
+  r.count = static_cast<uint32_t>(g.lens.size());
+  submit_request(std::move(r));
+}
+
+PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
+  check_open();
+  auto g = std::make_unique<PeerGroup>();
+  for (const RemoteMr& m : members) {
+    RemoteView v = remote(m, "add_peer_group");
+    g->lens.push_back(v.len);
+    g->all_local &= v.local;
+  }
   std::lock_guard lock(control_mu_);
   if (group_storage_.size() >= kMaxGroups)
     throw Error(ErrorCode::kResourceExhausted,
                 fmt::format("add_peer_group: at most {} peer groups", kMaxGroups));
-  auto g = std::make_unique<PeerGroup>();
-  for (auto& p : peers) g->members.insert(addr_key(p));
-  // Resolve every address now so the first scatter pays no address-vector insertion.
-  worker_->call([&] {
-    for (auto& p : peers) worker_->resolve(p);
-  });
-  uint32_t id = static_cast<uint32_t>(group_storage_.size());
+  uint32_t id = worker_->call([&] { return worker_->add_group(members); });
   groups_[id].store(g.get(), std::memory_order_release);
   group_storage_.push_back(std::move(g));
-  return PeerGroupHandle{id};
-}
-
-void EngineImpl::scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
-                         const std::vector<ScatterDst>& dsts, OnDone on_done,
-                         const WriteOptions& opts) {
-  check_open();
-  const RegionSlot& s = source(src);
-  for (size_t i = 0; i < dsts.size(); i++) {
-    const ScatterDst& d = dsts[i];
-    if (!in_bounds(d.src_offset, d.len, s.len))
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("submit_scatter: destination {}: source [{}, {}+{}) is outside the "
-                              "registered region of {} bytes",
-                              i, d.src_offset, d.src_offset, d.len, s.len));
-    check_dst(d.dst, d.dst_offset, d.len, "submit_scatter");
-    check_route(s, d.dst, "submit_scatter");
-    check_group_member(group, d.dst.owner());
-  }
-  TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), opts);
-  r.src = src;
-  r.scatter = dsts;
-  worker_->submit(std::move(r));
-}
-
-void EngineImpl::barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
-                         const std::vector<MrDesc>& dsts, OnDone on_done,
-                         std::optional<uint8_t> nic) {
-  check_open();
-  for (auto& d : dsts) {
-    check_dst(d, 0, 0, "submit_barrier");
-    check_group_member(group, d.owner());
-  }
-  TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), {imm, nic});
-  r.barrier = dsts;
-  worker_->submit(std::move(r));
+  return PeerGroupHandle{id, static_cast<uint32_t>(members.size())};
 }
 
 std::vector<NicStats> EngineImpl::nic_stats() const {
@@ -434,6 +533,10 @@ GpuSignals& EngineImpl::signals() {
 
 size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic) {
   return single_write_shards(len, nic_count, pinned_to_one_nic);
+}
+
+size_t single_write_imm_count(const SingleWrite& w, size_t nic_count) {
+  return w.num_shards ? *w.num_shards : single_write_shards(w.len, nic_count, w.nic.has_value());
 }
 
 TransferEngine::TransferEngine(EngineConfig config)
@@ -462,28 +565,16 @@ bool TransferEngine::cancel_imm_expectation(const ImmExpectation& e) {
 void TransferEngine::remove_peer(const NetAddr& peer) { impl_->remove_peer(peer); }
 size_t TransferEngine::peer_count() { return impl_->peer_count(); }
 uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm); }
-void TransferEngine::submit_single_write(uint64_t len, const MrHandle& src, uint64_t src_offset,
-                                         const MrDesc& dst, uint64_t dst_offset, OnDone on_done,
-                                         WriteOptions opts) {
-  impl_->single_write(len, src, src_offset, dst, dst_offset, std::move(on_done), opts);
-}
-void TransferEngine::submit_paged_writes(uint64_t page_len, const MrHandle& src,
-                                         const Pages& src_pages, const MrDesc& dst,
-                                         const Pages& dst_pages, OnDone on_done, WriteOptions opts) {
-  impl_->paged_writes(page_len, src, src_pages, dst, dst_pages, std::move(on_done), opts);
-}
-PeerGroupHandle TransferEngine::add_peer_group(const std::vector<NetAddr>& peers) {
-  return impl_->add_peer_group(peers);
-}
-void TransferEngine::submit_scatter(std::optional<PeerGroupHandle> group, const MrHandle& src,
-                                    const std::vector<ScatterDst>& dsts, OnDone on_done,
-                                    WriteOptions opts) {
-  impl_->scatter(group, src, dsts, std::move(on_done), opts);
-}
-void TransferEngine::submit_barrier(std::optional<PeerGroupHandle> group, uint32_t imm,
-                                    const std::vector<MrDesc>& dsts, OnDone on_done,
-                                    std::optional<uint8_t> nic) {
-  impl_->barrier(group, imm, dsts, std::move(on_done), nic);
+RemoteMr TransferEngine::add_remote(const MrDesc& desc) { return impl_->add_remote(desc); }
+void TransferEngine::remove_remote(RemoteMr remote) { impl_->remove_remote(remote); }
+void TransferEngine::submit(const SingleWrite& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+void TransferEngine::submit(const PagedWrites& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+void TransferEngine::submit(const Scatter& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+void TransferEngine::submit(const GroupScatter& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+void TransferEngine::submit(const Barrier& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
+PeerGroupHandle TransferEngine::add_peer_group(std::span<const RemoteMr> members) {
+  return impl_->add_peer_group(members);
 }
 std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
 UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb) {

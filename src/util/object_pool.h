@@ -22,8 +22,13 @@ class ObjectPool {
     in_use_++;
     return p;
   }
+  // Resets the object (its reuse() where it has one, to keep what it holds allocated).
   void release(T* p) {
-    *p = T{};
+    if constexpr (requires { p->reuse(); }) {
+      p->reuse();
+    } else {
+      *p = T{};
+    }
     free_.push_back(p);
     in_use_--;
   }

@@ -19,9 +19,21 @@ namespace fabric {
 
 using Clock = std::chrono::steady_clock;
 
-enum class TransferKind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kSend };
+enum class TransferKind : uint8_t { kSingle, kPaged, kScatter, kGroupScatter, kBarrier, kGroupBarrier, kSend };
 
-// Everything a transfer needs, validated at submit time (bounds, NIC counts, handles).
+// What a request carries beyond its fixed fields, copied from the caller's spans at submit.
+// Pooled (RequestBufferPool): vectors keep their capacity, so after warm-up nothing allocates.
+struct RequestBuffer {
+  std::vector<uint32_t> src_pages, dst_pages;  // paged
+  std::vector<ScatterSlice> slices;            // scatter
+  std::vector<GroupSlice> group_slices;        // group scatter
+  std::vector<RemoteMr> remotes;               // barrier
+  std::vector<std::byte> payload;              // send
+  NetAddr send_dst;                            // send
+};
+
+// Everything a transfer needs, validated at submit time (bounds, NIC counts, handles). Fixed
+// size and heap-free: regions and groups are named by handles, variable parts live in `buf`.
 struct TransferRequest {
   TransferKind kind = TransferKind::kSingle;
   OnDone on_done;
@@ -34,12 +46,12 @@ struct TransferRequest {
   uint64_t len = 0;  // single: bytes; paged: page length
   uint64_t src_offset = 0;
   uint64_t dst_offset = 0;
-  MrDesc dst;                        // single, paged
-  Pages src_pages, dst_pages;        // paged
-  std::vector<ScatterDst> scatter;   // scatter
-  std::vector<MrDesc> barrier;       // barrier
-  NetAddr send_dst;                  // send
-  std::vector<std::byte> payload;    // send
+  uint32_t shards = 1;           // single: WRITEs
+  RemoteMr dst;                  // single, paged
+  uint64_t src_stride = 0, dst_stride = 0;  // paged (offsets: src_offset, dst_offset)
+  uint32_t group = UINT32_MAX;   // group scatter, group barrier
+  uint32_t count = 0;            // pages, slices or destinations
+  RequestBuffer* buf = nullptr;  // owned by the request, returned to its pool when it ends
 };
 
 struct ExpectRequest {

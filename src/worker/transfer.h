@@ -22,14 +22,26 @@ struct ResolvedTarget {
   bool local = false;
 };
 
+// A peer group as the worker holds it: per member, its route (peer and key per domain), which is
+// the WRITE template a group scatter or barrier patches (length, offsets, immediate) and posts.
+struct GroupMember {
+  ResolvedTarget target;  // holds the member's peer record for the group's lifetime
+  MrDesc desc;            // to resolve the owner again after its connection failed
+};
+struct GroupState {
+  std::vector<GroupMember> members;
+};
+
 struct Transfer {
   TransferRequest req;
   const RegionSlot* src = nullptr;
-  std::vector<ResolvedTarget> targets;  // one per destination (one for single/paged/send)
+  GroupState* group = nullptr;          // group scatter and barrier: targets are the members'
+  std::vector<ResolvedTarget> targets;  // otherwise one per destination (one for single/paged/send)
   uint32_t total_ops = 0;
   uint32_t next_op = 0;       // next WRITE to post
   uint32_t outstanding = 0;   // posted, not completed
   std::array<uint32_t, kMaxDomains> outstanding_on{};  // the same, per domain
+  uint32_t batch = 0;         // paged over a batching domain: pages per post (0: one per post)
   uint32_t send_slot = UINT32_MAX;
   bool failed = false;        // stop posting
   bool reported = false;      // on_done has fired
@@ -38,6 +50,14 @@ struct Transfer {
   uint64_t first_post_ns = 0;  // record_post_timings only
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
   Transfer* next = nullptr;
+
+  // Back to a fresh state for the pool, keeping the targets' capacity (no allocation on reuse).
+  void reuse() {
+    std::vector<ResolvedTarget> keep = std::move(targets);
+    keep.clear();
+    *this = Transfer{};
+    targets = std::move(keep);
+  }
 };
 
 }  // namespace fabric

@@ -18,16 +18,13 @@ namespace {
 enum OpKind : uint32_t { kOpWrite = 1, kOpSend = 2, kOpRecv = 3 };
 
 // Scatters and barriers have one destination per WRITE; the other kinds one in all.
-bool per_destination(TransferKind k) { return k == TransferKind::kScatter || k == TransferKind::kBarrier; }
-
-std::string peer_key(const NetAddr& a) {
-  std::string key = a.local();
-  for (size_t i = 0; i < a.nic_count(); i++) {
-    key += std::to_string(a.nic(i).size());
-    key += ':';
-    key += a.nic(i);
-  }
-  return key;
+bool per_destination(TransferKind k) {
+  return k == TransferKind::kScatter || k == TransferKind::kBarrier ||
+         k == TransferKind::kGroupScatter || k == TransferKind::kGroupBarrier;
+}
+bool grouped(TransferKind k) { return k == TransferKind::kGroupScatter || k == TransferKind::kGroupBarrier; }
+bool reads_source(TransferKind k) {
+  return k != TransferKind::kSend && k != TransferKind::kBarrier && k != TransferKind::kGroupBarrier;
 }
 }  // namespace
 
@@ -40,9 +37,12 @@ struct Worker::RecvPool {
   std::shared_ptr<TransferEngine::RecvCallback> on_recv;
 };
 
-Worker::Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbacks)
+Worker::Worker(const EngineConfig& config, MrTable& mrs, RemoteTable& remotes,
+               RequestBufferPool& buffers, CallbackThread& callbacks)
     : config_(config),
       mrs_(mrs),
+      remotes_(remotes),
+      buffers_(buffers),
       callbacks_(callbacks),
       requests_(config.request_queue_capacity),
       stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)),
@@ -203,8 +203,7 @@ bool Worker::take_requests() {
 }
 
 ResolvedTarget Worker::resolve(const NetAddr& peer) {
-  std::string key = peer_key(peer);
-  auto it = peer_index_.find(key);
+  auto it = peer_index_.find(peer);
   if (it != peer_index_.end()) return records_[it->second].target;
   ResolvedTarget t;
   size_t inserted = 0;
@@ -223,11 +222,11 @@ ResolvedTarget Worker::resolve(const NetAddr& peer) {
       log::info("cuda_ipc cannot reach a same-host peer, using the NICs: {}", e.what());
     }
   }
-  t.record = new_record(std::move(key), t);
+  t.record = new_record(peer, t);
   return records_[t.record].target;
 }
 
-uint32_t Worker::new_record(std::string key, const ResolvedTarget& t) {
+uint32_t Worker::new_record(const NetAddr& addr, const ResolvedTarget& t) {
   uint32_t r;
   if (!free_records_.empty()) {
     r = free_records_.back();
@@ -240,9 +239,9 @@ uint32_t Worker::new_record(std::string key, const ResolvedTarget& t) {
   p.state = PeerRecord::State::kLive;
   p.target = t;
   p.target.record = r;
-  p.key = key;
+  p.addr = addr;
   p.holders = p.outstanding = 0;
-  peer_index_.emplace(std::move(key), r);
+  peer_index_.emplace(addr, r);
   return r;
 }
 
@@ -252,7 +251,7 @@ void Worker::release_record(uint32_t r) {
   PeerRecord& p = records_[r];
   for (size_t i = 0; i < nic_count(); i++) domains_[i]->remove_peer(p.target.peer[i]);
   if (p.target.local) domains_[nic_count()]->remove_peer(p.target.peer[nic_count()]);
-  auto it = peer_index_.find(p.key);
+  auto it = peer_index_.find(p.addr);
   if (it != peer_index_.end() && it->second == r) peer_index_.erase(it);
   std::erase_if(peer_backoff_, [&](const PeerBackoff& b) {
     return b.peer == p.target.peer[b.domain] && (b.domain < nic_count() || p.target.local);
@@ -271,8 +270,7 @@ void Worker::maybe_free_record(uint32_t r) {
   bool gone = p.state == PeerRecord::State::kReleased || p.state == PeerRecord::State::kRemoved;
   if (gone && p.holders == 0 && p.outstanding == 0) {
     p.state = PeerRecord::State::kFree;
-    p.key.clear();
-    p.key.shrink_to_fit();
+    p.addr = NetAddr{};
     free_records_.push_back(r);
   }
 }
@@ -287,7 +285,7 @@ void Worker::peer_failed(uint32_t r) {
 }
 
 void Worker::remove_peer(const NetAddr& peer) {
-  auto it = peer_index_.find(peer_key(peer));
+  auto it = peer_index_.find(peer);
   if (it == peer_index_.end()) return;
   uint32_t r = it->second;
   records_[r].state = PeerRecord::State::kRemoved;
@@ -304,6 +302,10 @@ bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
     return false;
   }
   try {
+    if (t.group) {  // `target` is the member's own: refreshed in place, held by the group
+      current(t.group->members[op]);
+      return true;
+    }
     ResolvedTarget fresh = target_of(t.req, per_destination(t.req.kind) ? op : 0);
     records_[fresh.record].holders++;
     uint32_t old = target.record;
@@ -316,18 +318,53 @@ bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
   return true;
 }
 
-// Destination i of a scatter or barrier, or the one destination of the other kinds.
+namespace {
+RemoteSlot& live_remote(RemoteTable& table, const RemoteMr& r) {
+  RemoteSlot* s = table.live(r);
+  if (!s)
+    throw Error(ErrorCode::kNotFound,
+                "the destination remote region was removed (remove_remote) before the transfer ran");
+  return *s;
+}
+}  // namespace
+
+// Destination i of a scatter or barrier, or the one destination of the other kinds (not for
+// group kinds: their targets are the group's).
 ResolvedTarget Worker::target_of(const TransferRequest& q, size_t i) {
   switch (q.kind) {
-    case TransferKind::kSend: return resolve(q.send_dst);
-    case TransferKind::kScatter: return route(q.scatter[i].dst.owner(), q.scatter[i].dst);
-    case TransferKind::kBarrier: return route(q.barrier[i].owner(), q.barrier[i]);
-    default: return route(q.dst.owner(), q.dst);
+    case TransferKind::kSend: return resolve(q.buf->send_dst);
+    case TransferKind::kScatter: return current(live_remote(remotes_, q.buf->slices[i].dst.mr));
+    case TransferKind::kBarrier: return current(live_remote(remotes_, q.buf->remotes[i]));
+    default: return current(live_remote(remotes_, q.dst));
   }
 }
 
-ResolvedTarget Worker::route(const NetAddr& owner, const MrDesc& d) {
-  ResolvedTarget t = resolve(owner);
+const ResolvedTarget& Worker::current(RemoteSlot& remote) {
+  refresh(remote.target, remote.desc);
+  return remote.target;
+}
+
+const ResolvedTarget& Worker::current(GroupMember& member) {
+  refresh(member.target, member.desc);
+  return member.target;
+}
+
+// A held route whose peer was released (its connection failed) is resolved again, the hold
+// moving to the new record; one whose peer was removed cannot be.
+void Worker::refresh(ResolvedTarget& held, const MrDesc& desc) {
+  PeerRecord::State s = records_[held.record].state;
+  if (s == PeerRecord::State::kLive || s == PeerRecord::State::kFailed) return;
+  if (s == PeerRecord::State::kRemoved)
+    throw Error(ErrorCode::kCancelled, "the destination peer was removed (remove_peer)");
+  ResolvedTarget fresh = route(desc);
+  records_[fresh.record].holders++;
+  uint32_t old = held.record;
+  held = fresh;
+  unhold_record(old);
+}
+
+ResolvedTarget Worker::route(const MrDesc& d) {
+  ResolvedTarget t = resolve(d.owner());
   if (t.local && d.local_key()) {
     t.key[nic_count()] = *d.local_key();
     return t;
@@ -341,37 +378,81 @@ ResolvedTarget Worker::route(const NetAddr& owner, const MrDesc& d) {
   return t;
 }
 
+RemoteMr Worker::add_remote(const MrDesc& desc) {
+  auto s = remotes_.take_free_slot();
+  if (!s)
+    throw Error(ErrorCode::kResourceExhausted,
+                fmt::format("add_remote: all {} remote slots are in use; remove_remote regions "
+                            "that are no longer written or raise EngineConfig::max_remotes",
+                            remotes_.capacity()));
+  RemoteSlot& slot = remotes_.slot(*s);
+  try {
+    slot.target = route(desc);
+  } catch (...) {
+    remotes_.return_slot(*s);
+    throw;
+  }
+  records_[slot.target.record].holders++;
+  slot.desc = desc;
+  slot.len.store(desc.len(), std::memory_order_relaxed);
+  slot.local.store(slot.target.local, std::memory_order_relaxed);
+  uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
+  return RemoteMr{*s, gen};
+}
+
+void Worker::remove_remote(const RemoteMr& r) {
+  RemoteSlot* slot = remotes_.live(r);
+  if (!slot) throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
+  slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
+  uint32_t record = slot->target.record;
+  slot->target = {};
+  slot->desc = MrDesc{};
+  unhold_record(record);
+  remotes_.return_slot(r.slot);
+}
+
+uint32_t Worker::add_group(std::span<const RemoteMr> members) {
+  auto g = std::make_unique<GroupState>();
+  for (const RemoteMr& m : members) {
+    RemoteSlot& slot = live_remote(remotes_, m);
+    g->members.push_back({current(slot), slot.desc});
+  }
+  for (auto& m : g->members) records_[m.target.record].holders++;
+  groups_.push_back(std::move(g));
+  return static_cast<uint32_t>(groups_.size() - 1);
+}
+
 void Worker::handle(TransferRequest&& r) {
   Transfer& t = *transfers_.acquire();
   t.req = std::move(r);
   link(t);
-  const size_t nics = nic_count();
   const TransferRequest& q = t.req;
   try {
-    if (q.kind != TransferKind::kSend && q.kind != TransferKind::kBarrier) {
+    if (reads_source(q.kind)) {
       t.src = mrs_.find(q.src);
       if (!t.src)
         throw Error(ErrorCode::kNotFound, "source region was deregistered before the transfer ran");
     }
     switch (q.kind) {
-      case TransferKind::kSingle:
-        t.total_ops = static_cast<uint32_t>(single_write_shards(q.len, nics, q.pinned_nic >= 0));
-        break;
-      case TransferKind::kPaged:
-        t.total_ops = static_cast<uint32_t>(q.src_pages.indices.size());
-        break;
-      case TransferKind::kScatter:
-        t.total_ops = static_cast<uint32_t>(q.scatter.size());
-        break;
-      case TransferKind::kBarrier:
-        t.total_ops = static_cast<uint32_t>(q.barrier.size());
-        break;
-      case TransferKind::kSend:
-        t.total_ops = 1;
-        break;
+      case TransferKind::kSingle: t.total_ops = q.shards; break;
+      case TransferKind::kSend: t.total_ops = 1; break;
+      default: t.total_ops = q.count; break;  // pages, slices, destinations
     }
-    size_t destinations = per_destination(q.kind) ? t.total_ops : 1;
-    for (size_t i = 0; i < destinations; i++) t.targets.push_back(target_of(q, i));
+    if (grouped(q.kind)) {
+      t.group = groups_.at(q.group).get();
+    } else {
+      size_t destinations = per_destination(q.kind) ? t.total_ops : 1;
+      for (size_t i = 0; i < destinations; i++) t.targets.push_back(target_of(q, i));
+    }
+    // Pages to a same-host GPU peer go as batches where the local domain takes them (one
+    // gather kernel and one completion for many pages).
+    if (q.kind == TransferKind::kPaged && t.targets[0].local && q.pinned_nic < 0) {
+      size_t batch = domains_[nic_count()]->max_write_batch();
+      if (batch > 1) {
+        t.batch = static_cast<uint32_t>(batch);
+        t.total_ops = static_cast<uint32_t>((q.count + batch - 1) / batch);
+      }
+    }
   } catch (const Error& e) {
     fail(t, e.status());
   }
@@ -397,11 +478,14 @@ bool Worker::pump(Transfer& t) {
   return true;
 }
 
-// Builds and posts WRITE (or SEND) number t.next_op. Returns false on back-pressure.
+// Builds and posts WRITE (or SEND, or batch of WRITEs) number t.next_op. Returns false on
+// back-pressure.
 bool Worker::post_next(Transfer& t) {
   const TransferRequest& q = t.req;
   const uint32_t i = t.next_op;
-  ResolvedTarget* target = per_destination(q.kind) ? &t.targets[i] : &t.targets[0];
+  ResolvedTarget* target = t.group                   ? &t.group->members[i].target
+                           : per_destination(q.kind) ? &t.targets[i]
+                                                     : &t.targets[0];
   if (records_[target->record].state != PeerRecord::State::kLive && !usable(t, *target, i))
     return true;  // failed: pump stops
   if (t.src && t.src->generation.load(std::memory_order_relaxed) != q.src.generation) {
@@ -433,17 +517,22 @@ bool Worker::post_next(Transfer& t) {
       }
       t.send_slot = free_send_slots_.back();
       free_send_slots_.pop_back();
-      std::memcpy(&send_buffer_[t.send_slot * config_.max_message_size], q.payload.data(),
-                  q.payload.size());
+      std::memcpy(&send_buffer_[t.send_slot * config_.max_message_size], q.buf->payload.data(),
+                  q.buf->payload.size());
     }
     ctx->kind = kOpSend;
     result = domains_[0]->post_send(t.targets[0].peer[0],
                                     &send_buffer_[t.send_slot * config_.max_message_size],
-                                    q.payload.size(), send_region_.desc, ctx);
+                                    q.buf->payload.size(), send_region_.desc, ctx);
   } else {
+    // The template: where this destination is reached through this NIC.
     WriteOp op;
     op.has_imm = q.has_imm;
     op.imm = q.imm;
+    op.peer = target->peer[nic];
+    op.rkey = target->key[nic].rkey;
+    const uint64_t base = target->key[nic].base;
+    const RequestBuffer* b = q.buf;
     uint64_t src_off = 0, dst_off = 0;
     switch (q.kind) {
       case TransferKind::kSingle: {
@@ -454,31 +543,47 @@ bool Worker::post_next(Transfer& t) {
         break;
       }
       case TransferKind::kPaged:
-        src_off = q.src_pages.offset + q.src_pages.stride * q.src_pages.indices[i];
-        dst_off = q.dst_pages.offset + q.dst_pages.stride * q.dst_pages.indices[i];
+        src_off = q.src_offset + q.src_stride * b->src_pages[i];
+        dst_off = q.dst_offset + q.dst_stride * b->dst_pages[i];
         op.len = q.len;
         break;
       case TransferKind::kScatter:
-        src_off = q.scatter[i].src_offset;
-        dst_off = q.scatter[i].dst_offset;
-        op.len = q.scatter[i].len;
+        src_off = b->slices[i].src_offset;
+        dst_off = b->slices[i].dst.offset;
+        op.len = b->slices[i].len;
         break;
-      default:  // barrier: immediate only
+      case TransferKind::kGroupScatter:
+        src_off = b->group_slices[i].src_offset;
+        dst_off = b->group_slices[i].dst_offset;
+        op.len = b->group_slices[i].len;
+        break;
+      default:  // barriers: immediate only
         break;
     }
-    if (q.kind == TransferKind::kBarrier) {
+    if (!reads_source(q.kind)) {
       op.src = d.scratch_buffer();
       op.desc = d.scratch_desc();  // EFA wants a valid descriptor even on zero-byte writes
     } else {
       op.src = t.src->ptr + src_off;
       op.desc = t.src->per_nic[nic].desc;
     }
-    op.peer = target->peer[nic];
-    op.rkey = target->key[nic].rkey;
-    op.remote_addr = target->key[nic].base + dst_off;
+    op.remote_addr = base + dst_off;
     ctx->kind = kOpWrite;
-    ctx->aux = op.len;
-    result = d.post_write(op, ctx);
+    if (t.batch > 0) {  // pages [i * batch, ...) in one post
+      const uint64_t first = uint64_t{i} * t.batch;
+      const uint64_t n = std::min<uint64_t>(t.batch, q.count - first);
+      batch_ops_.clear();
+      for (uint64_t p = first; p < first + n; p++) {
+        op.src = t.src->ptr + q.src_offset + q.src_stride * b->src_pages[p];
+        op.remote_addr = base + q.dst_offset + q.dst_stride * b->dst_pages[p];
+        batch_ops_.push_back(op);
+      }
+      ctx->aux = n * q.len;
+      result = d.post_write_batch(batch_ops_, ctx);
+    } else {
+      ctx->aux = op.len;
+      result = d.post_write(op, ctx);
+    }
   }
 
   if (result == PostResult::kRetry) {
@@ -672,6 +777,7 @@ void Worker::maybe_finish(Transfer& t) {
   if (t.reported && t.outstanding == 0 && !t.queued) {
     if (t.send_slot != UINT32_MAX) free_send_slots_.push_back(t.send_slot);
     for (auto& target : t.targets) unhold_record(target.record);
+    buffers_.give(std::exchange(t.req.buf, nullptr));
     transfers_.release(&t);
   }
 }
@@ -742,9 +848,10 @@ void Worker::check_deadlines() {
     // The peer it waited for is unreachable (its connection never came up, or its WRITEs never
     // complete): release it once nothing of it is in flight, so a restarted peer is met afresh.
     // Per-destination transfers post in order: the one it stopped at is the one to blame.
-    if (!t.targets.empty()) {
-      size_t blocker = per_destination(t.req.kind) ? std::min<size_t>(t.next_op, t.targets.size() - 1) : 0;
-      peer_failed(t.targets[blocker].record);
+    size_t destinations = t.group ? t.group->members.size() : t.targets.size();
+    if (destinations > 0) {
+      size_t blocker = per_destination(t.req.kind) ? std::min<size_t>(t.next_op, destinations - 1) : 0;
+      peer_failed(t.group ? t.group->members[blocker].target.record : t.targets[blocker].record);
     }
     // Outstanding WRITEs keep their context; the transfer is freed when they complete or at
     // shutdown. They stop counting against the in-flight limits: a completion that never comes

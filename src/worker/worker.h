@@ -21,13 +21,27 @@
 #include "domain/domain.h"
 #include "engine/callback_thread.h"
 #include "engine/mr_table.h"
+#include "engine/remote_table.h"
 #include "imm/imm_counter.h"
 #include "util/mpsc_queue.h"
 #include "util/object_pool.h"
+#include "util/shared_pool.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
 
 namespace fabric {
+
+// Hash of an engine address, so peers are looked up by NetAddr without building a key.
+struct NetAddrHash {
+  size_t operator()(const NetAddr& a) const {
+    size_t h = std::hash<std::string>{}(a.local());
+    for (size_t i = 0; i < a.nic_count(); i++)
+      h = h * 1099511628211ull ^ std::hash<std::string>{}(a.nic(i));
+    return h;
+  }
+};
+
+using RequestBufferPool = util::SharedPool<RequestBuffer>;
 
 struct AtomicNicStats {
   std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
@@ -47,7 +61,8 @@ class Worker {
  public:
   // Starts the thread, which pins itself, opens every NIC and only then allocates its state.
   // Throws the error that opening a NIC raised.
-  Worker(const EngineConfig& config, MrTable& mrs, CallbackThread& callbacks);
+  Worker(const EngineConfig& config, MrTable& mrs, RemoteTable& remotes, RequestBufferPool& buffers,
+         CallbackThread& callbacks);
   ~Worker();  // stop(), if not done
   // Fails everything pending with kShutdown, closes the NICs and joins the thread. The object
   // stays (other threads may still look at it) but takes no more work. False: the worker was
@@ -100,7 +115,12 @@ class Worker {
   size_t fail_transfers_from(const RegionSlot* src);
   ResolvedTarget resolve(const NetAddr& peer);
   // The route to one destination region: the local domain where both ends offer it, else NICs.
-  ResolvedTarget route(const NetAddr& owner, const MrDesc& dst);
+  ResolvedTarget route(const MrDesc& dst);
+  // Interns a remote region (its route holds its owner's record) / forgets it.
+  RemoteMr add_remote(const MrDesc& desc);
+  void remove_remote(const RemoteMr& remote);
+  // A peer group of interned regions; returns its id.
+  uint32_t add_group(std::span<const RemoteMr> members);
   // Application says the peer left: its pending transfers end with kCancelled, its resources go.
   void remove_peer(const NetAddr& peer);
   size_t peer_count() const { return peer_index_.size(); }
@@ -145,12 +165,17 @@ class Worker {
   bool post_recv_backlog();
   bool poll_domains();
   // Peer records: what the domains hold for one remote engine, shared by the transfers to it.
-  uint32_t new_record(std::string key, const ResolvedTarget& t);
+  uint32_t new_record(const NetAddr& addr, const ResolvedTarget& t);
   void release_record(uint32_t r);     // the domains forget the peer (the record may stay held)
   void unhold_record(uint32_t r);      // a transfer let go of it
   void maybe_free_record(uint32_t r);  // reused once released, unheld and with nothing in flight
   bool usable(Transfer& t, ResolvedTarget& target, uint32_t op);  // re-resolves a failed peer
   ResolvedTarget target_of(const TransferRequest& q, size_t destination);
+  // A live route for an interned region or a group member, resolved again if its peer was
+  // released; throws (kNotFound, kCancelled) when there is none.
+  const ResolvedTarget& current(RemoteSlot& remote);
+  const ResolvedTarget& current(GroupMember& member);
+  void refresh(ResolvedTarget& held, const MrDesc& desc);
   void peer_failed(uint32_t r);
   void report_met();
   void on_completion(size_t nic, Completion& c);
@@ -167,6 +192,8 @@ class Worker {
 
   EngineConfig config_;
   MrTable& mrs_;
+  RemoteTable& remotes_;
+  RequestBufferPool& buffers_;
   CallbackThread& callbacks_;
   util::MpscQueue<Request> requests_;
   std::vector<std::string> nic_addresses_;
@@ -181,13 +208,15 @@ class Worker {
     enum class State : uint8_t { kFree, kLive, kFailed, kReleased, kRemoved };
     State state = State::kFree;
     ResolvedTarget target;
-    std::string key;
+    NetAddr addr;
     uint32_t holders = 0;      // transfers whose targets name this record
     uint32_t outstanding = 0;  // operations posted to it, not completed
   };
   std::vector<PeerRecord> records_;
   std::vector<uint32_t> free_records_;
-  std::unordered_map<std::string, uint32_t> peer_index_;  // live and failed records by address
+  std::unordered_map<NetAddr, uint32_t, NetAddrHash> peer_index_;  // live and failed records
+  std::vector<std::unique_ptr<GroupState>> groups_;
+  std::vector<WriteOp> batch_ops_;  // a batch being posted (capacity kept)
   ImmCounter<ImmWaiter> imms_;
   std::vector<ImmWaiter> met_;
   std::set<std::tuple<Clock::time_point, uint64_t, uint32_t>> expect_deadlines_;  // (when, id, imm)
