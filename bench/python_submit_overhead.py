@@ -21,13 +21,14 @@ def python_us_per_call():
     with fl.TransferEngine() as e:
         buf = np.zeros(1 << 20, np.uint8)
         h, d = e.register_tensor(buf)
+        dst = e.add_remote(d)  # interned once, as the C++ program does
         done = fl.DoneCounter()
         submit = e.submit_single_write
         per_call = []
         for b in range(BATCHES):
             t0 = time.perf_counter()
             for _ in range(BATCH):
-                submit(64, h, 0, d, 4096, done)
+                submit(len=64, src=h, dst=dst, dst_offset=4096, on_done=done)
             t1 = time.perf_counter()
             assert done.wait((b + 1) * BATCH, 60) and done.failed == 0
             if b > 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from ._fabric_lib import (
     DoneFlag,
     Engine as _Engine,
     FabricError,
+    GroupSlice,
     ImmExpectation,
     MrDesc,
     MrHandle,
@@ -26,15 +27,21 @@ from ._fabric_lib import (
     NicStats,
     Pages as _Pages,
     PeerGroupHandle,
-    ScatterDst,
+    RemoteMr,
+    ScatterSlice,
     Status,
     single_write_imm_count,
 )
 
 __all__ = [
-    "DoneCounter", "DoneFlag", "FabricError", "ImmExpectation", "MrDesc", "MrHandle", "NetAddr", "NicStats",
-    "Pages", "PeerGroupHandle", "ScatterDst", "Status", "TransferEngine", "single_write_imm_count",
+    "DoneCounter", "DoneFlag", "FabricError", "GroupSlice", "ImmExpectation", "MrDesc", "MrHandle",
+    "NetAddr", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr", "ScatterSlice", "Status",
+    "TransferEngine", "single_write_imm_count",
 ]
+
+# Wherever a destination is expected: an interned region, or a descriptor that the call interns
+# with add_remote (idempotent: the same descriptor is interned once).
+Dst = Union[RemoteMr, MrDesc]
 
 
 def _as_page_indices(indices: Any) -> np.ndarray:
@@ -99,6 +106,10 @@ class TransferEngine(_Engine):
     provider's default; 1 to 4 entries (an empty list raises FabricError, as zero NICs is invalid).
     Usable as a context manager (close() on exit).
 
+    Writes name their destination by a RemoteMr (add_remote(desc), once) or directly by an MrDesc,
+    which the call interns (add_remote is idempotent, so repeated submits reuse one region); the
+    submit_* calls take keyword arguments.
+
     on_done arguments accept None, a DoneFlag, a DoneCounter, or a callable(status: Status) that
     runs on the engine's callback thread with the GIL held (exceptions go to sys.unraisablehook).
     DoneFlag and DoneCounter are set by the engine's worker without the GIL: they keep counting
@@ -148,32 +159,47 @@ class TransferEngine(_Engine):
 
         return fut, on_done
 
-    async def write(self, length: int, src: MrHandle, src_offset: int, dst: MrDesc,
-                    dst_offset: int, *, imm: Optional[int] = None,
-                    nic: Optional[int] = None) -> None:
+    async def write(self, *, len: int, src: MrHandle, dst: Dst, src_offset: int = 0,
+                    dst_offset: int = 0, imm: Optional[int] = None, nic: Optional[int] = None,
+                    num_shards: Optional[int] = None) -> None:
         """submit_single_write, awaited until every WRITE completed locally."""
         fut, on_done = self._future()
-        self.submit_single_write(length, src, src_offset, dst, dst_offset, on_done, imm=imm, nic=nic)
+        self.submit_single_write(len=len, src=src, src_offset=src_offset, dst=dst,
+                                 dst_offset=dst_offset, on_done=on_done, imm=imm, nic=nic,
+                                 num_shards=num_shards)
         await fut
 
-    async def paged_write(self, page_len: int, src: MrHandle, src_pages: _Pages, dst: MrDesc,
-                          dst_pages: _Pages, *, imm: Optional[int] = None,
+    async def paged_write(self, *, page_len: int, src: MrHandle, src_pages: _Pages, dst: Dst,
+                          dst_pages: _Pages, imm: Optional[int] = None,
                           nic: Optional[int] = None) -> None:
         fut, on_done = self._future()
-        self.submit_paged_writes(page_len, src, src_pages, dst, dst_pages, on_done, imm=imm, nic=nic)
+        self.submit_paged_writes(page_len=page_len, src=src, src_pages=src_pages, dst=dst,
+                                 dst_pages=dst_pages, on_done=on_done, imm=imm, nic=nic)
         await fut
 
-    async def scatter(self, src: MrHandle, dsts: Sequence[ScatterDst], *,
-                      imm: Optional[int] = None, nic: Optional[int] = None,
-                      group: Optional[PeerGroupHandle] = None) -> None:
+    async def scatter(self, *, src: MrHandle, slices: Iterable[ScatterSlice],
+                      imm: Optional[int] = None, nic: Optional[int] = None) -> None:
         fut, on_done = self._future()
-        self.submit_scatter(src, list(dsts), on_done, imm=imm, nic=nic, group=group)
+        self.submit_scatter(src=src, slices=slices, on_done=on_done, imm=imm, nic=nic)
         await fut
 
-    async def barrier(self, imm: int, dsts: Sequence[MrDesc], *,
-                      group: Optional[PeerGroupHandle] = None) -> None:
+    async def group_scatter(self, *, group: PeerGroupHandle, src: MrHandle,
+                            slices: Iterable[GroupSlice], imm: Optional[int] = None,
+                            nic: Optional[int] = None) -> None:
         fut, on_done = self._future()
-        self.submit_barrier(imm, list(dsts), on_done, group=group)
+        self.submit_group_scatter(group=group, src=src, slices=slices, on_done=on_done, imm=imm,
+                                  nic=nic)
+        await fut
+
+    async def barrier(self, *, dsts: Iterable[Dst], imm: int, nic: Optional[int] = None) -> None:
+        fut, on_done = self._future()
+        self.submit_barrier(dsts=dsts, imm=imm, on_done=on_done, nic=nic)
+        await fut
+
+    async def group_barrier(self, *, group: PeerGroupHandle, imm: int,
+                            nic: Optional[int] = None) -> None:
+        fut, on_done = self._future()
+        self.submit_group_barrier(group=group, imm=imm, on_done=on_done, nic=nic)
         await fut
 
     async def send(self, dst: NetAddr, data: bytes) -> None:

@@ -103,7 +103,94 @@ OnDone make_on_done(nb::handle on_done) {
   });
 }
 
-WriteOptions options(std::optional<uint32_t> imm, std::optional<uint8_t> nic) { return {imm, nic}; }
+// Pages as Python holds them: the object owns its indices (fabric::Pages is a view, read during
+// submit only), and lends a fabric::Pages over them at submit time.
+struct PyPages {
+  std::vector<uint32_t> indices;
+  uint64_t stride = 0;
+  uint64_t offset = 0;
+  Pages view() const { return Pages{indices, stride, offset}; }
+};
+
+// A scatter slice as Python builds it: `dst` is the Python object given (a RemoteMr, or an MrDesc
+// that submit interns with add_remote).
+struct PyScatterSlice {
+  uint64_t len = 0;
+  uint64_t src_offset = 0;
+  nb::object dst;
+  uint64_t dst_offset = 0;
+};
+
+// A destination as given: an interned RemoteMr, or an MrDesc to intern (add_remote, idempotent)
+// once the GIL is released. `desc` points into a Python object the caller keeps referenced.
+struct DstRef {
+  RemoteMr mr;
+  const MrDesc* desc = nullptr;
+};
+
+DstRef dst_ref(nb::handle h, const char* what) {
+  if (nb::isinstance<RemoteMr>(h)) return {nb::cast<RemoteMr>(h), nullptr};
+  if (nb::isinstance<MrDesc>(h)) return {RemoteMr{}, &nb::cast<const MrDesc&>(h)};
+  throw nb::type_error((std::string(what) + " must be a RemoteMr or an MrDesc, got " +
+                        nb::type_name(h.type()).c_str())
+                           .c_str());
+}
+
+// Without the GIL: an MrDesc is interned (the same descriptor gives the same RemoteMr).
+RemoteMr resolve(TransferEngine& eng, const DstRef& d) { return d.desc ? eng.add_remote(*d.desc) : d.mr; }
+
+// Destinations of a sequence (barrier dsts, group members). `keep` holds every item whose C++
+// object a DstRef points into, so another thread changing the sequence while the GIL is released
+// cannot free it.
+std::vector<DstRef> dst_refs(nb::handle seq, const char* what, std::vector<nb::object>& keep) {
+  std::vector<DstRef> out;
+  for (nb::handle item : seq) {
+    out.push_back(dst_ref(item, what));
+    if (out.back().desc) keep.push_back(nb::borrow(item));
+  }
+  return out;
+}
+
+std::vector<RemoteMr> resolve_all(TransferEngine& eng, const std::vector<DstRef>& refs) {
+  std::vector<RemoteMr> out;
+  out.reserve(refs.size());
+  for (const DstRef& d : refs) out.push_back(resolve(eng, d));
+  return out;
+}
+
+uint64_t to_u64(nb::handle h) { return nb::cast<uint64_t>(h); }
+nb::handle tuple_item(nb::handle t, Py_ssize_t i) { return PyTuple_GET_ITEM(t.ptr(), i); }  // borrowed
+
+// A ScatterSlice, or a tuple (len, src_offset, dst[, dst_offset]).
+std::pair<ScatterSlice, DstRef> scatter_slice(nb::handle item, std::vector<nb::object>& keep) {
+  ScatterSlice s;
+  nb::handle dst;  // borrowed from `item`, which the caller's iteration holds
+  if (nb::isinstance<PyScatterSlice>(item)) {
+    const PyScatterSlice& p = nb::cast<const PyScatterSlice&>(item);
+    s.len = p.len;
+    s.src_offset = p.src_offset;
+    s.dst.offset = p.dst_offset;
+    dst = p.dst;
+  } else if (PyTuple_Check(item.ptr()) && (nb::len(item) == 3 || nb::len(item) == 4)) {
+    s.len = to_u64(tuple_item(item, 0));
+    s.src_offset = to_u64(tuple_item(item, 1));
+    dst = tuple_item(item, 2);
+    s.dst.offset = nb::len(item) == 4 ? to_u64(tuple_item(item, 3)) : 0;
+  } else {
+    throw nb::type_error("slices must hold ScatterSlice objects or (len, src_offset, dst[, dst_offset]) tuples");
+  }
+  DstRef d = dst_ref(dst, "ScatterSlice.dst");
+  if (d.desc) keep.push_back(nb::borrow(dst));
+  return {s, d};
+}
+
+// A GroupSlice, or a tuple (len, src_offset, dst_offset).
+GroupSlice group_slice(nb::handle item) {
+  if (nb::isinstance<GroupSlice>(item)) return nb::cast<GroupSlice>(item);
+  if (PyTuple_Check(item.ptr()) && nb::len(item) == 3)
+    return GroupSlice{to_u64(tuple_item(item, 0)), to_u64(tuple_item(item, 1)), to_u64(tuple_item(item, 2))};
+  throw nb::type_error("slices must hold GroupSlice objects or (len, src_offset, dst_offset) tuples");
+}
 
 PollMode poll_mode(const std::string& s) {
   if (s == "busy") return PollMode::kBusy;
@@ -146,6 +233,11 @@ class PyEngine {
  private:
   std::unique_ptr<TransferEngine> engine_;
 };
+
+// Parameter types as the generated stubs show them (nb::sig), where the binding takes a handle.
+#define FABRIC_DST "RemoteMr | MrDesc"
+#define FABRIC_ON_DONE \
+  "DoneFlag | DoneCounter | collections.abc.Callable[[Status], object] | None = None"
 
 }  // namespace
 
@@ -236,30 +328,73 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("slot", &MrHandle::slot)
       .def_ro("generation", &MrHandle::generation)
       .def("__eq__", [](const MrHandle& a, const MrHandle& b) { return a == b; })
-      .def("__hash__", [](const MrHandle& h) { return (uint64_t{h.slot} << 32) | h.generation; });
+      .def("__hash__", [](const MrHandle& h) { return (uint64_t{h.slot} << 32) | h.generation; })
+      .def("__repr__", [](const MrHandle& h) {
+        return "MrHandle(slot=" + std::to_string(h.slot) + ", generation=" + std::to_string(h.generation) + ")";
+      });
 
-  nb::class_<Pages>(m, "Pages")
+  nb::class_<RemoteMr>(m, "RemoteMr",
+                       "A remote region interned by Engine.add_remote (valid until remove_remote).")
+      .def_ro("slot", &RemoteMr::slot)
+      .def_ro("generation", &RemoteMr::generation)
+      .def("__eq__", [](const RemoteMr& a, const RemoteMr& b) { return a == b; })
+      .def("__hash__", [](const RemoteMr& r) { return (uint64_t{r.slot} << 32) | r.generation; })
+      .def("__repr__", [](const RemoteMr& r) {
+        return "RemoteMr(slot=" + std::to_string(r.slot) + ", generation=" + std::to_string(r.generation) + ")";
+      });
+
+  nb::class_<PyPages>(m, "Pages", "Page i lives at offset + stride * indices[i] (the indices are copied).")
       .def("__init__",
-           [](Pages* p, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> indices,
+           [](PyPages* p, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> indices,
               uint64_t stride, uint64_t offset) {
-             new (p) Pages{std::vector<uint32_t>(indices.data(), indices.data() + indices.shape(0)),
-                           stride, offset};
+             new (p) PyPages{std::vector<uint32_t>(indices.data(), indices.data() + indices.shape(0)),
+                             stride, offset};
            },
            "indices"_a, "stride"_a, "offset"_a = 0)
-      .def_ro("stride", &Pages::stride)
-      .def_ro("offset", &Pages::offset)
-      .def("__len__", [](const Pages& p) { return p.indices.size(); })
-      .def_prop_ro("indices", [](const Pages& p) { return p.indices; });
+      .def_ro("stride", &PyPages::stride)
+      .def_ro("offset", &PyPages::offset)
+      .def("__len__", [](const PyPages& p) { return p.indices.size(); })
+      .def_prop_ro("indices", [](const PyPages& p) { return p.indices; });
 
-  nb::class_<ScatterDst>(m, "ScatterDst")
-      .def(nb::init<uint64_t, uint64_t, MrDesc, uint64_t>(), "len"_a, "src_offset"_a, "dst"_a,
-           "dst_offset"_a)
-      .def_ro("len", &ScatterDst::len)
-      .def_ro("src_offset", &ScatterDst::src_offset)
-      .def_ro("dst", &ScatterDst::dst)
-      .def_ro("dst_offset", &ScatterDst::dst_offset);
+  nb::class_<PyScatterSlice>(m, "ScatterSlice",
+                             "len bytes from src_offset in the source region to dst (a RemoteMr or an "
+                             "MrDesc) at dst_offset.")
+      .def("__init__",
+           [](PyScatterSlice* p, uint64_t len, uint64_t src_offset, nb::object dst, uint64_t dst_offset) {
+             dst_ref(dst, "ScatterSlice.dst");  // type check now, not at submit
+             new (p) PyScatterSlice{len, src_offset, std::move(dst), dst_offset};
+           },
+           nb::sig("def __init__(self, len: int, src_offset: int, dst: " FABRIC_DST
+                   ", dst_offset: int = 0) -> None"),
+           "len"_a, "src_offset"_a, "dst"_a.none(), "dst_offset"_a = 0)
+      .def_ro("len", &PyScatterSlice::len)
+      .def_ro("src_offset", &PyScatterSlice::src_offset)
+      .def_prop_ro("dst", [](const PyScatterSlice& p) { return p.dst; },
+                   nb::for_getter(nb::sig("def dst(self, /) -> " FABRIC_DST)))
+      .def_ro("dst_offset", &PyScatterSlice::dst_offset)
+      .def("__repr__", [](const PyScatterSlice& p) {
+        return "ScatterSlice(len=" + std::to_string(p.len) + ", src_offset=" + std::to_string(p.src_offset) +
+               ", dst=" + nb::cast<std::string>(nb::repr(p.dst)) + ", dst_offset=" + std::to_string(p.dst_offset) +
+               ")";
+      });
 
-  nb::class_<PeerGroupHandle>(m, "PeerGroupHandle").def_ro("id", &PeerGroupHandle::id);
+  nb::class_<GroupSlice>(m, "GroupSlice", "Slice i of a group scatter goes to member i of the group.")
+      .def(nb::init<uint64_t, uint64_t, uint64_t>(), "len"_a, "src_offset"_a, "dst_offset"_a)
+      .def_ro("len", &GroupSlice::len)
+      .def_ro("src_offset", &GroupSlice::src_offset)
+      .def_ro("dst_offset", &GroupSlice::dst_offset)
+      .def("__repr__", [](const GroupSlice& g) {
+        return "GroupSlice(len=" + std::to_string(g.len) + ", src_offset=" + std::to_string(g.src_offset) +
+               ", dst_offset=" + std::to_string(g.dst_offset) + ")";
+      });
+
+  nb::class_<PeerGroupHandle>(m, "PeerGroupHandle", "A peer group made by Engine.add_peer_group.")
+      .def_ro("id", &PeerGroupHandle::id)
+      .def_ro("size", &PeerGroupHandle::size)
+      .def("__len__", [](const PeerGroupHandle& g) { return g.size; })
+      .def("__repr__", [](const PeerGroupHandle& g) {
+        return "PeerGroupHandle(id=" + std::to_string(g.id) + ", size=" + std::to_string(g.size) + ")";
+      });
 
   nb::class_<NicStats>(m, "NicStats")
       .def_ro("writes_posted", &NicStats::writes_posted)
@@ -276,9 +411,16 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("imm", &ImmExpectation::imm)
       .def_ro("id", &ImmExpectation::id);
 
-  m.def("single_write_imm_count", &single_write_imm_count, "len"_a, "nic_count"_a,
-        "pinned_to_one_nic"_a = false,
-        "How many immediates a single write delivers (see docs/api.md).");
+  m.def("single_write_imm_count",
+        [](uint64_t len, size_t nic_count, bool pinned, std::optional<uint32_t> num_shards) {
+          SingleWrite w;
+          w.len = len;
+          w.num_shards = num_shards;
+          if (pinned) w.nic = 0;  // only "pinned or not" matters to the count
+          return single_write_imm_count(w, nic_count);
+        },
+        "len"_a, "nic_count"_a, "pinned_to_one_nic"_a = false, nb::kw_only(), "num_shards"_a = nb::none(),
+        "How many immediates a single write delivers (see docs/api.md): num_shards if given.");
 
   nb::class_<PyEngine>(m, "Engine")
       .def("__init__",
@@ -405,57 +547,145 @@ NB_MODULE(_fabric_lib, m) {
              return eng.imm_count(imm);
            },
            "imm"_a)
-      .def("submit_single_write",
-           [](PyEngine& e, uint64_t len, const MrHandle& src, uint64_t src_offset, const MrDesc& dst,
-              uint64_t dst_offset, nb::handle on_done, std::optional<uint32_t> imm,
-              std::optional<uint8_t> nic) {
+      .def("add_remote",
+           [](PyEngine& e, const MrDesc& desc) {
              TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
              nb::gil_scoped_release release;
-             eng.submit_single_write(len, src, src_offset, dst, dst_offset, std::move(d),
-                                     options(imm, nic));
+             return eng.add_remote(desc);
            },
-           "length"_a, "src"_a, "src_offset"_a, "dst"_a, "dst_offset"_a, "on_done"_a = nb::none(),
-           nb::kw_only(), "imm"_a = nb::none(), "nic"_a = nb::none())
+           "desc"_a,
+           "Interns a remote region; the same descriptor gives the same RemoteMr until remove_remote.")
+      .def("remove_remote",
+           [](PyEngine& e, RemoteMr r) {
+             TransferEngine& eng = e.get();
+             nb::gil_scoped_release release;
+             eng.remove_remote(r);
+           },
+           "remote"_a, "Forgets an interned region: later requests naming it fail with 'not found'.")
+      .def("submit_single_write",
+           [](PyEngine& e, uint64_t len, const MrHandle& src, nb::handle dst, uint64_t src_offset,
+              uint64_t dst_offset, nb::handle on_done, std::optional<uint32_t> imm,
+              std::optional<uint8_t> nic, std::optional<uint32_t> num_shards) {
+             TransferEngine& eng = e.get();
+             DstRef d = dst_ref(dst, "dst");  // `dst` stays referenced by the caller's frame
+             OnDone done = make_on_done(on_done);
+             nb::gil_scoped_release release;
+             SingleWrite w{.len = len,
+                           .src = {src, src_offset},
+                           .dst = {resolve(eng, d), dst_offset},
+                           .imm = imm,
+                           .nic = nic,
+                           .num_shards = num_shards};
+             eng.submit(w, std::move(done));
+           },
+           nb::sig("def submit_single_write(self, *, len: int, src: MrHandle, dst: " FABRIC_DST
+                   ", src_offset: int = 0, dst_offset: int = 0, on_done: " FABRIC_ON_DONE
+                   ", imm: int | None = None, nic: int | None = None, num_shards: int | None = None)"
+                   " -> None"),
+           nb::kw_only(), "len"_a, "src"_a, "dst"_a.none(), "src_offset"_a = 0, "dst_offset"_a = 0,
+           "on_done"_a = nb::none(), "imm"_a = nb::none(), "nic"_a = nb::none(), "num_shards"_a = nb::none(),
+           "len bytes from src at src_offset to dst (a RemoteMr or an MrDesc) at dst_offset.")
       .def("submit_paged_writes",
-           [](PyEngine& e, uint64_t page_len, const MrHandle& src, const Pages& src_pages,
-              const MrDesc& dst, const Pages& dst_pages, nb::handle on_done,
+           [](PyEngine& e, uint64_t page_len, const MrHandle& src, const PyPages& src_pages,
+              nb::handle dst, const PyPages& dst_pages, nb::handle on_done,
               std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
              TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
-             nb::gil_scoped_release release;
-             eng.submit_paged_writes(page_len, src, src_pages, dst, dst_pages, std::move(d),
-                                     options(imm, nic));
+             DstRef d = dst_ref(dst, "dst");
+             OnDone done = make_on_done(on_done);
+             nb::gil_scoped_release release;  // the Pages stay referenced by the caller's frame
+             PagedWrites w{.page_len = page_len,
+                           .src = src,
+                           .src_pages = src_pages.view(),
+                           .dst = resolve(eng, d),
+                           .dst_pages = dst_pages.view(),
+                           .imm = imm,
+                           .nic = nic};
+             eng.submit(w, std::move(done));
            },
-           "page_len"_a, "src"_a, "src_pages"_a, "dst"_a, "dst_pages"_a, "on_done"_a = nb::none(),
-           nb::kw_only(), "imm"_a = nb::none(), "nic"_a = nb::none())
-      .def("add_peer_group",
-           [](PyEngine& e, const std::vector<NetAddr>& peers) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             return eng.add_peer_group(peers);
-           },
-           "peers"_a)
+           nb::sig("def submit_paged_writes(self, *, page_len: int, src: MrHandle, src_pages: Pages, dst: "
+                   FABRIC_DST ", dst_pages: Pages, on_done: " FABRIC_ON_DONE
+                   ", imm: int | None = None, nic: int | None = None) -> None"),
+           nb::kw_only(), "page_len"_a, "src"_a, "src_pages"_a, "dst"_a.none(), "dst_pages"_a,
+           "on_done"_a = nb::none(), "imm"_a = nb::none(), "nic"_a = nb::none(),
+           "One WRITE of page_len bytes per page: source page i to destination page i.")
       .def("submit_scatter",
-           [](PyEngine& e, const MrHandle& src, const std::vector<ScatterDst>& dsts,
-              nb::handle on_done, std::optional<uint32_t> imm, std::optional<uint8_t> nic,
-              std::optional<PeerGroupHandle> group) {
+           [](PyEngine& e, const MrHandle& src, nb::iterable slices, nb::handle on_done,
+              std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
              TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
+             std::vector<nb::object> keep;  // released after the GIL is taken back
+             std::vector<ScatterSlice> ss;
+             std::vector<DstRef> dsts;
+             for (nb::handle item : slices) {
+               auto [s, d] = scatter_slice(item, keep);
+               ss.push_back(s);
+               dsts.push_back(d);
+             }
+             OnDone done = make_on_done(on_done);
              nb::gil_scoped_release release;
-             eng.submit_scatter(group, src, dsts, std::move(d), options(imm, nic));
+             for (size_t i = 0; i < ss.size(); i++) ss[i].dst.mr = resolve(eng, dsts[i]);
+             eng.submit(Scatter{.src = src, .slices = ss, .imm = imm, .nic = nic}, std::move(done));
            },
-           "src"_a, "dsts"_a, "on_done"_a = nb::none(), nb::kw_only(), "imm"_a = nb::none(),
-           "nic"_a = nb::none(), "group"_a = nb::none())
+           nb::sig("def submit_scatter(self, *, src: MrHandle, slices: collections.abc.Iterable[ScatterSlice"
+                   " | tuple[int, int, " FABRIC_DST "] | tuple[int, int, " FABRIC_DST ", int]], on_done: "
+                   FABRIC_ON_DONE ", imm: int | None = None, nic: int | None = None) -> None"),
+           nb::kw_only(), "src"_a, "slices"_a, "on_done"_a = nb::none(), "imm"_a = nb::none(),
+           "nic"_a = nb::none(),
+           "One WRITE per ScatterSlice (or (len, src_offset, dst[, dst_offset]) tuple).")
+      .def("add_peer_group",
+           [](PyEngine& e, nb::iterable members) {
+             TransferEngine& eng = e.get();
+             std::vector<nb::object> keep;
+             std::vector<DstRef> refs = dst_refs(members, "members", keep);
+             nb::gil_scoped_release release;
+             std::vector<RemoteMr> mrs = resolve_all(eng, refs);
+             return eng.add_peer_group(mrs);
+           },
+           nb::sig("def add_peer_group(self, members: collections.abc.Iterable[" FABRIC_DST
+                   "]) -> PeerGroupHandle"),
+           "members"_a,
+           "Prebuilds the WRITEs to each member (RemoteMr or MrDesc) for group scatters and barriers.")
+      .def("submit_group_scatter",
+           [](PyEngine& e, const PeerGroupHandle& group, const MrHandle& src, nb::iterable slices,
+              nb::handle on_done, std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
+             TransferEngine& eng = e.get();
+             std::vector<GroupSlice> gs;
+             for (nb::handle item : slices) gs.push_back(group_slice(item));
+             OnDone done = make_on_done(on_done);
+             nb::gil_scoped_release release;
+             eng.submit(GroupScatter{.group = group, .src = src, .slices = gs, .imm = imm, .nic = nic},
+                        std::move(done));
+           },
+           nb::sig("def submit_group_scatter(self, *, group: PeerGroupHandle, src: MrHandle, slices: "
+                   "collections.abc.Iterable[GroupSlice | tuple[int, int, int]], on_done: " FABRIC_ON_DONE
+                   ", imm: int | None = None, nic: int | None = None) -> None"),
+           nb::kw_only(), "group"_a, "src"_a, "slices"_a, "on_done"_a = nb::none(), "imm"_a = nb::none(),
+           "nic"_a = nb::none(),
+           "One WRITE per member: slice i (a GroupSlice or (len, src_offset, dst_offset)) to member i.")
       .def("submit_barrier",
-           [](PyEngine& e, uint32_t imm, const std::vector<MrDesc>& dsts, nb::handle on_done,
-              std::optional<uint8_t> nic, std::optional<PeerGroupHandle> group) {
+           [](PyEngine& e, nb::iterable dsts, uint32_t imm, nb::handle on_done, std::optional<uint8_t> nic) {
              TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
+             std::vector<nb::object> keep;
+             std::vector<DstRef> refs = dst_refs(dsts, "dsts", keep);
+             OnDone done = make_on_done(on_done);
              nb::gil_scoped_release release;
-             eng.submit_barrier(group, imm, dsts, std::move(d), nic);
+             std::vector<RemoteMr> mrs = resolve_all(eng, refs);
+             eng.submit(Barrier{.dsts = mrs, .imm = imm, .nic = nic}, std::move(done));
            },
-           "imm"_a, "dsts"_a, "on_done"_a = nb::none(), nb::kw_only(), "nic"_a = nb::none(),
-           "group"_a = nb::none())
+           nb::sig("def submit_barrier(self, *, dsts: collections.abc.Iterable[" FABRIC_DST
+                   "], imm: int, on_done: " FABRIC_ON_DONE ", nic: int | None = None) -> None"),
+           nb::kw_only(), "dsts"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
+           "One zero-byte WRITE carrying imm to each destination (RemoteMr or MrDesc).")
+      .def("submit_group_barrier",
+           [](PyEngine& e, const PeerGroupHandle& group, uint32_t imm, nb::handle on_done,
+              std::optional<uint8_t> nic) {
+             TransferEngine& eng = e.get();
+             OnDone done = make_on_done(on_done);
+             nb::gil_scoped_release release;
+             eng.submit(GroupBarrier{.group = group, .imm = imm, .nic = nic}, std::move(done));
+           },
+           nb::sig("def submit_group_barrier(self, *, group: PeerGroupHandle, imm: int, on_done: "
+                   FABRIC_ON_DONE ", nic: int | None = None) -> None"),
+           nb::kw_only(), "group"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
+           "One zero-byte WRITE carrying imm to every member of the group.")
       .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); });
 }

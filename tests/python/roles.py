@@ -133,7 +133,8 @@ def gated_sender(conn, desc, addr, gate_name, n):
                 buf = np.zeros(4096, dtype=np.uint8)
                 h, _ = e.register_tensor(buf)
                 warm = fl.DoneFlag()  # connect now, so the gated writes need nothing but the worker
-                e.submit_single_write(64, h, 0, desc, 0, warm)
+                dst = e.add_remote(desc)
+                e.submit_single_write(len=64, src=h, dst=dst, on_done=warm)
                 assert warm.wait(30) and warm.ok, "warm-up write"
                 conn.send("ready")
                 deadline = time.monotonic() + 60
@@ -142,10 +143,11 @@ def gated_sender(conn, desc, addr, gate_name, n):
                     time.sleep(0.0005)
                 sent = fl.DoneCounter()
                 e.submit_send(addr, b"hello", sent)
-                e.submit_single_write(64, h, 0, desc, 64, sent, imm=1)
+                e.submit_single_write(len=64, src=h, dst=dst, dst_offset=64, on_done=sent, imm=1)
                 for i in range(n):
-                    e.submit_single_write(64, h, 0, desc, 128 + 64 * (i % 32), sent, imm=2)
-                e.submit_single_write(64, h, 0, desc, 64, sent, imm=3)
+                    e.submit_single_write(len=64, src=h, dst=dst, dst_offset=128 + 64 * (i % 32),
+                                          on_done=sent, imm=2)
+                e.submit_single_write(len=64, src=h, dst=dst, dst_offset=64, on_done=sent, imm=3)
                 assert sent.wait(n + 3, 60) and sent.failed == 0, (sent.done, sent.failed)
                 # Exit only once the receiver has looked (the writes' data must stay reachable).
                 assert conn.recv() == "done"

@@ -21,13 +21,20 @@ def test_bad_offsets_raise_and_complete_nothing():
         _, dd = e.register_tensor(dst)
         calls = []
         with pytest.raises(fl.FabricError, match="out of bounds"):
-            e.submit_single_write(4097, hs, 0, dd, 0, calls.append)
+            e.submit_single_write(len=4097, src=hs, dst=dd, on_done=calls.append)
         with pytest.raises(fl.FabricError, match="out of bounds"):
-            e.submit_paged_writes(1024, hs, fl.Pages([0, 4], 1024), dd, fl.Pages([0, 1], 1024), calls.append)
+            e.submit_paged_writes(page_len=1024, src=hs, src_pages=fl.Pages([0, 4], 1024), dst=dd,
+                                  dst_pages=fl.Pages([0, 1], 1024), on_done=calls.append)
         with pytest.raises(fl.FabricError, match="NICs"):
-            e.submit_single_write(1, hs, 0, dd, 0, calls.append, nic=3)
+            e.submit_single_write(len=1, src=hs, dst=dd, on_done=calls.append, nic=3)
         with pytest.raises(TypeError, match="on_done"):
-            e.submit_single_write(1, hs, 0, dd, 0, 42)
+            e.submit_single_write(len=1, src=hs, dst=dd, on_done=42)
+        with pytest.raises(TypeError, match="RemoteMr or an MrDesc"):
+            e.submit_single_write(len=1, src=hs, dst=hs, on_done=calls.append)
+        with pytest.raises(TypeError, match="RemoteMr or an MrDesc"):
+            e.submit_barrier(dsts=[dd, "not a region"], imm=1, on_done=calls.append)
+        with pytest.raises(TypeError, match="RemoteMr or an MrDesc"):
+            fl.ScatterSlice(1, 0, None)
         time.sleep(0.1)
         assert calls == []
 
@@ -42,10 +49,10 @@ def test_callback_exceptions_are_reported_not_swallowed(monkeypatch):
         def bad(status):
             raise ValueError("a bug in user code")
 
-        e.submit_single_write(16, h, 0, d, 16, bad)
+        e.submit_single_write(len=16, src=h, dst=d, dst_offset=16, on_done=bad)
         assert wait_for(lambda: seen)
         ok = fl.DoneFlag()
-        e.submit_single_write(16, h, 0, d, 32, ok)  # the engine survived
+        e.submit_single_write(len=16, src=h, dst=d, dst_offset=32, on_done=ok)  # the engine survived
         assert ok.wait(30) and ok.ok
     assert isinstance(seen[0], ValueError) and "a bug in user code" in str(seen[0])
 
@@ -60,8 +67,8 @@ def test_close_with_pending_transfers_fails_them(peer):
     buf = np.zeros(1 << 20, np.uint8)
     h, _ = e.register_tensor(buf)
     for _ in range(5):
-        e.submit_single_write(1 << 20, h, 0, dead_desc, 0, statuses.append)
-    e.submit_single_write(1 << 20, h, 0, dead_desc, 0, flag)
+        e.submit_single_write(len=1 << 20, src=h, dst=dead_desc, on_done=statuses.append)
+    e.submit_single_write(len=1 << 20, src=h, dst=dead_desc, on_done=flag)
     e.expect_imm_count(77, 1, statuses.append)
     e.close()
     assert e.closed
@@ -80,7 +87,7 @@ def test_callbacks_may_submit_and_other_threads_keep_running():
 
         def first(status):
             assert status.ok
-            e.submit_single_write(16, h, 0, d, 64, chained)  # from the callback thread
+            e.submit_single_write(len=16, src=h, dst=d, dst_offset=64, on_done=chained)  # from the callback thread
 
         ticks = []
         stop = threading.Event()
@@ -92,7 +99,7 @@ def test_callbacks_may_submit_and_other_threads_keep_running():
 
         t = threading.Thread(target=tick)
         t.start()
-        e.submit_single_write(16, h, 0, d, 0, first)
+        e.submit_single_write(len=16, src=h, dst=d, on_done=first)
         assert chained.wait(30) and chained.ok  # waits with the GIL released
         stop.set()
         t.join()

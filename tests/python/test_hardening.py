@@ -33,10 +33,18 @@ def test_removed_peers_are_forgotten_and_reachable_again():
             flag = fl.DoneFlag()
             landed = fl.DoneFlag()
             b.expect_imm_count(5, 1, landed)
-            a.submit_single_write(4096, hs, 0, dd, 0, flag, imm=5)
+            r = a.add_remote(dd)  # resolves the owner: the peer is held from here
+            assert a.peer_count == 1
+            a.submit_single_write(len=4096, src=hs, dst=r, on_done=flag, imm=5)
             assert flag.wait(30) and flag.ok and landed.wait(30) and landed.ok
             assert (dst == src).all()
             assert a.peer_count == 1
             a.remove_peer(dd.owner)
             assert a.peer_count == 0
+            # The interned region outlives its peer: writes to it end cancelled until
+            # remove_remote; the next add_remote reaches the owner afresh.
+            statuses = []
+            a.submit_single_write(len=16, src=hs, dst=r, on_done=statuses.append)
+            assert wait_for(lambda: statuses) and statuses[0].code == "cancelled", statuses
+            a.remove_remote(r)
         assert a.nic_stats()[0].imms_dropped == 0

@@ -24,21 +24,22 @@ def test_every_call_with_numpy_and_torch(peer, provider):
         h_t, _ = e.register_tensor(src_t)
         addr, d_single, d_paged, d_side = conn.recv()
 
+        r_single = e.add_remote(d_single)  # interned once; d_paged and d_side are passed as MrDesc
         flag = fl.DoneFlag()
-        e.submit_single_write(300000, h_np, 0, d_single, 1000, flag, imm=1)
+        e.submit_single_write(len=300000, src=h_np, dst=r_single, dst_offset=1000, on_done=flag, imm=1)
         smap, dmap = roles.page_maps()
         counter = fl.DoneCounter()
-        e.submit_paged_writes(roles.PAGE, h_t, fl.Pages(torch.from_numpy(smap), roles.PAGE),
-                              d_paged, fl.Pages(dmap, roles.PAGE), counter, imm=2)
+        e.submit_paged_writes(page_len=roles.PAGE, src=h_t,
+                              src_pages=fl.Pages(torch.from_numpy(smap), roles.PAGE),
+                              dst=d_paged, dst_pages=fl.Pages(dmap, roles.PAGE), on_done=counter, imm=2)
         statuses = []
-        e.submit_scatter(h_np, [fl.ScatterDst(500, 6000, d_single, 500000),
-                                fl.ScatterDst(500, 5000, d_side, 100)],
-                         statuses.append, imm=3)
+        e.submit_scatter(src=h_np, slices=[fl.ScatterSlice(500, 6000, r_single, 500000),
+                                           fl.ScatterSlice(len=500, src_offset=5000, dst=d_side, dst_offset=100)],
+                         on_done=statuses.append, imm=3)
         assert flag.wait(60) and flag.ok
         assert counter.wait(1, 60) and counter.done == 1 and counter.failed == 0
-        group = e.add_peer_group([d_single.owner, d_side.owner])
         barrier = fl.DoneFlag()
-        e.submit_barrier(4, [d_single, d_side], barrier, group=group)
+        e.submit_barrier(dsts=[r_single, d_side], imm=4, on_done=barrier)
         assert barrier.wait(60) and barrier.ok
         sent = fl.DoneCounter()
         for m in (b"one", b"two", b"three"):
@@ -62,10 +63,10 @@ def test_asyncio_write_and_imm_wait(peer):
             src = roles.source_bytes(1000)
             h, _ = e.register_tensor(src)
             dst = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-            await asyncio.wait_for(e.write(1000, h, 0, dst, 0, imm=9), 60)
-            await asyncio.wait_for(e.barrier(9, [dst]), 60)
+            await asyncio.wait_for(e.write(len=1000, src=h, dst=dst, imm=9), 60)
+            await asyncio.wait_for(e.barrier(dsts=[e.add_remote(dst)], imm=9), 60)
             with pytest.raises(fl.FabricError, match="out of bounds"):
-                await e.write(1001, h, 0, dst, 65000)
+                await e.write(len=1001, src=h, dst=dst, dst_offset=65000)
 
     asyncio.run(main())
     assert conn.recv() == "ok"

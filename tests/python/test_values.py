@@ -82,6 +82,8 @@ def test_imm_count_rule_is_exposed():
     assert fl.single_write_imm_count(0, 4) == 1
     assert fl.single_write_imm_count(1 << 20, 4) == 4
     assert fl.single_write_imm_count(1 << 20, 4, True) == 1
+    assert fl.single_write_imm_count(1 << 20, 4, num_shards=3) == 3  # an explicit shard count wins
+    assert fl.single_write_imm_count(16, 4, True, num_shards=7) == 7
 
 
 def test_text_fields_that_are_not_utf8_raise_fabric_error(engine):
