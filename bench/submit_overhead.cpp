@@ -1,4 +1,4 @@
-// Cost of one submit_single_write call on the application thread (C++), the figure that the Python
+// Cost of one submit(SingleWrite) call on the application thread (C++), the figure that the Python
 // overhead benchmark (bench/python_submit_overhead.py) is compared against. One engine writes 64
 // bytes to itself over loopback, in batches small enough never to fill the request queue.
 #include <CLI/CLI.hpp>
@@ -28,12 +28,14 @@ int main(int argc, char** argv) {
   cfg.worker_poll = fabric::PollMode::kAdaptive;
   fabric::TransferEngine engine(cfg);
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+  const fabric::RemoteMr dst = engine.add_remote(d);
   std::vector<double> per_call_ns;
   uint64_t submitted = 0;
   for (int b = 0; b < batches; b++) {
     auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < batch; i++)
-      engine.submit_single_write(64, h, 0, d, 4096, fabric::OnDone::counter(&done));
+      engine.submit(fabric::SingleWrite{.len = 64, .src = {h, 0}, .dst = {dst, 4096}},
+                    fabric::OnDone::counter(&done));
     auto t1 = std::chrono::steady_clock::now();
     submitted += batch;
     while (done.load() < submitted) done.wait(done.load());

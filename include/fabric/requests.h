@@ -20,55 +20,55 @@ namespace fabric {
 // `nic` when pinned), each carrying `imm`.
 struct SingleWrite {
   uint64_t len = 0;
-  LocalSlice src;
-  RemoteSlice dst;
-  std::optional<uint32_t> imm;
-  std::optional<uint8_t> nic;
-  std::optional<uint32_t> num_shards;
+  LocalSlice src{};
+  RemoteSlice dst{};
+  std::optional<uint32_t> imm{};
+  std::optional<uint8_t> nic{};
+  std::optional<uint32_t> num_shards{};
 };
 
 // One WRITE of page_len bytes per page: source page i goes to destination page i; the pages go
 // round-robin over the NICs.
 struct PagedWrites {
   uint64_t page_len = 0;
-  MrHandle src;
-  Pages src_pages;
-  RemoteMr dst;
-  Pages dst_pages;
-  std::optional<uint32_t> imm;
-  std::optional<uint8_t> nic;
+  MrHandle src{};
+  Pages src_pages{};
+  RemoteMr dst{};
+  Pages dst_pages{};
+  std::optional<uint32_t> imm{};
+  std::optional<uint8_t> nic{};
 };
 
 // One WRITE per slice, each to its own destination region (round-robin over the NICs).
 struct Scatter {
-  MrHandle src;
-  std::span<const ScatterSlice> slices;
-  std::optional<uint32_t> imm;
-  std::optional<uint8_t> nic;
+  MrHandle src{};
+  std::span<const ScatterSlice> slices{};
+  std::optional<uint32_t> imm{};
+  std::optional<uint8_t> nic{};
 };
 
 // One WRITE per member of a peer group: slice i to member i (as many slices as members). No
 // route or key is looked up per destination: the group's WRITE templates are patched and posted.
 struct GroupScatter {
-  PeerGroupHandle group;
-  MrHandle src;
-  std::span<const GroupSlice> slices;
-  std::optional<uint32_t> imm;
-  std::optional<uint8_t> nic;
+  PeerGroupHandle group{};
+  MrHandle src{};
+  std::span<const GroupSlice> slices{};
+  std::optional<uint32_t> imm{};
+  std::optional<uint8_t> nic{};
 };
 
 // One zero-byte WRITE carrying `imm` to each destination region's owner.
 struct Barrier {
-  std::span<const RemoteMr> dsts;
+  std::span<const RemoteMr> dsts{};
   uint32_t imm = 0;
-  std::optional<uint8_t> nic;
+  std::optional<uint8_t> nic{};
 };
 
 // One zero-byte WRITE carrying `imm` to every member of a peer group.
 struct GroupBarrier {
-  PeerGroupHandle group;
+  PeerGroupHandle group{};
   uint32_t imm = 0;
-  std::optional<uint8_t> nic;
+  std::optional<uint8_t> nic{};
 };
 
 }  // namespace fabric

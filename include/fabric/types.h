@@ -99,7 +99,7 @@ class MrDesc {
   uint64_t addr_ = 0;
   uint64_t len_ = 0;
   std::vector<RemoteKey> keys_;
-  std::optional<RemoteKey> local_key_;
+  std::optional<RemoteKey> local_key_{};
 };
 
 // A remote region interned by TransferEngine::add_remote: its owner's addresses are resolved and
@@ -113,20 +113,20 @@ struct RemoteMr {
 
 // Where a write reads: a registered local region and an offset into it.
 struct LocalSlice {
-  MrHandle mr;
+  MrHandle mr{};
   uint64_t offset = 0;
 };
 
 // Where a write lands: an interned remote region and an offset into it.
 struct RemoteSlice {
-  RemoteMr mr;
+  RemoteMr mr{};
   uint64_t offset = 0;
 };
 
 // Page i of a paged transfer lives at offset + stride * indices[i] in its region. The indices are
 // copied at submit: the caller may reuse its array when the call returns.
 struct Pages {
-  std::span<const uint32_t> indices;
+  std::span<const uint32_t> indices{};
   uint64_t stride = 0;
   uint64_t offset = 0;
 };
@@ -135,7 +135,7 @@ struct Pages {
 struct ScatterSlice {
   uint64_t len = 0;
   uint64_t src_offset = 0;
-  RemoteSlice dst;
+  RemoteSlice dst{};
 };
 
 // One slice of a scatter to a peer group: slice i goes to member i of the group.

@@ -66,24 +66,33 @@ int send_everything(Channel& ch) {
 
   Done done;
   int expected = 0;
-  engine.submit_single_write(16 << 20, g, 0, gdst, 0, done.on_done(), WriteOptions{1, std::nullopt});
-  Pages src{shuffled(1024, 3), kPage, 16 << 20}, dst{shuffled(1024, 4), kPage, 16 << 20};
-  src.indices.resize(kPages);
-  dst.indices.resize(kPages);
-  engine.submit_paged_writes(kPage, g, src, gdst, dst, done.on_done(), WriteOptions{2, std::nullopt});
-  engine.submit_single_write(1 << 20, h, 0, gdst, 32 << 20, done.on_done(), WriteOptions{3, std::nullopt});
-  std::vector<ScatterDst> slices;
-  for (uint64_t k = 0; k < 4; k++) slices.push_back({(k + 1) * 4096, (48 << 20) + k * 65536, gdst, (40 << 20) + k * 65536});
-  engine.submit_scatter(std::nullopt, g, slices, done.on_done(), WriteOptions{5, std::nullopt});
-  engine.submit_barrier(std::nullopt, 6, {gdst}, done.on_done());
-  engine.submit_single_write(1 << 20, h, 1 << 20, hdst, 0, done.on_done(), WriteOptions{7, std::nullopt});  // tcp
+  engine.submit(SingleWrite{.len = 16 << 20, .src = {g, 0}, .dst = {engine.add_remote(gdst), 0}, .imm = 1},
+                done.on_done());
+  std::vector<uint32_t> src_idx = shuffled(1024, 3), dst_idx = shuffled(1024, 4);
+  src_idx.resize(kPages);
+  dst_idx.resize(kPages);
+  Pages src{src_idx, kPage, 16 << 20}, dst{dst_idx, kPage, 16 << 20};
+  engine.submit(PagedWrites{.page_len = kPage, .src = g, .src_pages = src, .dst = engine.add_remote(gdst), .dst_pages = dst, .imm = 2},
+                done.on_done());
+  engine.submit(SingleWrite{.len = 1 << 20, .src = {h, 0}, .dst = {engine.add_remote(gdst), 32 << 20}, .imm = 3},
+                done.on_done());
+  const RemoteMr gremote = engine.add_remote(gdst);
+  std::vector<ScatterSlice> slices;
+  for (uint64_t k = 0; k < 4; k++)
+    slices.push_back({(k + 1) * 4096, (48 << 20) + k * 65536, {gremote, (40 << 20) + k * 65536}});
+  engine.submit(Scatter{.src = g, .slices = slices, .imm = 5}, done.on_done());
+  const RemoteMr barrier_dsts[] = {gremote};
+  engine.submit(Barrier{.dsts = barrier_dsts, .imm = 6}, done.on_done());
+  engine.submit(SingleWrite{.len = 1 << 20, .src = {h, 1 << 20}, .dst = {engine.add_remote(hdst), 0}, .imm = 7},
+                done.on_done());  // tcp
   expected = 6;
   std::string hello = "hello from the GPU sender";
   engine.submit_send(peer, std::as_bytes(std::span(hello)), done.on_done());
   expected++;
   // GPU memory that the NIC cannot read, to host memory reachable only by NIC: refused at once.
   try {
-    engine.submit_single_write(4096, g, 0, hdst, 0, OnDone::none());
+    engine.submit(SingleWrite{.len = 4096, .src = {g, 0}, .dst = {engine.add_remote(hdst), 0}},
+                  OnDone::none());
     return 11;
   } catch (const Error& e) {
     if (e.code() != ErrorCode::kUnsupported) return 12;
@@ -216,8 +225,10 @@ TEST(GpuTransfers, ImmCountReleasesWaitingKernels) {
         auto [h, desc] = engine.reg_mr(src.ptr, 2 * kLen, Device::cuda(sender_device()));
         std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the kernels are waiting
         Done done;
-        engine.submit_single_write(kLen, h, 0, dst, 0, done.on_done(), WriteOptions{9, std::nullopt});
-        engine.submit_single_write(kLen, h, kLen, dst, kLen, done.on_done(), WriteOptions{10, std::nullopt});
+        engine.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}, .imm = 9},
+                      done.on_done());
+        engine.submit(SingleWrite{.len = kLen, .src = {h, kLen}, .dst = {engine.add_remote(dst), kLen}, .imm = 10},
+                      done.on_done());
         if (!wait_for(done.ok, 2) || done.failed.load()) return 1;
         ch.recv();
         return 0;
@@ -248,14 +259,17 @@ TEST(GpuTransfers, SameProcessEnginesAndErrors) {
         std::vector<uint8_t> host(4096);
         auto [hh, dh] = no_ipc.reg_mr(host.data(), host.size());
         try {
-          no_ipc.submit_single_write(4096, hh, 0, dd, 0, OnDone::none());
+          no_ipc.submit(SingleWrite{.len = 4096, .src = {hh, 0}, .dst = {no_ipc.add_remote(dd), 0}},
+                        OnDone::none());
           ADD_FAILURE() << "a write to a cuda_ipc-only region from an engine without cuda_ipc";
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
         }
         Done done;
-        a.submit_paged_writes(4096, hs, Pages{{0, 1, 2, 3}, 4096, 0}, dd, Pages{{3, 2, 1, 0}, 4096, 0},
-                              done.on_done(), WriteOptions{1, std::nullopt});
+        const std::vector<uint32_t> forward{0, 1, 2, 3}, backward{3, 2, 1, 0};
+        a.submit(PagedWrites{.page_len = 4096, .src = hs, .src_pages = {forward, 4096, 0},
+                             .dst = a.add_remote(dd), .dst_pages = {backward, 4096, 0}, .imm = 1},
+                 done.on_done());
         EXPECT_TRUE(wait_for(done.ok, 1));
         auto want = pattern(1 << 20, 7);
         auto got = dst.download(0, 4 * 4096);
@@ -266,7 +280,8 @@ TEST(GpuTransfers, SameProcessEnginesAndErrors) {
         EXPECT_EQ(b.imm_count(1), 4u);
         b.dereg_mr(hd);
         std::atomic<int> flag{kDonePending};
-        a.submit_single_write(4096, hs, 0, dd, 0, OnDone::flag(&flag));
+        a.submit(SingleWrite{.len = 4096, .src = {hs, 0}, .dst = {a.add_remote(dd), 0}},
+                 OnDone::flag(&flag));
         flag.wait(kDonePending);
         EXPECT_EQ(flag.load(), kDoneFailed) << "a write to a deregistered region succeeded";
         return ::testing::Test::HasFailure() ? 1 : 0;
@@ -480,19 +495,20 @@ int writer_from_another_container(Channel& ch) {
   auto [h, desc] = engine.reg_mr(src.data(), src.size());
   std::atomic<int> flag{kDonePending};
   Status status;
-  engine.submit_single_write(src.size(), h, 0, hdst, 0, OnDone::callback([&](const Status& s) {
+  engine.submit(SingleWrite{.len = src.size(), .src = {h, 0}, .dst = {engine.add_remote(hdst), 0}, .imm = 4},
+                OnDone::callback([&](const Status& s) {
                                status = s;
                                flag.store(s.ok() ? kDoneSucceeded : kDoneFailed);
                                flag.notify_all();
-                             }),
-                             WriteOptions{4, std::nullopt});
+                             }));
   flag.wait(kDonePending);
   if (flag.load() != kDoneSucceeded) return fail(31, "host write failed: " + status.message());
   auto stats = engine.nic_stats();
   if (stats.size() != 2 || stats[0].writes_posted == 0 || stats[1].writes_posted != 0)
     return fail(32, "the write did not go over the NIC");
   try {
-    engine.submit_single_write(4096, h, 0, gdst, 0, OnDone::none());
+    engine.submit(SingleWrite{.len = 4096, .src = {h, 0}, .dst = {engine.add_remote(gdst), 0}},
+                  OnDone::none());
     return fail(33, "a write to a cuda_ipc-only region of another container was accepted");
   } catch (const Error& e) {
     if (e.code() != ErrorCode::kUnsupported) return fail(34, e.what());
@@ -570,15 +586,16 @@ TEST(CudaIpcPeers, RemovingAPeerClosesItsMappingsSoItsFreedGpuMemoryReturns) {
         auto [h, desc] = engine.reg_mr(src.ptr, src.len, Device::cuda(sender_device()));
         auto write = [&](uint64_t dst_offset) {
           std::atomic<int> f{kDonePending};
-          engine.submit_single_write(1 << 20, h, 0, dst, dst_offset, OnDone::flag(&f));
+          engine.submit(SingleWrite{.len = 1 << 20, .src = {h, 0}, .dst = {engine.add_remote(dst), dst_offset}},
+                        OnDone::flag(&f));
           f.wait(kDonePending);
           return f.load() == kDoneSucceeded;
         };
         if (!write(0) || !write(kBig - (1 << 20))) return 40;
         std::atomic<uint64_t> ok{0}, failed{0};
         for (uint64_t i = 0; i < kBurst; i++)
-          engine.submit_single_write(1 << 20, h, 0, dst, (i % 1024) << 20,
-                                     OnDone::counter(&ok, &failed), WriteOptions{6, std::nullopt});
+          engine.submit(SingleWrite{.len = 1 << 20, .src = {h, 0}, .dst = {engine.add_remote(dst), (i % 1024) << 20}, .imm = 6},
+                        OnDone::counter(&ok, &failed));
         engine.remove_peer(owner);
         auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (ok.load() + failed.load() < kBurst && std::chrono::steady_clock::now() < deadline)
@@ -644,7 +661,8 @@ TEST(CudaIpcPeers, APeerThatDiesIsDetectedAndReleased) {
         auto [h, desc] = engine.reg_mr(src.ptr, src.len, Device::cuda(sender_device()));
         auto write = [&](std::string* why) {
           std::atomic<int> f{kDonePending};
-          engine.submit_single_write(1 << 20, h, 0, dst, 0, OnDone::callback([&](const Status& st) {
+          engine.submit(SingleWrite{.len = 1 << 20, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                        OnDone::callback([&](const Status& st) {
                                        if (why) *why = st.message();
                                        f.store(st.ok() ? kDoneSucceeded : kDoneFailed);
                                        f.notify_all();
@@ -747,8 +765,8 @@ TEST(CudaIpcDereg, NoWriteFromAPeerLandsAfterDeregReturns) {
           uint64_t len = submitted % 8 == 0 ? (2 << 20) : (256 << 10);
           uint64_t offset = rng() % (kRegion / len) * len;
           try {
-            engine.submit_single_write(len, h, 0, dst, offset, OnDone::counter(&ok, &failed),
-                                       WriteOptions{3, std::nullopt});
+            engine.submit(SingleWrite{.len = len, .src = {h, 0}, .dst = {engine.add_remote(dst), offset}, .imm = 3},
+                          OnDone::counter(&ok, &failed));
             submitted++;
           } catch (const Error&) {
             refused++;

@@ -79,7 +79,8 @@ TEST(PeerChurn, AThousandPeersComeAndGoAndTheSurvivorHoldsNothingAfterThem) {
     ch.send(std::to_string(c));
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
     std::atomic<int> done{kDonePending};
-    survivor.submit_single_write(kLen, h, 0, dst, 0, OnDone::flag(&done), WriteOptions{7, std::nullopt});
+    survivor.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {survivor.add_remote(dst), 0}, .imm = 7},
+                    OnDone::flag(&done));
     ASSERT_TRUE(wait_until([&] { return done.load() != kDonePending; })) << "cycle " << c;
     ASSERT_EQ(done.load(), kDoneSucceeded) << "cycle " << c;
     ASSERT_EQ(ch.recv(), "ok") << "cycle " << c << ": the peer saw other bytes";
@@ -100,7 +101,8 @@ TEST(PeerChurn, AThousandPeersComeAndGoAndTheSurvivorHoldsNothingAfterThem) {
       bool failed = false;
       for (int attempt = 0; attempt < 50 && !failed; attempt++) {
         std::atomic<int> after{kDonePending};
-        survivor.submit_single_write(kLen, h, 0, dst, 0, OnDone::flag(&after));
+        survivor.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {survivor.add_remote(dst), 0}},
+                        OnDone::flag(&after));
         ASSERT_TRUE(wait_until([&] { return after.load() != kDonePending; })) << "cycle " << c;
         failed = after.load() == kDoneFailed;
         if (!failed) std::this_thread::sleep_for(std::chrono::milliseconds(2));

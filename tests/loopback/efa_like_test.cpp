@@ -319,7 +319,8 @@ TEST(EfaSim, EnginesSplitLongWritesAndCountOneImmediatePerWriteOnEveryNic) {
     const size_t expected = single_write_imm_count(kLen, nics, false);
     std::atomic<int> landed{kDonePending}, sent{kDonePending};
     receiver.expect_imm_count(kImm, expected, OnDone::flag(&landed));
-    sender.submit_single_write(kLen, sh, 0, rd, 32, OnDone::flag(&sent), WriteOptions{kImm, std::nullopt});
+    sender.submit(SingleWrite{.len = kLen, .src = {sh, 0}, .dst = {sender.add_remote(rd), 32}, .imm = kImm},
+                  OnDone::flag(&sent));
     ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending && landed.load() != kDonePending; }));
     EXPECT_EQ(sent.load(), kDoneSucceeded);
     EXPECT_EQ(landed.load(), kDoneSucceeded);

@@ -35,68 +35,89 @@ TEST(EngineErrors, BadSubmissionsAreRejectedSynchronouslyAndLoseNothing) {
   std::atomic<int> calls{0};
   auto count = OnDone::callback([&](const Status&) { calls++; });
 
-  expect_error(ErrorCode::kOutOfBounds, "source", [&] {
-    a.submit_single_write(100, hs, src.size() - 99, dd, 0, count);
+  const RemoteMr rd = a.add_remote(dd);
+  EXPECT_EQ(a.add_remote(dd), rd) << "add_remote is idempotent";
+  auto single = [&](uint64_t len, LocalSlice from, RemoteSlice to) {
+    a.submit(SingleWrite{.len = len, .src = from, .dst = to}, count);
+  };
+  expect_error(ErrorCode::kOutOfBounds, "source", [&] { single(100, {hs, src.size() - 99}, {rd, 0}); });
+  expect_error(ErrorCode::kOutOfBounds, "destination", [&] { single(100, {hs, 0}, {rd, dst.size() - 50}); });
+  expect_error(ErrorCode::kOutOfBounds, "source",
+               [&] { single(1, {hs, UINT64_MAX}, {rd, 0}); });  // offset + len overflows
+  expect_error(ErrorCode::kNotFound, "MrHandle", [&] { single(1, {MrHandle{77, 1}, 0}, {rd, 0}); });
+  expect_error(ErrorCode::kNotFound, "MrHandle", [&] { single(1, {MrHandle{}, 0}, {rd, 0}); });
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {RemoteMr{}, 0}); });
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {RemoteMr{rd.slot, rd.generation + 2}, 0}); });
+  expect_error(ErrorCode::kInvalidArgument, "same number of NICs",
+               [&] { a.add_remote(dw); });  // descriptor of a 2-NIC engine
+  expect_error(ErrorCode::kInvalidArgument, "nic 1", [&] {
+    a.submit(SingleWrite{.len = 1, .src = {hs, 0}, .dst = {rd, 0}, .nic = 1}, count);
   });
-  expect_error(ErrorCode::kOutOfBounds, "destination", [&] {
-    a.submit_single_write(100, hs, 0, dd, dst.size() - 50, count);
+  for (uint32_t bad : {0u, 257u})
+    expect_error(ErrorCode::kInvalidArgument, "num_shards", [&] {
+      a.submit(SingleWrite{.len = 1, .src = {hs, 0}, .dst = {rd, 0}, .num_shards = bad}, count);
+    });
+  const std::vector<uint32_t> i3{0, 1, 2}, i2{0, 1}, i_far{0, 16};
+  Pages three{i3, 4096, 0}, two{i2, 4096, 0}, far{i_far, 4096, 0}, huge_stride{i2, UINT64_MAX, 0};
+  auto paged = [&](uint64_t page_len, Pages from, Pages to) {
+    a.submit(PagedWrites{.page_len = page_len, .src = hs, .src_pages = from, .dst = rd, .dst_pages = to}, count);
+  };
+  expect_error(ErrorCode::kInvalidArgument, "3 source pages but 2", [&] { paged(4096, three, two); });
+  expect_error(ErrorCode::kInvalidArgument, "page_len", [&] { paged(0, two, two); });
+  expect_error(ErrorCode::kOutOfBounds, "destination page", [&] { paged(4096, two, far); });
+  expect_error(ErrorCode::kOutOfBounds, "source page", [&] { paged(4096, far, two); });
+  expect_error(ErrorCode::kOutOfBounds, "destination page", [&] { paged(16, two, huge_stride); });
+  expect_error(ErrorCode::kOutOfBounds, "slice 1", [&] {
+    const ScatterSlice slices[] = {{10, 0, {rd, 0}}, {10, src.size(), {rd, 0}}};
+    a.submit(Scatter{.src = hs, .slices = slices}, count);
   });
-  expect_error(ErrorCode::kOutOfBounds, "source", [&] {
-    a.submit_single_write(1, hs, UINT64_MAX, dd, 0, count);  // offset + len overflows
-  });
-  expect_error(ErrorCode::kNotFound, "MrHandle", [&] {
-    a.submit_single_write(1, MrHandle{77, 1}, 0, dd, 0, count);
-  });
-  expect_error(ErrorCode::kNotFound, "MrHandle", [&] {
-    a.submit_single_write(1, MrHandle{}, 0, dd, 0, count);
-  });
-  expect_error(ErrorCode::kInvalidArgument, "same number of NICs", [&] {
-    a.submit_single_write(1, hs, 0, dw, 0, count);  // descriptor of a 2-NIC engine
-  });
-  expect_error(ErrorCode::kInvalidArgument, "WriteOptions::nic", [&] {
-    a.submit_single_write(1, hs, 0, dd, 0, count, WriteOptions{std::nullopt, 1});
-  });
-  Pages three{{0, 1, 2}, 4096, 0}, two{{0, 1}, 4096, 0}, far{{0, 16}, 4096, 0};
-  expect_error(ErrorCode::kInvalidArgument, "3 source pages but 2",
-               [&] { a.submit_paged_writes(4096, hs, three, dd, two, count); });
-  expect_error(ErrorCode::kInvalidArgument, "page_len",
-               [&] { a.submit_paged_writes(0, hs, two, dd, two, count); });
-  expect_error(ErrorCode::kOutOfBounds, "destination page",
-               [&] { a.submit_paged_writes(4096, hs, two, dd, far, count); });
-  expect_error(ErrorCode::kOutOfBounds, "source page",
-               [&] { a.submit_paged_writes(4096, hs, far, dd, two, count); });
-  Pages huge_stride{{0, 1}, UINT64_MAX, 0};
-  expect_error(ErrorCode::kOutOfBounds, "destination page",
-               [&] { a.submit_paged_writes(16, hs, two, dd, huge_stride, count); });
-  expect_error(ErrorCode::kOutOfBounds, "destination 1", [&] {
-    a.submit_scatter(std::nullopt, hs, {{10, 0, dd, 0}, {10, src.size(), dd, 0}}, count);
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] {
+    const RemoteMr dsts[] = {rd, RemoteMr{}};
+    a.submit(Barrier{.dsts = dsts, .imm = 1}, count);
   });
   std::vector<uint8_t> big(32768);
   expect_error(ErrorCode::kInvalidArgument, "max_message_size",
                [&] { a.submit_send(b.main_address(), std::as_bytes(std::span(big)), count); });
-  PeerGroupHandle only_a = a.add_peer_group({a.main_address()});
-  expect_error(ErrorCode::kInvalidArgument, "peer group", [&] {
-    a.submit_scatter(only_a, hs, {{10, 0, dd, 0}}, count);
+  const RemoteMr members[] = {rd, rd};
+  PeerGroupHandle group = a.add_peer_group(members);
+  EXPECT_EQ(group.size, 2u);
+  expect_error(ErrorCode::kInvalidArgument, "one slice per member", [&] {
+    const GroupSlice slices[] = {{10, 0, 0}};
+    a.submit(GroupScatter{.group = group, .src = hs, .slices = slices}, count);
+  });
+  expect_error(ErrorCode::kOutOfBounds, "member 1", [&] {
+    const GroupSlice slices[] = {{10, 0, 0}, {10, 0, dst.size()}};
+    a.submit(GroupScatter{.group = group, .src = hs, .slices = slices}, count);
   });
   expect_error(ErrorCode::kNotFound, "peer group",
-               [&] { a.submit_barrier(PeerGroupHandle{999}, 1, {dd}, count); });
+               [&] { a.submit(GroupBarrier{.group = PeerGroupHandle{999, 1}, .imm = 1}, count); });
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] {
+    const RemoteMr unknown[] = {RemoteMr{}};
+    a.add_peer_group(unknown);
+  });
+  // A removed remote region is stale, and its slot's next occupant does not revive the handle.
+  const RemoteMr gone = a.add_remote(ds);
+  a.remove_remote(gone);
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {gone, 0}); });
+  expect_error(ErrorCode::kNotFound, "remove_remote", [&] { a.remove_remote(gone); });
+  const RemoteMr again = a.add_remote(ds);
+  EXPECT_NE(again, gone);
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {gone, 0}); });
   expect_error(ErrorCode::kInvalidArgument, "reg_mr", [&] { a.reg_mr(nullptr, 10); });
 
   // A deregistered handle is stale, even when its slot is reused.
   std::vector<uint8_t> tmp(4096);
   auto [ht, dt] = a.reg_mr(tmp.data(), tmp.size());
   a.dereg_mr(ht);
-  expect_error(ErrorCode::kNotFound, "deregistered",
-               [&] { a.submit_single_write(1, ht, 0, dd, 0, count); });
+  expect_error(ErrorCode::kNotFound, "deregistered", [&] { single(1, {ht, 0}, {rd, 0}); });
   expect_error(ErrorCode::kNotFound, "MrHandle", [&] { a.dereg_mr(ht); });
   auto [ht2, dt2] = a.reg_mr(tmp.data(), tmp.size());
   EXPECT_EQ(ht2.slot, ht.slot);
-  expect_error(ErrorCode::kNotFound, "MrHandle",
-               [&] { a.submit_single_write(1, ht, 0, dd, 0, count); });
+  expect_error(ErrorCode::kNotFound, "MrHandle", [&] { single(1, {ht, 0}, {rd, 0}); });
 
   // Nothing was submitted, nothing completes; a valid transfer still works.
   std::atomic<int> ok{kDonePending};
-  a.submit_single_write(src.size(), hs, 0, dd, 0, OnDone::flag(&ok), WriteOptions{5, std::nullopt});
+  a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {rd, 0}, .imm = 5}, OnDone::flag(&ok));
   std::atomic<int> arrived{kDonePending};
   b.expect_imm_count(5, 1, OnDone::flag(&arrived));
   EXPECT_TRUE(wait_until([&] { return ok.load() != kDonePending && arrived.load() != kDonePending; }));
@@ -137,7 +158,9 @@ TEST(EngineErrors, ShutdownEndsEveryPendingTransferAndExpectationOnce) {
       std::lock_guard lock(mu);
       statuses.push_back(s);
     });
-    for (int i = 0; i < 20; i++, submitted++) a.submit_single_write(src.size(), h, 0, dead, 0, record);
+    const RemoteMr to_dead = a.add_remote(dead);
+    for (int i = 0; i < 20; i++, submitted++)
+      a.submit(SingleWrite{.len = src.size(), .src = {h, 0}, .dst = {to_dead, 0}}, record);
     a.expect_imm_count(99, 1, record);
     submitted++;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -164,7 +187,8 @@ TEST(EngineErrors, CallsFromCallbacksDuringDestructionAreRefusedNotCrashed) {
       engine->expect_imm_count(imm, 1, OnDone::callback([&, e, h, d](const Status&) {
         // Runs during ~TransferEngine (the expectation ends with kShutdown).
         try {
-          e->submit_single_write(16, h, 0, d, 0, OnDone::none());
+          e->submit(SingleWrite{.len = 16, .src = {h, 0}, .dst = {e->add_remote(d), 0}},
+                    OnDone::none());
           e->expect_imm_count(100, 1, OnDone::none());
           other++;
         } catch (const Error& err) {
@@ -183,10 +207,12 @@ TEST(EngineErrors, CallbackExceptionsDoNotKillTheEngine) {
   auto [h, d] = a.reg_mr(buf.data(), buf.size());
   auto [h2, d2] = a.reg_mr(dst.data(), dst.size());
   std::atomic<int> after{kDonePending};
-  a.submit_single_write(16, h, 0, d2, 0, OnDone::callback([](const Status&) {
+  a.submit(SingleWrite{.len = 16, .src = {h, 0}, .dst = {a.add_remote(d2), 0}},
+           OnDone::callback([](const Status&) {
                           throw std::runtime_error("user bug");
                         }));
-  a.submit_single_write(16, h, 0, d2, 16, OnDone::flag(&after));
+  a.submit(SingleWrite{.len = 16, .src = {h, 0}, .dst = {a.add_remote(d2), 16}},
+           OnDone::flag(&after));
   EXPECT_TRUE(wait_until([&] { return after.load() != kDonePending; }));
   EXPECT_EQ(after.load(), kDoneSucceeded);
 }

@@ -47,8 +47,10 @@ TEST_P(EnginePair, SingleAndPagedWritesDeliverEveryByteAndExactImmCounts) {
   const ProviderCase pc = GetParam();
   FABRIC_SKIP_WITHOUT_DEVICE(pc);
   const size_t nics = pc.nics;
-  Pages src_pages{random_indices(kPages, kPageRange, 11), kPageStride, kPageOffset};
-  Pages dst_pages{random_indices(kPages, kPageRange, 12), kPageStride, kPageOffset + 1};
+  const std::vector<uint32_t> src_idx = random_indices(kPages, kPageRange, 11);
+  const std::vector<uint32_t> dst_idx = random_indices(kPages, kPageRange, 12);
+  Pages src_pages{src_idx, kPageStride, kPageOffset};
+  Pages dst_pages{dst_idx, kPageStride, kPageOffset + 1};
   const size_t pinned_nic = nics - 1;
 
   auto receiver = [&](Channel& ch) {
@@ -119,19 +121,20 @@ TEST_P(EnginePair, SingleAndPagedWritesDeliverEveryByteAndExactImmCounts) {
     TransferEngine engine(config_for(pc));
     auto src = random_bytes(kBuf, 7);
     auto [h, d] = engine.reg_mr(src.data(), src.size());
-    MrDesc single_dst = MrDesc::from_bytes(ch.recv_bytes());
-    MrDesc paged_dst = MrDesc::from_bytes(ch.recv_bytes());
+    RemoteMr single_dst = engine.add_remote(MrDesc::from_bytes(ch.recv_bytes()));
+    RemoteMr paged_dst = engine.add_remote(MrDesc::from_bytes(ch.recv_bytes()));
     std::atomic<uint64_t> done{0}, failed{0};
     for (size_t i = 0; i < kSingles.size(); i++) {
       auto& c = kSingles[i];
-      WriteOptions opts{kSingleImmBase + static_cast<uint32_t>(i), std::nullopt};
-      if (c.pinned) opts.nic = static_cast<uint8_t>(pinned_nic);
-      engine.submit_single_write(c.len, h, c.src_off, single_dst, c.dst_off,
-                                 OnDone::counter(&done, &failed), opts);
+      SingleWrite w{.len = c.len, .src = {h, c.src_off}, .dst = {single_dst, c.dst_off},
+                    .imm = kSingleImmBase + static_cast<uint32_t>(i)};
+      if (c.pinned) w.nic = static_cast<uint8_t>(pinned_nic);
+      engine.submit(w, OnDone::counter(&done, &failed));
     }
     std::atomic<int> paged{kDonePending};
-    engine.submit_paged_writes(kPageLen, h, src_pages, paged_dst, dst_pages, OnDone::flag(&paged),
-                               WriteOptions{kPagedImm, std::nullopt});
+    engine.submit(PagedWrites{.page_len = kPageLen, .src = h, .src_pages = src_pages, .dst = paged_dst,
+                              .dst_pages = dst_pages, .imm = kPagedImm},
+                  OnDone::flag(&paged));
     EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == kSingles.size(); }));
     EXPECT_TRUE(wait_until([&] { return paged.load() != kDonePending; }));
     EXPECT_EQ(failed.load(), 0u);
@@ -226,8 +229,8 @@ TEST_P(EnginePair, ScatterAndBarrierReachEightPeers) {
       engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
       auto [h, d] = engines[p]->reg_mr(bufs[p].data(), kDst);
       ch.send(d.to_bytes());
-      for (uint32_t imm : {kScatterImm, kBarrierImm, kPlainScatterImm})
-        engines[p]->expect_imm_count(imm, 1, OnDone::counter(&met, &failed));
+      for (uint32_t imm : {kScatterImm, kBarrierImm, kPlainScatterImm})  // two barriers
+        engines[p]->expect_imm_count(imm, imm == kBarrierImm ? 2 : 1, OnDone::counter(&met, &failed));
     }
     EXPECT_TRUE(wait_until([&] { return met.load() == 3 * kPeers; })) << met.load();
     EXPECT_EQ(failed.load(), 0u);
@@ -245,28 +248,27 @@ TEST_P(EnginePair, ScatterAndBarrierReachEightPeers) {
     TransferEngine engine(config_for(pc));
     auto src = random_bytes(kDst * 4, 9);
     auto [h, d] = engine.reg_mr(src.data(), src.size());
-    std::vector<MrDesc> dsts;
-    std::vector<NetAddr> peers;
+    std::vector<RemoteMr> dsts;
+    for (size_t p = 0; p < kPeers; p++) dsts.push_back(engine.add_remote(MrDesc::from_bytes(ch.recv_bytes())));
+    PeerGroupHandle group = engine.add_peer_group(dsts);
+    std::vector<GroupSlice> slices;
+    std::vector<ScatterSlice> plain;
     for (size_t p = 0; p < kPeers; p++) {
-      dsts.push_back(MrDesc::from_bytes(ch.recv_bytes()));
-      peers.push_back(dsts.back().owner());
+      slices.push_back({len(p), p * kDst / 2, 1000 * p});
+      plain.push_back({4096, 7, {dsts[p], kDst / 2}});
     }
-    PeerGroupHandle group = engine.add_peer_group(peers);
-    std::vector<ScatterDst> slices, plain;
-    for (size_t p = 0; p < kPeers; p++) {
-      slices.push_back({len(p), p * kDst / 2, dsts[p], 1000 * p});
-      plain.push_back({4096, 7, dsts[p], kDst / 2});
-    }
-    std::atomic<int> s1{kDonePending}, s2{kDonePending}, b{kDonePending};
-    engine.submit_scatter(group, h, slices, OnDone::flag(&s1), WriteOptions{kScatterImm, std::nullopt});
-    engine.submit_scatter(std::nullopt, h, plain, OnDone::flag(&s2), WriteOptions{kPlainScatterImm, std::nullopt});
+    std::atomic<int> s1{kDonePending}, s2{kDonePending}, b{kDonePending}, b2{kDonePending};
+    engine.submit(GroupScatter{.group = group, .src = h, .slices = slices, .imm = kScatterImm}, OnDone::flag(&s1));
+    engine.submit(Scatter{.src = h, .slices = plain, .imm = kPlainScatterImm}, OnDone::flag(&s2));
     EXPECT_TRUE(wait_until([&] { return s1.load() != kDonePending && s2.load() != kDonePending; }));
-    // The barrier follows the data it vouches for.
-    engine.submit_barrier(group, kBarrierImm, dsts, OnDone::flag(&b));
-    EXPECT_TRUE(wait_until([&] { return b.load() != kDonePending; }));
+    // The barriers follow the data they vouch for: one to the group, one to a list of regions.
+    engine.submit(GroupBarrier{.group = group, .imm = kBarrierImm}, OnDone::flag(&b));
+    engine.submit(Barrier{.dsts = dsts, .imm = kBarrierImm}, OnDone::flag(&b2));
+    EXPECT_TRUE(wait_until([&] { return b.load() != kDonePending && b2.load() != kDonePending; }));
     EXPECT_EQ(s1.load(), kDoneSucceeded);
     EXPECT_EQ(s2.load(), kDoneSucceeded);
     EXPECT_EQ(b.load(), kDoneSucceeded);
+    EXPECT_EQ(b2.load(), kDoneSucceeded);
     EXPECT_EQ(ch.recv(), "verified");
     return role_result();
   };
@@ -332,7 +334,8 @@ TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
     // last ones waited behind 19 MiB, which Soft-RoCE under TCG moves in more than 2 s when the
     // host is loaded, and timed out before the victim was told to die.
     for (uint32_t i = 0; i < kBefore; i++) {
-      engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::counter(&done, &failed));
+      engine.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                    OnDone::counter(&done, &failed));
       EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == i + 1; }));
     }
     EXPECT_EQ(done.load(), kBefore);
@@ -349,7 +352,8 @@ TEST_P(KilledPeer, EveryTransferEndsWithinTheTimeoutAndTheEngineStaysUsable) {
     std::atomic<uint32_t> ended{0};
     auto start = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < kAfter; i++)
-      engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::callback([&](const Status& s) {
+      engine.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                    OnDone::callback([&](const Status& s) {
                                    std::lock_guard lock(mu);
                                    errors.push_back(s);
                                    ended++;
@@ -428,12 +432,12 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
     std::vector<uint32_t> src_idx(kPagesEach, 0), dst_idx(kPagesEach);
     for (uint32_t i = 0; i < kPagesEach; i++) dst_idx[i] = i % kDstPages;
     // One transfer first, so every NIC is connected and the next ones are really in flight.
-    engine.submit_paged_writes(kPage, h, Pages{src_idx, kPage, 0}, dst, Pages{dst_idx, kPage, 0},
-                               OnDone::counter(&done, &failed));
+    engine.submit(PagedWrites{.page_len = kPage, .src = h, .src_pages = Pages{src_idx, kPage, 0}, .dst = engine.add_remote(dst), .dst_pages = Pages{dst_idx, kPage, 0}},
+                  OnDone::counter(&done, &failed));
     EXPECT_TRUE(wait_until([&] { return done.load() == 1; })) << "the warm-up transfer failed";
     for (uint32_t t = 0; t < kTransfers; t++)
-      engine.submit_paged_writes(kPage, h, Pages{src_idx, kPage, 0}, dst, Pages{dst_idx, kPage, 0},
-                                 OnDone::counter(&done, &failed), WriteOptions{0x77, std::nullopt});
+      engine.submit(PagedWrites{.page_len = kPage, .src = h, .src_pages = Pages{src_idx, kPage, 0}, .dst = engine.add_remote(dst), .dst_pages = Pages{dst_idx, kPage, 0}, .imm = 0x77},
+                    OnDone::counter(&done, &failed));
     // Stopped, the victim stops reading its sockets: WRITEs stay with the NICs until the
     // transfers time out. Killed then, its connections fail and those WRITEs complete late, with
     // errors, after their transfers were reported.
@@ -466,7 +470,8 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
         // later writes end in bounded time, with an error that says so.
         try {
           auto [mh, md] = engine.reg_mr(shm_dst.data(), shm_dst.size());
-          engine.submit_single_write(kPage, h, 0, md, 0, OnDone::callback([&](const Status& s) {
+          engine.submit(SingleWrite{.len = kPage, .src = {h, 0}, .dst = {engine.add_remote(md), 0}},
+                        OnDone::callback([&](const Status& s) {
                                        std::lock_guard l(mu);
                                        st = s;
                                      }));
@@ -496,8 +501,8 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
       auto [mh, md] = engine.reg_mr(mine.data(), mine.size());
       std::atomic<int> flag{kDonePending}, landed{kDonePending};
       engine.expect_imm_count(0x88, 1, OnDone::flag(&landed));
-      engine.submit_single_write(kPage, h, 0, md, 0, OnDone::flag(&flag),
-                                 WriteOptions{0x88, static_cast<uint8_t>(nic)});
+      engine.submit(SingleWrite{.len = kPage, .src = {h, 0}, .dst = {engine.add_remote(md), 0}, .imm = 0x88, .nic = static_cast<uint8_t>(nic)},
+                    OnDone::flag(&flag));
       EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending && landed.load() != kDonePending; },
                              std::chrono::seconds(10)))
           << "NIC " << nic << " posts nothing after the peer died";

@@ -123,11 +123,11 @@ TEST_P(Faults, EveryTransferEndsOnceAndEveryArrivingImmediateIsCountedOnce) {
     std::vector<std::atomic<int>> calls(kTransfers);
     std::atomic<uint32_t> ended{0};
     auto submit = [&](uint32_t i) {
-      engine.submit_single_write(kLen, h, i * kSlot, dst, i * kSlot, OnDone::callback([&, i](const Status& s) {
+      engine.submit(SingleWrite{.len = kLen, .src = {h, i * kSlot}, .dst = {engine.add_remote(dst), i * kSlot}, .imm = kImmBase + i},
+                    OnDone::callback([&, i](const Status& s) {
                                    if (calls[i]++ == 0) statuses[i] = s;
                                    ended++;
-                                 }),
-                                 WriteOptions{kImmBase + i, std::nullopt});
+                                 }));
     };
     for (uint32_t i = 0; i < kFirstRound; i++) submit(i);
     EXPECT_TRUE(wait_until([&] { return ended.load() >= kFirstRound; })) << ended.load();
@@ -196,7 +196,8 @@ TEST(Reliability, DeregisteringASourceFailsItsTransfersInFlightCleanly) {
     std::mutex mu;
     std::vector<Status> statuses;
     for (uint32_t i = 0; i < kWrites; i++)
-      engine.submit_single_write(kBig, h, 0, dst, 0, OnDone::callback([&](const Status& s) {
+      engine.submit(SingleWrite{.len = kBig, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                    OnDone::callback([&](const Status& s) {
                                    std::lock_guard lock(mu);
                                    statuses.push_back(s);
                                  }));
@@ -219,10 +220,12 @@ TEST(Reliability, DeregisteringASourceFailsItsTransfersInFlightCleanly) {
     }
     EXPECT_GT(failed, 0u) << "deregistered at once, yet every transfer ran";
     // The handle is stale; a new region works.
-    EXPECT_THROW(engine.submit_single_write(1, h, 0, dst, 0, OnDone::none()), Error);
+    EXPECT_THROW(engine.submit(SingleWrite{.len = 1, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                               OnDone::none()), Error);
     auto [h2, d2] = engine.reg_mr(src.data(), kBig);
     std::atomic<int> flag{kDonePending};
-    engine.submit_single_write(kBig, h2, 0, dst, 0, OnDone::flag(&flag));
+    engine.submit(SingleWrite{.len = kBig, .src = {h2, 0}, .dst = {engine.add_remote(dst), 0}},
+                  OnDone::flag(&flag));
     EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending; }));
     EXPECT_EQ(flag.load(), kDoneSucceeded);
     ch.send("done");
@@ -285,7 +288,8 @@ TEST_P(Faults, APeerKilledAndRestartedAtANewAddressIsReachedAgain) {
 
     MrDesc first = MrDesc::from_bytes(ch.recv_bytes());
     std::atomic<int> flag{kDonePending};
-    engine.submit_single_write(kBuf, h1, 0, first, 0, OnDone::flag(&flag), WriteOptions{kImm, std::nullopt});
+    engine.submit(SingleWrite{.len = kBuf, .src = {h1, 0}, .dst = {engine.add_remote(first), 0}, .imm = kImm},
+                  OnDone::flag(&flag));
     EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending; }));
     EXPECT_EQ(ch.recv(), "landed");
     ch.send("die");
@@ -293,7 +297,8 @@ TEST_P(Faults, APeerKilledAndRestartedAtANewAddressIsReachedAgain) {
 
     std::atomic<uint64_t> done{0}, failed{0};
     auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < 10; i++) engine.submit_single_write(kBuf, h1, 0, first, 0, OnDone::counter(&done, &failed));
+    for (int i = 0; i < 10; i++) engine.submit(SingleWrite{.len = kBuf, .src = {h1, 0}, .dst = {engine.add_remote(first), 0}},
+                                               OnDone::counter(&done, &failed));
     EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == 10; }, std::chrono::seconds(20)));
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_GT(failed.load(), 0u) << "writes to a dead peer cannot all succeed";
@@ -302,7 +307,8 @@ TEST_P(Faults, APeerKilledAndRestartedAtANewAddressIsReachedAgain) {
     MrDesc second = MrDesc::from_bytes(ch.recv_bytes());
     EXPECT_NE(second.owner(), first.owner()) << "a restarted peer has a new address";
     std::atomic<int> flag2{kDonePending};
-    engine.submit_single_write(kBuf, h2, 0, second, 0, OnDone::flag(&flag2), WriteOptions{kImm, std::nullopt});
+    engine.submit(SingleWrite{.len = kBuf, .src = {h2, 0}, .dst = {engine.add_remote(second), 0}, .imm = kImm},
+                  OnDone::flag(&flag2));
     EXPECT_TRUE(wait_until([&] { return flag2.load() != kDonePending; }));
     EXPECT_EQ(flag2.load(), kDoneSucceeded);
     EXPECT_EQ(ch.recv(), "landed");

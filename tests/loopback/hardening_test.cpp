@@ -35,7 +35,8 @@ TEST(Hardening, ExpectationsTimeOutAndCancelAndKeepWhatTheyCounted) {
   std::optional<Status> timed_out, cancelled, late;
   TransferEngine engine(config_for(kTcp));
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
-  engine.submit_single_write(8, h, 0, d, 64, OnDone::flag(&done), WriteOptions{0x31, std::nullopt});
+  engine.submit(SingleWrite{.len = 8, .src = {h, 0}, .dst = {engine.add_remote(d), 64}, .imm = 0x31},
+                OnDone::flag(&done));
   ASSERT_TRUE(wait_until([&] { return engine.imm_count(0x31) == 1; }));
 
   // Needs 3, sees 1: ends with kTimeout, and the one arrival stays counted.
@@ -86,10 +87,11 @@ TEST(Hardening, UnexpectedImmediatesAreBoundedAndDropsCounted) {
   std::vector<uint8_t> buf(4096, 1);  // outlives the engine
   TransferEngine engine(cfg);
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+  const RemoteMr self[] = {engine.add_remote(d)};
   constexpr uint32_t kValues = 1000;
   std::atomic<uint64_t> done{0}, failed{0};
   for (uint32_t i = 0; i < kValues; i++)
-    engine.submit_barrier(std::nullopt, 0x1000 + i, {d}, OnDone::counter(&done, &failed));
+    engine.submit(Barrier{.dsts = self, .imm = 0x1000 + i}, OnDone::counter(&done, &failed));
   ASSERT_TRUE(wait_until([&] { return done.load() + failed.load() == kValues; }));
   ASSERT_TRUE(wait_until([&] { return engine.nic_stats()[0].imms_received == kValues; }));
   NicStats st = engine.nic_stats()[0];
@@ -100,7 +102,7 @@ TEST(Hardening, UnexpectedImmediatesAreBoundedAndDropsCounted) {
   // Expected values are never dropped: an expectation waits for one more of a new value.
   std::atomic<int> met{kDonePending};
   engine.expect_imm_count(0x9999, 1, OnDone::flag(&met));
-  engine.submit_barrier(std::nullopt, 0x9999, {d}, OnDone::none());
+  engine.submit(Barrier{.dsts = self, .imm = 0x9999}, OnDone::none());
   ASSERT_TRUE(wait_until([&] { return ended(met); }));
   EXPECT_EQ(met.load(), kDoneSucceeded);
   engine.dereg_mr(h);
@@ -162,8 +164,10 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
   std::vector<uint32_t> idx(kPages);
   for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
   constexpr uint32_t kImm = 0x66;
-  a.submit_paged_writes(kPage, hs, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0}, OnDone::flag(&big),
-                        WriteOptions{kImm, std::nullopt});
+  const RemoteMr rd = a.add_remote(dd);
+  a.submit(PagedWrites{.page_len = kPage, .src = hs, .src_pages = {idx, kPage, 0}, .dst = rd,
+                       .dst_pages = {idx, kPage, 0}, .imm = kImm},
+           OnDone::flag(&big));
   // A steady stream, one small write every 10 us for as long as the large transfer runs (at most
   // kSmall), so that new requests keep arriving while the NIC's slots are contested.
   uint64_t sent = 0;
@@ -172,8 +176,8 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
     while (std::chrono::steady_clock::now() < next) {
     }
     next += std::chrono::microseconds(10);
-    a.submit_single_write(64, hs, 0, dd, 0, OnDone::counter(&small_done, &small_failed),
-                          WriteOptions{kImm, std::nullopt});
+    a.submit(SingleWrite{.len = 64, .src = {hs, 0}, .dst = {rd, 0}, .imm = kImm},
+             OnDone::counter(&small_done, &small_failed));
     sent++;
   }
   ASSERT_TRUE(wait_until([&] { return ended(big); }));
@@ -213,11 +217,13 @@ TEST(Hardening, OnePeerPushingBackDoesNotStallTheOthers) {
   auto [hh, dh] = healthy.reg_mr(hbuf.data(), hbuf.size());
   auto [hst, dst] = stuck.reg_mr(sbuf.data(), sbuf.size());
   std::atomic<int> to_stuck{kDonePending}, to_healthy{kDonePending};
-  a.submit_single_write(src.size(), hs, 0, dst, 0, OnDone::flag(&to_stuck));
+  a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {a.add_remote(dst), 0}},
+           OnDone::flag(&to_stuck));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::atomic<int> landed{kDonePending};
   healthy.expect_imm_count(0x67, 1, OnDone::flag(&landed));
-  a.submit_single_write(src.size(), hs, 0, dh, 0, OnDone::flag(&to_healthy), WriteOptions{0x67, std::nullopt});
+  a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {a.add_remote(dh), 0}, .imm = 0x67},
+           OnDone::flag(&to_healthy));
   EXPECT_TRUE(wait_until([&] { return ended(to_healthy); }, std::chrono::seconds(10)))
       << "the healthy peer waited for the stuck one";
   EXPECT_EQ(to_healthy.load(), kDoneSucceeded);
@@ -246,6 +252,7 @@ TEST(Hardening, DeregisteringWhileWritesArePostedNeverSendsAnotherRegionsBytes) 
   auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
   std::vector<uint32_t> idx(kPages);
   for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
+  const RemoteMr rd = a.add_remote(dd);
   for (int round = 0; round < 20; round++) {
     auto [ha, da] = a.reg_mr(region_a.data(), region_a.size());
     std::atomic<bool> stop{false};
@@ -254,8 +261,9 @@ TEST(Hardening, DeregisteringWhileWritesArePostedNeverSendsAnotherRegionsBytes) 
     std::thread writer([&] {
       while (!stop.load()) {
         try {
-          a.submit_paged_writes(kPage, ha, Pages{idx, kPage, 0}, dd, Pages{idx, kPage, 0},
-                                OnDone::counter(&done, &failed));
+          a.submit(PagedWrites{.page_len = kPage, .src = ha, .src_pages = {idx, kPage, 0}, .dst = rd,
+                               .dst_pages = {idx, kPage, 0}},
+                   OnDone::counter(&done, &failed));
           submitted++;
         } catch (const Error& e) {
           EXPECT_EQ(e.code(), ErrorCode::kNotFound) << e.what();  // the handle went stale
@@ -273,7 +281,8 @@ TEST(Hardening, DeregisteringWhileWritesArePostedNeverSendsAnotherRegionsBytes) 
     // WRITE before it has landed. Whatever landed came from A.
     std::atomic<int> fence{kDonePending};
     b.expect_imm_count(0x68, 1, OnDone::flag(&fence));
-    a.submit_barrier(std::nullopt, 0x68, {dd}, OnDone::none());
+    const RemoteMr to_b[] = {rd};
+    a.submit(Barrier{.dsts = to_b, .imm = 0x68}, OnDone::none());
     ASSERT_TRUE(wait_until([&] { return ended(fence); }));
     for (size_t i = 0; i < dst.size(); i++)
       if (dst[i] == 0xBB) {
@@ -296,11 +305,14 @@ TEST(Hardening, CallsRacingWithShutdownEndInShutdownNeverAHang) {
     {
       TransferEngine engine(config_for(kTcp));
       auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+      const RemoteMr self = engine.add_remote(d);
       for (int i = 0; i < 200; i++)
-        engine.submit_single_write(64, h, 0, d, 128, OnDone::callback([&, h = h, d = d](const Status&) {
+        engine.submit(SingleWrite{.len = 64, .src = {h, 0}, .dst = {self, 128}},
+                      OnDone::callback([&, h = h](const Status&) {
                                      try {
                                        engine.imm_count(1);  // a control round trip
-                                       engine.submit_single_write(64, h, 0, d, 256, OnDone::none());
+                                       engine.submit(SingleWrite{.len = 64, .src = {h, 0}, .dst = {self, 256}},
+                                                     OnDone::none());
                                      } catch (const Error& e) {
                                        // kNotFound: the region went with the worker's shutdown.
                                        bool expected = e.code() == ErrorCode::kShutdown ||
@@ -326,7 +338,8 @@ TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
     std::fill(dst.begin(), dst.end(), 0);
     std::atomic<int> done{kDonePending}, landed{kDonePending};
     b.expect_imm_count(0x44, 1, OnDone::flag(&landed));
-    a.submit_single_write(src.size(), hs, 0, dd, 0, OnDone::flag(&done), WriteOptions{0x44, std::nullopt});
+    a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {a.add_remote(dd), 0}, .imm = 0x44},
+             OnDone::flag(&done));
     ASSERT_TRUE(wait_until([&] { return ended(done) && ended(landed); }));
     EXPECT_EQ(done.load(), kDoneSucceeded) << "round " << round;
     EXPECT_EQ(dst, src) << "round " << round;
@@ -359,7 +372,8 @@ TEST(Hardening, AWedgedProviderNeverHangsTheCaller) {
   {
     TransferEngine engine(cfg);
     auto [h, d] = engine.reg_mr(buf.data(), buf.size());
-    engine.submit_single_write(64, h, 0, d, 128, OnDone::none());  // the one post; then it wedges
+    engine.submit(SingleWrite{.len = 64, .src = {h, 0}, .dst = {engine.add_remote(d), 128}},
+                  OnDone::none());  // the one post; then it wedges
     try {
       for (int i = 0; i < 1000; i++) engine.imm_count(1);  // a control round trip each
       ADD_FAILURE() << "the wedged worker kept answering";

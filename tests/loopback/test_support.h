@@ -107,7 +107,8 @@ inline void expect_write_to_self_works(TransferEngine& engine, const MrHandle& s
   auto [h, d] = engine.reg_mr(mine.data(), mine.size());
   std::atomic<int> flag{kDonePending}, landed{kDonePending};
   engine.expect_imm_count(kImm, single_write_imm_count(bytes.size(), nics, false), OnDone::flag(&landed));
-  engine.submit_single_write(bytes.size(), src, 0, d, 0, OnDone::flag(&flag), WriteOptions{kImm, std::nullopt});
+  engine.submit(SingleWrite{.len = bytes.size(), .src = {src, 0}, .dst = {engine.add_remote(d), 0}, .imm = kImm},
+                OnDone::flag(&flag));
   EXPECT_TRUE(wait_until([&] { return flag.load() != kDonePending && landed.load() != kDonePending; }));
   EXPECT_EQ(flag.load(), kDoneSucceeded);
   EXPECT_EQ(landed.load(), kDoneSucceeded);

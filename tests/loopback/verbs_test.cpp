@@ -60,7 +60,8 @@ void expect_write_arrives(const EngineConfig& sender_cfg, const EngineConfig& re
     auto [h, d] = engine.reg_mr(src.data(), kLen);
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
     std::atomic<int> done{kDonePending};
-    engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::flag(&done), WriteOptions{7, std::nullopt});
+    engine.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}, .imm = 7},
+                  OnDone::flag(&done));
     EXPECT_TRUE(wait_until([&] { return done.load() != kDonePending; }));
     EXPECT_EQ(done.load(), kDoneSucceeded);
     EXPECT_EQ(ch.recv(), "verified");
@@ -138,7 +139,8 @@ TEST(Verbs, APeerThatNeverAnswersFailsAtTheHandshakeTimeout) {
     std::vector<Status> statuses(3);
     auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < 3; i++)
-      engine.submit_single_write(kLen, h, 0, dst, 0, OnDone::callback([&, i](const Status& s) {
+      engine.submit(SingleWrite{.len = kLen, .src = {h, 0}, .dst = {engine.add_remote(dst), 0}},
+                    OnDone::callback([&, i](const Status& s) {
                                    statuses[i] = s;
                                    ended++;
                                  }));
@@ -225,13 +227,13 @@ class LinkSide {
     auto& st = writes_[k];
     st.ended = false;
     st.submitted = Clock::now();
-    engine_->submit_single_write(kSlot, src_h_, k * kSlot, peer_, k * kSlot, OnDone::callback([this, k](const Status& s) {
+    engine_->submit(SingleWrite{.len = kSlot, .src = {src_h_, k * kSlot}, .dst = {engine_->add_remote(peer_), k * kSlot}, .imm = imm},
+                    OnDone::callback([this, k](const Status& s) {
                                    std::lock_guard lock(mu_);
                                    writes_[k].status = s;
                                    writes_[k].took = seconds_since(writes_[k].submitted);
                                    writes_[k].ended = true;
-                                 }),
-                                 WriteOptions{imm, std::nullopt});
+                                 }));
   }
   // "ok <secs>" or "error <secs> <message>" once write k ended; "hung" after 60 s.
   std::string wait(uint32_t k) {

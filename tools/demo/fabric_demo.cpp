@@ -101,8 +101,10 @@ int run_sender(const Options& o, Channel& ch) {
     got_verdict.store(1, std::memory_order_release);
   });
 
-  Pages src_pages{std::vector<uint32_t>(o.pages), page, 0};
-  for (uint32_t i = 0; i < o.pages; i++) src_pages.indices[i] = i;
+  std::vector<uint32_t> src_idx(o.pages);
+  for (uint32_t i = 0; i < o.pages; i++) src_idx[i] = i;
+  Pages src_pages{src_idx, page, 0};
+  const RemoteMr dst_remote = engine.add_remote(dst);
   std::vector<std::atomic<int>> round_done(o.rounds);
   for (auto& f : round_done) f.store(kDonePending);
 
@@ -114,9 +116,10 @@ int run_sender(const Options& o, Channel& ch) {
   auto t0 = Clock::now();
   for (uint32_t r = 0; r < o.rounds && ok; r++) {
     if (r >= 2) ok = wait_round(r - 2);  // same half of the destination: let it land first
-    Pages dst_pages{round_permutation(r, o.pages), page, 0};
-    engine.submit_paged_writes(page, handle, src_pages, dst, dst_pages, OnDone::flag(&round_done[r]),
-                               WriteOptions{kImm, std::nullopt});
+    const std::vector<uint32_t> dst_idx = round_permutation(r, o.pages);
+    engine.submit(PagedWrites{.page_len = page, .src = handle, .src_pages = src_pages, .dst = dst_remote,
+                              .dst_pages = {dst_idx, page, 0}, .imm = kImm},
+                  OnDone::flag(&round_done[r]));
   }
   for (uint32_t r = o.rounds >= 2 ? o.rounds - 2 : 0; r < o.rounds && ok; r++) ok = wait_round(r);
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -44,13 +44,14 @@ class Client {
     if (o.timeout_ms) ctl_.set_reply_timeout(std::chrono::milliseconds(o.timeout_ms));
     auto w = split(ctl_.call("hello " + engine_.main_address().to_hex(), "descs"));
     for (size_t i = 1; i < w.size(); i++) descs_.push_back(MrDesc::from_hex(w[i]));
+    for (auto& d : descs_) remotes_.push_back(engine_.add_remote(d));
     uint64_t src_len = std::max<uint64_t>(descs_[0].len(), descs_.size() * o.scatter_len);
     src_.resize(src_len);
     for (uint64_t i = 0; i < src_.size(); i++) src_[i] = pattern(i);
     src_handle_ = engine_.reg_mr(src_.data(), src_.size()).first;
     pong_buf_.assign(4096, 0);
     pong_desc_ = engine_.reg_mr(pong_buf_.data(), pong_buf_.size()).second;
-    group_ = engine_.add_peer_group(owners());
+    group_ = engine_.add_peer_group(remotes_);
     fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10} {:>10} {:>10} {:>9} {:>7} {:>9} {}\n", "test",
                "bytes", "writes", "iters", "avg us", "p50 us", "p99 us", "Gbps", "% link",
                "M ops/s", "verify");
@@ -76,11 +77,6 @@ class Client {
  private:
   static std::vector<uint64_t> sizes(const std::vector<uint64_t>& given, std::vector<uint64_t> dflt) {
     return given.empty() ? dflt : given;
-  }
-  std::vector<NetAddr> owners() const {
-    std::vector<NetAddr> v;
-    for (auto& d : descs_) v.push_back(d.owner());
-    return v;
   }
   uint64_t iters_for(uint64_t bytes) const {
     uint64_t target = o_.target_mib << 20;
@@ -157,7 +153,8 @@ class Client {
   void single(uint64_t size) {
     Row r{"single", size, single_write_imm_count(size, engine_.nic_count(), false)};
     measure(r, "first", r.writes, [&](OnDone d, std::optional<uint32_t> imm) {
-      engine_.submit_single_write(size, src_handle_, 0, descs_[0], 0, std::move(d), {imm, std::nullopt});
+      engine_.submit(SingleWrite{.len = size, .src = {src_handle_, 0}, .dst = {remotes_[0], 0}, .imm = imm},
+                     std::move(d));
     }, fmt::format("single {}", size));
   }
 
@@ -165,28 +162,31 @@ class Client {
     uint64_t stride = page + page / 4;  // larger than the page: the pages are scattered
     if (stride * n > descs_[0].len() || stride * n > src_.size()) return;
     uint32_t seed = static_cast<uint32_t>(page * 7 + n);
-    Pages src{page_order(static_cast<uint32_t>(n), seed), stride, 0};
-    Pages dst{page_order(static_cast<uint32_t>(n), seed + 1), stride, 0};
+    const std::vector<uint32_t> src_idx = page_order(static_cast<uint32_t>(n), seed);
+    const std::vector<uint32_t> dst_idx = page_order(static_cast<uint32_t>(n), seed + 1);
+    Pages src{src_idx, stride, 0}, dst{dst_idx, stride, 0};
     Row r{fmt::format("paged {}K x{}", page / 1024, n), page * n, n};
     measure(r, "first", n, [&](OnDone d, std::optional<uint32_t> imm) {
-      engine_.submit_paged_writes(page, src_handle_, src, descs_[0], dst, std::move(d), {imm, std::nullopt});
+      engine_.submit(PagedWrites{.page_len = page, .src = src_handle_, .src_pages = src,
+                                 .dst = remotes_[0], .dst_pages = dst, .imm = imm},
+                     std::move(d));
     }, fmt::format("paged {} {} {} {}", page, n, stride, seed));
   }
 
   void scatter() {
-    std::vector<ScatterDst> dsts;
-    for (size_t p = 0; p < descs_.size(); p++)
-      dsts.push_back({o_.scatter_len, p * o_.scatter_len, descs_[p], 0});
-    Row r{fmt::format("scatter to {}", dsts.size()), o_.scatter_len * dsts.size(), dsts.size()};
+    std::vector<GroupSlice> slices;
+    for (size_t p = 0; p < remotes_.size(); p++) slices.push_back({o_.scatter_len, p * o_.scatter_len, 0});
+    Row r{fmt::format("scatter to {}", slices.size()), o_.scatter_len * slices.size(), slices.size()};
     measure(r, "all", 1, [&](OnDone d, std::optional<uint32_t> imm) {
-      engine_.submit_scatter(group_, src_handle_, dsts, std::move(d), {imm, std::nullopt});
+      engine_.submit(GroupScatter{.group = group_, .src = src_handle_, .slices = slices, .imm = imm},
+                     std::move(d));
     }, fmt::format("scatter {}", o_.scatter_len));
   }
 
   void barrier() {
     Row r{fmt::format("barrier to {}", descs_.size()), 0, descs_.size()};
     measure(r, "all", 1, [&](OnDone d, std::optional<uint32_t> imm) {
-      engine_.submit_barrier(group_, imm.value_or(0xFFFFFFFF), descs_, std::move(d));
+      engine_.submit(GroupBarrier{.group = group_, .imm = imm.value_or(0xFFFFFFFF)}, std::move(d));
     }, "");
   }
 
@@ -200,7 +200,8 @@ class Client {
       std::atomic<int> back{kDonePending};
       engine_.expect_imm_count(out, 1, OnDone::flag(&back));
       double t0 = now_us();
-      engine_.submit_single_write(64, src_handle_, 0, descs_[0], 0, OnDone::none(), {in, std::nullopt});
+      engine_.submit(SingleWrite{.len = 64, .src = {src_handle_, 0}, .dst = {remotes_[0], 0}, .imm = in},
+                     OnDone::none());
       back.wait(kDonePending);
       if (i >= o_.warmup) lat.push_back(now_us() - t0);
     }
@@ -243,13 +244,18 @@ class Client {
       print(b);
     };
     run("post single 64B", [&](OnDone d) {
-      engine_.submit_single_write(64, src_handle_, 0, descs_[0], 0, std::move(d));
+      engine_.submit(SingleWrite{.len = 64, .src = {src_handle_, 0}, .dst = {remotes_[0], 0}}, std::move(d));
     }, 1);
-    std::vector<ScatterDst> dsts;
-    for (size_t p = 0; p < descs_.size(); p++) dsts.push_back({64, 0, descs_[p], 0});
-    run(fmt::format("post scatter {}x64B", dsts.size()), [&](OnDone d) {
-      engine_.submit_scatter(group_, src_handle_, dsts, std::move(d));
-    }, dsts.size());
+    // To a peer group (prebuilt WRITE templates) and to a plain list of regions.
+    std::vector<GroupSlice> slices(remotes_.size(), GroupSlice{64, 0, 0});
+    run(fmt::format("post scatter {}x64B", slices.size()), [&](OnDone d) {
+      engine_.submit(GroupScatter{.group = group_, .src = src_handle_, .slices = slices}, std::move(d));
+    }, slices.size());
+    std::vector<ScatterSlice> plain;
+    for (auto& r : remotes_) plain.push_back({64, 0, {r, 0}});
+    run(fmt::format("post list scatter {}x64B", plain.size()), [&](OnDone d) {
+      engine_.submit(Scatter{.src = src_handle_, .slices = plain}, std::move(d));
+    }, plain.size());
   }
 
   void print(const Row& r) {
@@ -284,6 +290,7 @@ class Client {
   TransferEngine engine_;
   Control ctl_;
   std::vector<MrDesc> descs_;
+  std::vector<RemoteMr> remotes_;  // descs_, interned
   std::vector<uint8_t> src_, pong_buf_;
   MrHandle src_handle_;
   MrDesc pong_desc_;

@@ -33,7 +33,7 @@ struct Target {
 struct Ponger : std::enable_shared_from_this<Ponger> {
   TransferEngine* engine;
   MrHandle src;
-  MrDesc dst;
+  RemoteMr dst;
   uint32_t in, out;
   uint64_t left;
   void arm() {
@@ -41,8 +41,8 @@ struct Ponger : std::enable_shared_from_this<Ponger> {
     auto self = shared_from_this();
     engine->expect_imm_count(in, 1, OnDone::callback([self](const Status& s) {
       if (!s.ok()) return;
-      self->engine->submit_single_write(64, self->src, 0, self->dst, 0, OnDone::none(),
-                                        WriteOptions{self->out, std::nullopt});
+      self->engine->submit(SingleWrite{.len = 64, .src = {self->src, 0}, .dst = {self->dst, 0}, .imm = self->out},
+                           OnDone::none());
       self->arm();
     }));
   }
@@ -110,7 +110,7 @@ int run_server(const Options& o, const std::function<void(const std::string&)>& 
       auto p = std::make_shared<Ponger>();
       p->engine = &main;
       p->src = pong_handle;
-      p->dst = MrDesc::from_hex(w[4]);
+      p->dst = main.add_remote(MrDesc::from_hex(w[4]));
       p->in = static_cast<uint32_t>(std::stoul(w[1]));
       p->out = static_cast<uint32_t>(std::stoul(w[2]));
       p->left = std::stoull(w[3]);

@@ -137,8 +137,8 @@ int run_peer(const Options& o) {
       if (kind == 0) same(plan.single_dst, plan.single_src, plan.single_len);
       if (kind == 1)
         for (uint32_t i = 0; i < kPagesPerRound; i++)
-          same(plan.dst_pages.offset + plan.dst_pages.stride * plan.dst_pages.indices[i],
-               plan.src_pages.offset + plan.src_pages.stride * plan.src_pages.indices[i], kPageLen);
+          same(plan.dst_pages().offset + plan.dst_pages().stride * plan.dst_idx[i],
+               plan.src_pages().offset + plan.src_pages().stride * plan.src_idx[i], kPageLen);
       if (kind == 2) same(kScatterArea, plan.slice_src, kSliceLen);
       return good ? bytes : UINT64_MAX;
     };
@@ -197,6 +197,7 @@ struct PeerProcess {
   pid_t pid = -1;
   std::unique_ptr<tools::Channel> ch;
   MrDesc desc;
+  RemoteMr remote;  // desc, interned by the driver
   uint64_t warm_rss = 0, last_rss = 0, faults = 0;
 };
 
@@ -243,10 +244,11 @@ int run_driver(const Options& o) {
   TransferEngine engine(engine_config(o, true, 0));
   std::vector<uint8_t> src(kSrcLen);
   auto [h, my_desc] = engine.reg_mr(src.data(), src.size());
+  for (auto& p : peers) p.remote = engine.add_remote(p.desc);
   auto make_group = [&] {
-    std::vector<NetAddr> addrs;
-    for (auto& p : peers) addrs.push_back(p.desc.owner());
-    return engine.add_peer_group(addrs);
+    std::vector<RemoteMr> members;
+    for (auto& p : peers) members.push_back(p.remote);
+    return engine.add_peer_group(members);
   };
   PeerGroupHandle group = make_group();
 
@@ -267,14 +269,14 @@ int run_driver(const Options& o) {
     };
     std::vector<PerPeer> st(o.peers);
     std::atomic<int> scatter{kDonePending}, barrier{kDonePending};
-    std::vector<ScatterDst> slices;
+    std::vector<GroupSlice> slices;
     for (uint32_t p = 0; p < o.peers; p++) {
       RoundPlan plan(o.seed, round, p);
-      engine.submit_single_write(plan.single_len, h, plan.single_src, peers[p].desc, plan.single_dst,
-                                 OnDone::flag(&st[p].single), WriteOptions{kImmSingle, std::nullopt});
-      engine.submit_paged_writes(kPageLen, h, plan.src_pages, peers[p].desc, plan.dst_pages,
-                                 OnDone::flag(&st[p].paged), WriteOptions{kImmPaged, std::nullopt});
-      slices.push_back({kSliceLen, plan.slice_src, peers[p].desc, kScatterArea});
+      engine.submit(SingleWrite{.len = plan.single_len, .src = {h, plan.single_src}, .dst = {peers[p].remote, plan.single_dst}, .imm = kImmSingle},
+                    OnDone::flag(&st[p].single));
+      engine.submit(PagedWrites{.page_len = kPageLen, .src = h, .src_pages = plan.src_pages(), .dst = peers[p].remote, .dst_pages = plan.dst_pages(), .imm = kImmPaged},
+                    OnDone::flag(&st[p].paged));
+      slices.push_back({kSliceLen, plan.slice_src, kScatterArea});
       for (uint32_t i = 0; i < kMessagesPerRound; i++) {
         std::string m = message(round, p, i);
         engine.submit_send(peers[p].desc.owner(), std::as_bytes(std::span(m)),
@@ -284,7 +286,8 @@ int run_driver(const Options& o) {
                            }));
       }
     }
-    engine.submit_scatter(group, h, slices, OnDone::flag(&scatter), WriteOptions{kImmScatter, std::nullopt});
+    engine.submit(GroupScatter{.group = group, .src = h, .slices = slices, .imm = kImmScatter},
+                  OnDone::flag(&scatter));
     t.transfers += o.peers * (2 + kMessagesPerRound) + 2;
     bool kill_now = !restarted && elapsed() >= seconds / 2;
     if (kill_now) {
@@ -297,9 +300,7 @@ int run_driver(const Options& o) {
         if (!ended(s.single) || !ended(s.paged)) return false;
       return ended(scatter);
     }, std::chrono::seconds(60));
-    std::vector<MrDesc> dsts;
-    for (auto& p : peers) dsts.push_back(p.desc);
-    engine.submit_barrier(group, kImmBarrier, dsts, OnDone::flag(&barrier));  // follows the data
+    engine.submit(GroupBarrier{.group = group, .imm = kImmBarrier}, OnDone::flag(&barrier));  // follows the data
     finished = finished && wait_for([&] {
       for (auto& s : st)
         if (s.messages_done.load() < kMessagesPerRound) return false;
@@ -337,8 +338,10 @@ int run_driver(const Options& o) {
       waitpid(peers[victim].pid, &status, 0);
       t.faults_of_dead += peers[victim].faults;
       close(peers[victim].ch->fd());
+      engine.remove_remote(peers[victim].remote);
       peers[victim] = spawn_peer(o, victim);
-      group = make_group();  // the new incarnation's address
+      peers[victim].remote = engine.add_remote(peers[victim].desc);
+      group = make_group();  // the new incarnation's region
       restarted = true;
       std::fprintf(stderr, "soak: round %u: peer %u restarted at a new address\n", round, victim);
     }

@@ -51,8 +51,11 @@ inline std::string message(uint32_t round, uint32_t peer, uint32_t i) {
 
 struct RoundPlan {
   uint64_t single_len, single_src, single_dst;
-  Pages src_pages, dst_pages;
+  std::vector<uint32_t> src_idx, dst_idx;
   uint64_t slice_src;
+  // Views of the indices (valid while the plan lives).
+  Pages src_pages() const { return {src_idx, 2 * kPageLen, 0}; }             // 256 slots
+  Pages dst_pages() const { return {dst_idx, kPageLen, kSingleArea}; }       // 512 slots
 
   RoundPlan(uint64_t seed, uint32_t round, uint32_t peer) {
     std::mt19937_64 rng(seed * 7919 + round * 131 + peer);
@@ -61,8 +64,8 @@ struct RoundPlan {
     single_len = 1 + rng() % (cap - 1);
     single_src = rng() % (kSrcLen - single_len);
     single_dst = rng() % (kSingleArea - single_len);
-    src_pages = {pick(rng, kSrcLen / (2 * kPageLen)), 2 * kPageLen, 0};  // 256 slots
-    dst_pages = {pick(rng, kPagedArea / kPageLen), kPageLen, kSingleArea};  // 512 slots
+    src_idx = pick(rng, kSrcLen / (2 * kPageLen));
+    dst_idx = pick(rng, kPagedArea / kPageLen);
     slice_src = rng() % (kSrcLen - kSliceLen);
   }
 

@@ -2,6 +2,9 @@
 // of 1 MiB or more each become one cudaMemcpyAsync (a copy engine), smaller ones are gathered
 // into one kernel launch per batch. A batch's event marks its local completion; only then does
 // its immediate go to the peer's inbox, so a peer that sees the immediate sees the data.
+// post_write_batch (the pages of a paged transfer, up to kBatchMax at once) is handed to the GPU
+// at post time: its descriptors go straight into descriptor blocks, one gather launch per block,
+// one event and one completion for the whole batch, its immediates pushed in one go.
 // Writers hold a peer's region while their copies into it run (ipc_shared.h), so deregistration
 // waits for them; peers can be removed, their mappings closed, with operations still in flight.
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
@@ -9,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -29,6 +33,8 @@ namespace {
 
 constexpr size_t kDescBlock = 2048;      // copies per gather launch
 constexpr size_t kDescBlocks = 32;       // gather launches in flight
+constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
+constexpr size_t kBatchBlocks = (kBatchMax + kDescBlock - 1) / kDescBlock;
 constexpr uint64_t kCopyEngineMin = 1 << 20;  // a WRITE this large goes to a copy engine alone
 
 static_assert(sizeof(cudaIpcMemHandle_t) == ipc::kHandleBytes);
@@ -57,11 +63,26 @@ struct PendingOp {
 
 struct Batch {
   cudaEvent_t event = nullptr;
-  int desc_block = -1;
+  int desc_block = -1;                   // a batch of single WRITEs: its descriptor block
   std::vector<PendingOp> ops;
   std::vector<std::pair<ipc::RegionEntry*, uint32_t>> holds;  // (region, generation): released
                                                               // once the batch completed
   std::string failure;                   // set: every op of the batch fails with this
+  // A post_write_batch: one context for all its WRITEs, their peer, the descriptor blocks its
+  // launches read, and the immediates it delivers once its event has completed.
+  OpContext* group = nullptr;
+  PeerId group_peer = 0;
+  std::array<int, kBatchBlocks> group_blocks{};
+  size_t group_block_count = 0;
+  std::vector<uint32_t> imms;
+};
+
+// A completed post_write_batch whose immediates did not all fit into the peer's inbox yet.
+struct HeldGroup {
+  OpContext* ctx;
+  PeerId peer;
+  std::vector<uint32_t> imms;
+  size_t next = 0;  // the first immediate not delivered yet
 };
 
 struct Peer {
@@ -272,6 +293,115 @@ class CudaIpcDomain final : public Domain {
     auto* src_region = static_cast<const LocalRegion*>(op.desc);
     pending_.push_back({ctx, op.peer, op.has_imm, src_region && src_region->device_readable, op.imm,
                         generation, region, op.src, dst, op.len});
+    return PostResult::kPosted;
+  }
+
+  size_t max_write_batch() const override { return kBatchMax; }
+
+  // The pages of a paged transfer to one peer, handed to the GPU now: each destination region is
+  // held (and its generation checked) before the first copy into it, descriptors are written
+  // into at most kBatchBlocks descriptor blocks (a launch as each fills), WRITEs of 1 MiB or more
+  // and those from memory no kernel can read go to a copy engine, and one event ends the batch.
+  // When it has completed: the holds go, the immediates go into the peer's inbox in one go, and
+  // ctx completes once. An invalid WRITE refuses the whole batch (kFailed) when nothing of it
+  // has reached the GPU yet; found after a launch, it fails the batch once its event completes.
+  PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
+    if (ops.size() > kBatchMax) {
+      last_error_ = fmt::format("cuda_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}",
+                                ops.size(), kBatchMax);
+      return PostResult::kFailed;
+    }
+    if (ops.empty()) {
+      ready_.push_back(local_completion(ctx));
+      return PostResult::kPosted;
+    }
+    const PeerId id = ops[0].peer;
+    Peer* peer = live_peer(id);
+    if (!peer) {
+      last_error_ = "cuda_ipc: unknown or removed peer";
+      return PostResult::kFailed;
+    }
+    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    // Descriptor blocks for every WRITE (those that go to a copy engine give theirs back).
+    const size_t need = (ops.size() + kDescBlock - 1) / kDescBlock;
+    if (free_blocks_.size() < need) return PostResult::kRetry;  // wait for launches to complete
+
+    Batch b;
+    b.group = ctx;
+    b.group_peer = id;
+    b.event = take_event();
+    std::string failure;
+    bool issued = false;  // something of this batch runs on the GPU: it must end with its event
+    // The destination of the WRITEs so far (a paged batch has one), and their source's region.
+    uint64_t map_rkey = 0;
+    uint8_t* map_base = nullptr;
+    uint64_t map_len = 0;
+    const void* src_desc = nullptr;
+    bool src_readable = false;
+    bool src_known = false;
+    cuda::CopyDesc* block = nullptr;
+    uint32_t descs = 0;
+    auto launch = [&] {
+      cudaError_t rc = cuda::launch_gather_copy(block, descs, sm_count_, stream_);
+      issued = true;
+      if (rc != cudaSuccess && failure.empty())
+        failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
+      block = nullptr;
+      descs = 0;
+    };
+    for (const WriteOp& op : ops) {
+      if (op.peer != id) {
+        failure = "cuda_ipc: the WRITEs of a batch must go to one peer";
+        break;
+      }
+      if (op.has_imm) b.imms.push_back(op.imm);
+      if (op.len == 0) continue;  // an immediate only
+      if (map_base == nullptr || op.rkey != map_rkey) {
+        if (!map_batch_destination(*peer, b, op.rkey, map_base, map_len, failure)) break;
+        map_rkey = op.rkey;
+      }
+      if (op.remote_addr > map_len || op.len > map_len - op.remote_addr) {
+        failure = fmt::format("cuda_ipc: [{}, +{}) is outside the remote region of {} bytes",
+                              op.remote_addr, op.len, map_len);
+        break;
+      }
+      uint8_t* dst = map_base + op.remote_addr;
+      if (!src_known || op.desc != src_desc) {
+        auto* r = static_cast<const LocalRegion*>(op.desc);
+        src_desc = op.desc;
+        src_readable = r && r->device_readable;
+        src_known = true;
+      }
+      if (op.len >= kCopyEngineMin || !src_readable) {
+        cudaError_t rc = cudaMemcpyAsync(dst, op.src, op.len, cudaMemcpyDefault, stream_);
+        if (rc != cudaSuccess) {
+          cudaGetLastError();
+          failure = fmt::format("cuda_ipc: cudaMemcpyAsync of {} bytes failed: {}", op.len,
+                                cudaGetErrorString(rc));
+          break;
+        }
+        issued = true;
+        continue;
+      }
+      if (!block) {  // reserved above: never empty here
+        int k = free_blocks_.back();
+        free_blocks_.pop_back();
+        b.group_blocks[b.group_block_count++] = k;
+        block = descs_ + static_cast<size_t>(k) * kDescBlock;
+      }
+      block[descs++] = {op.src, dst, op.len};
+      if (descs == kDescBlock) launch();
+    }
+    if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
+      release(b);
+      free_events_.push_back(b.event);
+      last_error_ = std::move(failure);
+      return PostResult::kFailed;
+    }
+    if (failure.empty() && descs > 0) launch();
+    b.failure = std::move(failure);
+    cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream_));
+    inflight_.push_back(std::move(b));
     return PostResult::kPosted;
   }
 
@@ -546,6 +676,44 @@ class CudaIpcDomain final : public Domain {
     return false;
   }
 
+  // For post_write_batch: the local address and length of the peer's region `rkey`, held for
+  // batch `b` from now until the batch has completed. False (and `failure`) when the key is
+  // invalid, the region was deregistered, or the batch already holds another generation of that
+  // entry (then `rkey` is stale: its owner cannot publish a newer one while we hold it, and
+  // mapping it would close the mapping the batch's earlier copies use).
+  bool map_batch_destination(Peer& peer, Batch& b, uint64_t rkey, uint8_t*& base, uint64_t& len,
+                             std::string& failure) {
+    auto slot = static_cast<uint32_t>(rkey >> 32);
+    auto generation = static_cast<uint32_t>(rkey);
+    if (slot < ipc::kMaxRegions) {
+      ipc::RegionEntry* entry = &peer.inbox.region(slot);
+      for (const Held& h : b.holds)
+        if (h.first == entry && h.second != generation) {
+          failure = "cuda_ipc: the remote region was deregistered";
+          return false;
+        }
+    }
+    uint8_t* p = map_remote(peer, rkey, 0, 0);  // checks the key and the generation, maps
+    if (!p) {
+      failure = last_error_;
+      return false;
+    }
+    ipc::RegionEntry* entry = &peer.inbox.region(slot);
+    bool held = false;
+    for (const Held& h : b.holds) held |= h.first == entry;
+    if (!held) {
+      if (!entry->hold(generation)) {  // deregistered since map_remote looked
+        failure = "cuda_ipc: the remote region was deregistered";
+        return false;
+      }
+      b.holds.push_back({entry, generation});
+    }
+    const Peer::Mapped& m = peer.regions[slot];
+    base = m.ptr;
+    len = m.len;
+    return true;
+  }
+
   // Hands pending WRITEs to the GPU, in order, as batches that each end with one event. Each
   // destination region is held (and its generation re-checked) right before its first copy.
   void flush() {
@@ -599,6 +767,8 @@ class CudaIpcDomain final : public Domain {
     b.holds.clear();
     if (b.desc_block >= 0) free_blocks_.push_back(b.desc_block);
     b.desc_block = -1;
+    for (size_t k = 0; k < b.group_block_count; k++) free_blocks_.push_back(b.group_blocks[k]);
+    b.group_block_count = 0;
   }
 
   bool issue(cudaError_t rc, const char* call, const PendingOp& op) {
@@ -613,6 +783,7 @@ class CudaIpcDomain final : public Domain {
   }
 
   void fail_batch(Batch& b, const std::string& why) {
+    if (b.group) ready_.push_back(error_completion(b.group, why));  // one error for the batch
     for (auto& op : b.ops) ready_.push_back(error_completion(op.ctx, why));
     release(b);
     if (b.event) free_events_.push_back(b.event);
@@ -628,6 +799,11 @@ class CudaIpcDomain final : public Domain {
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
       } else if (!b.failure.empty()) {
         fail_batch(b, b.failure);
+      } else if (b.group) {
+        release(b);  // the copies are done: their regions' owners may deregister now
+        HeldGroup g{b.group, b.group_peer, std::move(b.imms)};
+        if (!deliver_group(g)) held_groups_.push_back(std::move(g));  // the inbox is full
+        free_events_.push_back(b.event);
       } else {
         release(b);  // the copies are done: their regions' owners may deregister now
         for (auto& op : b.ops) {
@@ -660,8 +836,31 @@ class CudaIpcDomain final : public Domain {
     return true;
   }
 
+  // Delivers what is left of a batch's immediates (all at once where the inbox has room) and
+  // completes the batch once they are all in; false when the inbox filled up first.
+  bool deliver_group(HeldGroup& g) {
+    Peer* peer = live_peer(g.peer);
+    if (!peer) {
+      ready_.push_back(error_completion(
+          g.ctx, "cuda_ipc: the peer was removed before this batch's immediates were delivered"));
+      return true;
+    }
+    if (peer->lost) {  // its inbox has no reader any more
+      ready_.push_back(lost_completion(g.ctx));
+      return true;
+    }
+    while (g.next < g.imms.size()) {
+      size_t n = peer->inbox.push_imms(g.imms.data() + g.next, g.imms.size() - g.next);
+      if (n == 0) return false;
+      g.next += n;
+    }
+    ready_.push_back(local_completion(g.ctx));
+    return true;
+  }
+
   void deliver_held_imms() {
     while (!held_.empty() && deliver_imm(held_.front())) held_.pop_front();
+    while (!held_groups_.empty() && deliver_group(held_groups_.front())) held_groups_.pop_front();
   }
 
   const std::string name_ = "cuda_ipc";
@@ -687,6 +886,7 @@ class CudaIpcDomain final : public Domain {
   std::vector<PendingOp> pending_;
   std::deque<Batch> inflight_;
   std::deque<PendingOp> held_;
+  std::deque<HeldGroup> held_groups_;
   std::deque<Completion> ready_;
   std::deque<PostedRecv> recvs_;
   uint8_t scratch_[64] = {};

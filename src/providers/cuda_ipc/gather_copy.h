@@ -15,6 +15,7 @@ struct CopyDesc {
 };
 
 // `descs` must be readable by the device (pinned mapped host memory) until the launch completes.
+// Any lengths and alignments; as many blocks as the device keeps resident (at most one per copy).
 cudaError_t launch_gather_copy(const CopyDesc* descs, uint32_t count, int sm_count,
                                cudaStream_t stream);
 

@@ -171,6 +171,40 @@ class Endpoint {
     cell->seq.store(pos + 1, std::memory_order_release);
     return true;
   }
+  // Up to n immediates, in order, their cells claimed together (one CAS on the shared head for a
+  // whole batch instead of one each). Returns how many were pushed: fewer when the inbox has less
+  // room, 0 when it is full. The owner frees cells in order, so when the cell for position
+  // pos + k - 1 is free (its sequence is that position), so are all cells from pos on.
+  size_t push_imms(const uint32_t* imms, size_t n) {
+    std::atomic<uint64_t>& head = header().imm_head;
+    uint64_t pos = head.load(std::memory_order_relaxed);
+    for (;;) {
+      size_t k = n < kImmSlots ? n : kImmSlots;
+      bool stale = false;
+      while (k > 0) {
+        const uint64_t last = pos + k - 1;
+        auto diff = static_cast<int64_t>(imm_cell(last).seq.load(std::memory_order_acquire) - last);
+        if (diff == 0) break;  // room for k
+        if (diff > 0) {        // another producer claimed it: our head is old
+          stale = true;
+          break;
+        }
+        k /= 2;  // not consumed yet: try fewer
+      }
+      if (stale) {
+        pos = head.load(std::memory_order_relaxed);
+        continue;
+      }
+      if (k == 0) return 0;  // full
+      if (!head.compare_exchange_weak(pos, pos + k, std::memory_order_relaxed)) continue;
+      for (size_t j = 0; j < k; j++) {
+        ImmCell& cell = imm_cell(pos + j);
+        cell.imm = imms[j];
+        cell.seq.store(pos + j + 1, std::memory_order_release);
+      }
+      return k;
+    }
+  }
   bool push_msg(const void* data, size_t len) {
     uint64_t pos;
     MsgCellHeader* cell = claim(header().msg_head, kMsgSlots, [&](uint64_t i) { return &msg_cell(i); }, pos);
