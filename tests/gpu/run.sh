@@ -25,17 +25,19 @@ cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON
   -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_BUILD_TOOLS=OFF -DFABRIC_VERBS=OFF > "$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
 QUICK=${FABRIC_GPU_QUICK:-}
-cmake --build $BUILD -j "$(nproc)" ${QUICK:+--target fabric gpu_tests unit_tests} > "$OUT/build.log" 2>&1 ||
+cmake --build $BUILD -j "$(nproc)" ${QUICK:+--target fabric gpu_tests cuda_ipc_batch_tests unit_tests} > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
 status=0
 if [ -n "$QUICK" ]; then
   # Each test in its own process (a process that used CUDA must not fork CUDA users), with its own
   # time limit (ctest's --timeout cannot shorten gtest_discover_tests' TIMEOUT property).
-  for t in $($BUILD/tests/gpu_tests --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
-    timeout "${FABRIC_GPU_TEST_TIMEOUT:-300}" $BUILD/tests/gpu_tests --gtest_filter="$t" >> "$OUT/gpu_tests.log" 2>&1 ||
-      { status=1; echo "FAILED or timed out: $t" | tee -a "$OUT/gpu_tests.log"; }
+  for prog in gpu_tests cuda_ipc_batch_tests; do
+    for t in $($BUILD/tests/$prog --gtest_list_tests | awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+      timeout "${FABRIC_GPU_TEST_TIMEOUT:-300}" $BUILD/tests/$prog --gtest_filter="$t" >> "$OUT/gpu_tests.log" 2>&1 ||
+        { status=1; echo "FAILED or timed out: $t" | tee -a "$OUT/gpu_tests.log"; }
+    done
   done
-  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|remove_peer:|dead peer:|dereg_mr mid|device 0:|flush_remote" "$OUT/gpu_tests.log" | grep -v "tests, listed" || true
+  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|remove_peer:|dead peer:|dereg_mr mid|device 0:|flush_remote|batch across|owner:" "$OUT/gpu_tests.log" | grep -v "tests, listed" || true
   $BUILD/tests/unit_tests > "$OUT/unit_tests.log" 2>&1 || status=1
   grep -E "PASSED|FAILED|seqlock:|holds:" "$OUT/unit_tests.log" || true
   exit $status

@@ -402,5 +402,105 @@ TEST(RegionEntry, NoHeldWriteLandsAfterTheOwnerHasWaitedOutItsWriters) {
   EXPECT_FALSE(e.has_writers());
 }
 
+// ---- the inbox of immediates: batches pushed in one claim ----------------------------------------
+
+// A formatted endpoint in plain heap memory (the layout needs no shared memory to be tested).
+struct HeapEndpoint {
+  std::vector<uint8_t> bytes;
+  ipc::Endpoint e;
+  HeapEndpoint() : bytes(ipc::Layout(64).total + 64) {
+    void* base = bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
+    ipc::Endpoint::format(base, 1, 1, 64);
+    e = ipc::Endpoint(base);
+  }
+};
+
+TEST(ImmInbox, ABatchArrivesWholeInOrderAndAFullInboxTakesWhatFits) {
+  HeapEndpoint h;
+  std::vector<uint32_t> v(3000);
+  for (size_t i = 0; i < v.size(); i++) v[i] = static_cast<uint32_t>(i * 7 + 1);
+  EXPECT_EQ(h.e.push_imms(v.data(), v.size()), v.size());
+  EXPECT_TRUE(h.e.push_imm(99));
+  for (size_t i = 0; i < v.size(); i++) {
+    uint32_t got = 0;
+    ASSERT_TRUE(h.e.pop_imm(got));
+    ASSERT_EQ(got, v[i]);
+  }
+  uint32_t got = 0;
+  ASSERT_TRUE(h.e.pop_imm(got));
+  EXPECT_EQ(got, 99u);
+  EXPECT_FALSE(h.e.pop_imm(got));
+  // Fill all but 10 cells, wrapping around the ring; a batch of 100 then pushes exactly 10.
+  std::vector<uint32_t> many(ipc::kImmSlots - 10, 5);
+  size_t pushed = 0;
+  while (pushed < many.size()) {
+    size_t n = h.e.push_imms(many.data() + pushed, many.size() - pushed);
+    ASSERT_GT(n, 0u);
+    pushed += n;
+  }
+  std::vector<uint32_t> more(100, 6);
+  size_t room = 0;
+  for (size_t n; (n = h.e.push_imms(more.data() + room, more.size() - room)) > 0;) room += n;
+  EXPECT_EQ(room, 10u);
+  EXPECT_EQ(h.e.push_imms(more.data(), 1), 0u) << "full";
+  EXPECT_FALSE(h.e.push_imm(7));
+  size_t popped = 0;
+  while (h.e.pop_imm(got)) popped++;
+  EXPECT_EQ(popped, static_cast<size_t>(ipc::kImmSlots));
+}
+
+// Producers pushing batches and single immediates at once while the owner pops: every
+// immediate arrives exactly once, and each producer's immediates arrive in its order.
+TEST(ImmInbox, ConcurrentBatchAndSingleProducersLoseAndDuplicateNothing) {
+  HeapEndpoint h;
+  constexpr uint32_t kPerProducer = 200000;
+  constexpr uint32_t kProducers = 3;
+  std::atomic<bool> go{false};
+  std::vector<std::thread> producers;
+  for (uint32_t p = 0; p < kProducers; p++)
+    producers.emplace_back([&, p] {
+      while (!go.load()) std::this_thread::yield();
+      uint32_t next = 0;
+      std::vector<uint32_t> batch;
+      while (next < kPerProducer) {
+        if (p == 0) {  // one at a time
+          if (h.e.push_imm(p << 28 | next)) {
+            next++;
+          } else {
+            std::this_thread::yield();  // full
+          }
+          continue;
+        }
+        batch.clear();
+        uint32_t n = std::min<uint32_t>(kPerProducer - next, 1 + next % 5000);
+        for (uint32_t k = 0; k < n; k++) batch.push_back(p << 28 | (next + k));
+        size_t pushed = h.e.push_imms(batch.data(), batch.size());
+        if (pushed == 0) std::this_thread::yield();  // full
+        next += static_cast<uint32_t>(pushed);
+      }
+    });
+  go = true;
+  std::vector<uint32_t> expect(kProducers, 0);
+  uint64_t total = 0, out_of_order = 0;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (total < uint64_t{kPerProducer} * kProducers && std::chrono::steady_clock::now() < deadline) {
+    uint32_t v;
+    if (!h.e.pop_imm(v)) {
+      std::this_thread::yield();
+      continue;
+    }
+    uint32_t p = v >> 28;
+    ASSERT_LT(p, kProducers);
+    if ((v & 0x0fffffff) != expect[p]) out_of_order++;
+    expect[p] = (v & 0x0fffffff) + 1;
+    total++;
+  }
+  for (auto& t : producers) t.join();
+  EXPECT_EQ(total, uint64_t{kPerProducer} * kProducers);
+  EXPECT_EQ(out_of_order, 0u);
+  uint32_t v;
+  EXPECT_FALSE(h.e.pop_imm(v)) << "nothing extra";
+}
+
 }  // namespace
 }  // namespace fabric
