@@ -3,7 +3,12 @@
 //   paged:  10,000 random 64 KiB pages in one submit_paged_writes vs one cudaMemcpyAsync per page
 //           (target >= 5x) and vs one contiguous copy of the same total bytes
 //   curve:  single WRITEs from 4 KiB to 256 MiB, engine and raw
-//   watcher: GPU store -> watcher callback -> GPU sees the answer, timed by the GPU's clock
+//   batch:  the same 10,000 pages through the cuda_ipc Domain's post_write_batch, in batches of
+//           max_write_batch() as the engine's worker posts them, vs one contiguous copy (target
+//           >= 0.80); the same with an immediate per page; one post_write per page; the gather
+//           kernel alone
+//   watcher: GPU store -> watcher callback -> GPU sees the answer, timed by the GPU's clock,
+//           beside the minimal ping-pong (the floor) and variants that each change one thing
 // Two processes: the receiver on GPU 1 where there are two, on GPU 0 with the sender otherwise.
 #include <algorithm>
 #include <cstdio>
@@ -11,6 +16,7 @@
 #include <numeric>
 #include <random>
 
+#include "cuda_ipc_bench_parts.h"
 #include "gpu_kernels.h"
 #include "gpu_support.h"
 #include "process_pair.h"
@@ -130,6 +136,8 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
   ck(cudaSetDevice(dev), "cudaSetDevice");
   if (gpu_count() > 1) cudaDeviceEnablePeerAccess(1, 0);
   ck(cudaIpcOpenMemHandle(&raw_dst, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  std::string batch_peer = ch.recv();  // the receiver's own cuda_ipc domain over the same buffer
+  uint64_t batch_rkey = std::stoull(ch.recv());
   DeviceBuffer src(kBuf, dev);
   src.upload(pattern(64 << 20, 9));
   auto [h, desc] = engine.reg_mr(src.ptr, kBuf, Device::cuda(dev));
@@ -190,18 +198,95 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
     json += buf;
   }
   json += "],\n";
+  // paged through post_write_batch on a cuda_ipc Domain of our own, against the same contiguous
+  // copy as above (rc), in the same run
+  std::vector<double> bp, bpi, bs, gk;
+  uint64_t batch_imms_sent = 0;
+  size_t batch_size = 0;
+  {
+    bench::BatchSender bsend(dev, src.ptr, kBuf, batch_peer, batch_rkey);
+    batch_size = bsend.max_write_batch();
+    std::vector<uint64_t> so(kPages), doff(kPages);
+    for (uint32_t i = 0; i < kPages; i++) {
+      so[i] = uint64_t{si[i]} * kPage;
+      doff[i] = uint64_t{di[i]} * kPage;
+    }
+    bsend.paged_batches(so, doff, kPage, false);  // warm-up: mappings, events, descriptor pages
+    for (int rep = 0; rep < 5; rep++) {
+      bp.push_back(bsend.paged_batches(so, doff, kPage, false));
+      bpi.push_back(bsend.paged_batches(so, doff, kPage, true));
+      batch_imms_sent += kPages;
+      bs.push_back(bsend.paged_single_posts(so, doff, kPage));
+      gk.push_back(bench::gather_kernel_alone(src.ptr, static_cast<uint8_t*>(raw_dst), so, doff, kPage, 2048, stream));
+    }
+  }
+  double batch_ratio = median(bp) / median(rc);
+  std::printf("paged 10000 x 64 KiB through post_write_batch (batches of %zu): %.1f GB/s, with an "
+              "immediate per page %.1f GB/s; contiguous %.1f GB/s: ratio %.3f (target >= 0.80), "
+              "with immediates %.3f\n",
+              batch_size, median(bp), median(bpi), median(rc), batch_ratio, median(bpi) / median(rc));
+  std::printf("  the same pages, one post_write each: %.1f GB/s (ratio %.3f); the gather kernel alone "
+              "(5 launches of 2048, event-timed): %.1f GB/s (ratio %.3f)\n",
+              median(bs), median(bs) / median(rc), median(gk), median(gk) / median(rc));
+  std::snprintf(buf, sizeof buf,
+                "  \"paged_64k_x10000_batch\": {\"batch\": %zu, \"batch_gbps\": %.2f, \"batch_imm_gbps\": %.2f, "
+                "\"single_posts_gbps\": %.2f, \"gather_kernel_gbps\": %.2f, \"raw_contiguous_gbps\": %.2f, "
+                "\"ratio_contiguous\": %.4f, \"ratio_contiguous_imm\": %.4f},\n",
+                batch_size, median(bp), median(bpi), median(bs), median(gk), median(rc), batch_ratio,
+                median(bpi) / median(rc));
+  json += buf;
   ch.send(std::string("done"));
+  uint64_t batch_imms_seen = std::stoull(ch.recv());
+  std::printf("  immediates: %llu sent in batches, %llu counted by the receiver%s\n",
+              static_cast<unsigned long long>(batch_imms_sent), static_cast<unsigned long long>(batch_imms_seen),
+              batch_imms_seen == batch_imms_sent ? "" : "  MISMATCH");
+  if (batch_imms_seen != batch_imms_sent) throw std::runtime_error("batch immediates miscounted");
   // watcher latency
   auto floor = ping_pong(engine, false, stream);
   auto watcher = ping_pong(engine, true, stream);
   std::printf("watcher round trip (GPU store -> callback -> GPU sees ack): %s\n", stats_json(watcher).c_str());
   std::printf("bare polling thread round trip (floor):                  %s\n", stats_json(floor).c_str());
   json += "  \"watcher_round_trip\": " + stats_json(watcher) + ",\n  \"bare_thread_round_trip\": " +
-          stats_json(floor) + "\n}\n";
+          stats_json(floor) + ",\n";
+  // The minimal ping-pong (the floor) and variants, each one change away from it, same run.
+  std::vector<std::pair<std::string, std::vector<double>>> rows;
+  int cpu_minimal = -1;
+  rows.emplace_back("minimal: store+fence, own words 4 KiB apart, bare thread",
+                    bench::minimal_ping_pong(PingPongSignal::kStoreThenFence, 4096, stream, &cpu_minimal));
+  rows.emplace_back("  kernel st.release.sys (fence before the store)",
+                    bench::minimal_ping_pong(PingPongSignal::kReleaseStore, 4096, stream));
+  rows.emplace_back("  kernel fence, then store", bench::minimal_ping_pong(PingPongSignal::kFenceThenStore, 4096, stream));
+  rows.emplace_back("  kernel store, no fence", bench::minimal_ping_pong(PingPongSignal::kStoreOnly, 4096, stream));
+  rows.emplace_back("  words in adjacent 64-byte lines", bench::minimal_ping_pong(PingPongSignal::kStoreThenFence, 64, stream));
+  rows.emplace_back("  words in one 64-byte line", bench::minimal_ping_pong(PingPongSignal::kStoreThenFence, 8, stream));
+  rows.emplace_back("bare thread on the engine's GPU counters, store+fence",
+                    bench::engine_words_ping_pong(engine, PingPongSignal::kStoreThenFence, stream));
+  int cpu_watcher = -1;
+  rows.emplace_back("engine watcher, store+fence",
+                    bench::watcher_ping_pong(engine, PingPongSignal::kStoreThenFence, stream, &cpu_watcher));
+  rows.emplace_back("engine watcher, st.release.sys", bench::watcher_ping_pong(engine, PingPongSignal::kReleaseStore, stream));
+  double floor_p50 = bench::p50(rows[0].second);
+  std::printf("round trips GPU -> CPU -> GPU, same run (GPU %d on NUMA node %d; minimal's thread on CPU %d "
+              "node %d, watcher thread on CPU %d node %d):\n",
+              dev, bench::node_of_gpu(dev), cpu_minimal, bench::node_of_cpu(cpu_minimal), cpu_watcher,
+              bench::node_of_cpu(cpu_watcher));
+  json += "  \"round_trips\": [";
+  for (size_t r = 0; r < rows.size(); r++) {
+    double q = bench::p50(rows[r].second);
+    std::printf("  %-58s p50 %6.3f us (%5.2fx the minimal)  %s\n", rows[r].first.c_str(), q,
+                floor_p50 > 0 ? q / floor_p50 : 0.0, bench::stats_line(rows[r].second).c_str());
+    json += std::string(r ? ", " : "") + "{\"what\": \"" + rows[r].first.substr(rows[r].first.find_first_not_of(' ')) +
+            "\", \"stats\": " + bench::stats_line(rows[r].second) + "}";
+  }
+  double watcher_vs_floor = floor_p50 > 0 ? bench::p50(rows[7].second) / floor_p50 : 0.0;
+  std::printf("watcher (store+fence) / minimal ping-pong, p50: %.3f (target <= 1.2)\n", watcher_vs_floor);
+  json += "],\n  \"minimal_ping_pong\": " + bench::stats_line(rows[0].second) +
+          ",\n  \"watcher_store_fence_round_trip\": " + bench::stats_line(rows[7].second) +
+          ",\n  \"watcher_vs_minimal_p50\": " + std::to_string(watcher_vs_floor) + "\n}\n";
   if (!json_path.empty()) std::ofstream(json_path) << json;
-  std::printf("ratio single16m=%.3f paged_vs_per_page=%.1f paged_vs_contiguous=%.3f watcher_p50_us=%.2f "
-              "watcher_p99_us=%.2f\n",
-              single_ratio, median(ep) / median(rp), median(ep) / median(rc),
+  std::printf("ratio single16m=%.3f paged_vs_per_page=%.1f paged_vs_contiguous=%.3f batch_vs_contiguous=%.3f "
+              "watcher_vs_minimal_p50=%.3f watcher_p50_us=%.2f watcher_p99_us=%.2f\n",
+              single_ratio, median(ep) / median(rp), median(ep) / median(rc), batch_ratio, watcher_vs_floor,
               [&] { auto v = watcher; std::sort(v.begin(), v.end()); return v[v.size() / 2]; }(),
               [&] { auto v = watcher; std::sort(v.begin(), v.end()); return v[v.size() * 99 / 100]; }());
   cudaIpcCloseMemHandle(raw_dst);
@@ -217,7 +302,11 @@ int run_receiver(tools::Channel& ch) {
   cudaIpcMemHandle_t handle;
   ck(cudaIpcGetMemHandle(&handle, dst.ptr), "cudaIpcGetMemHandle");
   ch.send(std::string(reinterpret_cast<const char*>(&handle), sizeof handle));
+  bench::BatchReceiver batches(dev, dst.ptr, kBuf);  // for the sender's post_write_batch run
+  ch.send(batches.address());
+  ch.send(std::to_string(batches.rkey()));
   ch.recv();  // the sender is done with our buffer
+  ch.send(std::to_string(batches.imms()));
   return 0;
 }
 

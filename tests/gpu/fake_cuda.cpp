@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu_kernels.h"
 #include "providers/cuda_ipc/gather_copy.h"
 
 namespace {
@@ -158,6 +159,14 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { memcpy(d, s, n); return cudaSuccess; }
 cudaError_t cudaMemset(void* d, int v, size_t n) { memset(d, v, n); return cudaSuccess; }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { *e = reinterpret_cast<cudaEvent_t>(new Event); return cudaSuccess; }
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  auto* ev = reinterpret_cast<Event*>(e);
+  while (ev->s && ev->s->done.load(std::memory_order_acquire) < ev->at) std::this_thread::yield();
+  return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) { *ms = 1; return cudaSuccess; }
+cudaError_t cudaDeviceGetPCIBusId(char* id, int len, int) { snprintf(id, len, "0000:00:00.0"); return cudaSuccess; }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete reinterpret_cast<Event*>(e); return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto* ev = reinterpret_cast<Event*>(e);
@@ -264,6 +273,7 @@ cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_
   return cudaSuccess;
 }
 cudaError_t launch_ping_pong(uint64_t*, const volatile uint64_t*, uint32_t, uint64_t*, cudaStream_t) { return cudaErrorNotSupported; }
+cudaError_t launch_ping_pong_signal(uint64_t*, const volatile uint64_t*, uint32_t, uint64_t*, PingPongSignal, cudaStream_t) { return cudaErrorNotSupported; }
 cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t target, const uint8_t* data, uint64_t len, uint64_t* sum, cudaStream_t s) {
   run(s, [=] { while (*counter < target) std::this_thread::yield(); sum_words(data, len, sum); });
   return cudaSuccess;

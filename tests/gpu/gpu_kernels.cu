@@ -33,6 +33,41 @@ __global__ void ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t
   }
 }
 
+// The same round trip with the store made one of four ways (gpu_kernels.h, PingPongSignal). A
+// round that sees no answer for 100 ms records UINT64_MAX and ends the kernel (a variant that
+// never reaches the host must not hang the benchmark).
+__global__ void ping_pong_signal(uint64_t* word, const volatile uint64_t* ack, uint32_t n, uint64_t* out,
+                                 int signal) {
+  volatile uint64_t* w = word;
+  for (uint32_t i = 1; i <= n; i++) {
+    uint64_t t0 = global_ns();
+    switch (signal) {
+      case 0:  // st.release.sys: a fence before the store (what launch_ping_pong does)
+        store_system(word, i);
+        break;
+      case 1:  // the store, then the fence
+        *w = i;
+        __threadfence_system();
+        break;
+      case 2:  // the fence, then the store
+        __threadfence_system();
+        *w = i;
+        break;
+      default:  // the store alone
+        *w = i;
+        break;
+    }
+    uint32_t spins = 0;
+    while (*ack != i) {
+      if ((++spins & 1023) == 0 && global_ns() - t0 > 100000000ull) {
+        out[i - 1] = UINT64_MAX;
+        return;
+      }
+    }
+    out[i - 1] = global_ns() - t0;
+  }
+}
+
 __device__ void sum_words(const uint8_t* data, uint64_t len, unsigned long long* sum) {
   const uint64_t* w = reinterpret_cast<const uint64_t*>(data);
   unsigned long long local = 0;
@@ -64,6 +99,12 @@ cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_
 cudaError_t launch_ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
                              uint64_t* out_ns, cudaStream_t stream) {
   ping_pong<<<1, 1, 0, stream>>>(word, ack, n, out_ns);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ping_pong_signal(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
+                                    uint64_t* out_ns, PingPongSignal signal, cudaStream_t stream) {
+  ping_pong_signal<<<1, 1, 0, stream>>>(word, ack, n, out_ns, static_cast<int>(signal));
   return cudaGetLastError();
 }
 

@@ -16,6 +16,18 @@ cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_
 cudaError_t launch_ping_pong(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
                              uint64_t* out_ns, cudaStream_t stream);
 
+// How the GPU side of a round trip stores its sequence number into the watched word (all
+// system-scope; the spin on `ack` is volatile loads in every case):
+//   kReleaseStore:   st.release.sys (a MEMBAR.SYS issued before the store, as launch_ping_pong)
+//   kStoreThenFence: a volatile store, then __threadfence_system() (the minimal ping-pong)
+//   kFenceThenStore: __threadfence_system(), then a volatile store
+//   kStoreOnly:      a volatile store, no fence
+enum class PingPongSignal : int { kReleaseStore = 0, kStoreThenFence = 1, kFenceThenStore = 2, kStoreOnly = 3 };
+// launch_ping_pong with the store made as `signal` says; a round without an answer for 100 ms
+// records UINT64_MAX and ends the kernel.
+cudaError_t launch_ping_pong_signal(uint64_t* word, const volatile uint64_t* ack, uint32_t n,
+                                    uint64_t* out_ns, PingPongSignal signal, cudaStream_t stream);
+
 // Spins until *counter >= target, then sums `len` bytes of data (as uint64 words) into *sum.
 cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t target,
                                  const uint8_t* data, uint64_t len, uint64_t* sum,
