@@ -150,7 +150,7 @@ class TransferEngine {
   PeerGroupHandle add_peer_group(std::span<const RemoteMr> members);
   // Forgets a peer that left: transfers to it still waiting to be posted end with kCancelled, and
   // what every NIC holds for it (address-vector entries, queue pairs, IPC mappings) is released.
-  // Its interned regions stay (requests to them fail with kCancelled) until remove_remote; a new
+  // Its interned regions are removed with it (their handles turn stale: kNotFound); a new
   // process at the same address is reached through the descriptors it publishes. A peer whose
   // operations fail is released by the engine itself once nothing of it is in flight, and
   // reached afresh by the next write. Unknown peers are ignored.

@@ -300,7 +300,11 @@ bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
 void EngineImpl::remove_peer(const NetAddr& peer) {
   check_open();
   check_peer(peer, "remove_peer");
-  worker_->call([&] { worker_->remove_peer(peer); });
+  std::lock_guard lock(control_mu_);
+  std::vector<RemoteMr> removed = worker_->call([&] { return worker_->remove_peer(peer); });
+  std::erase_if(remote_index_, [&](const auto& kv) {
+    return std::find(removed.begin(), removed.end(), kv.second) != removed.end();
+  });
 }
 
 size_t EngineImpl::peer_count() {

@@ -284,12 +284,24 @@ void Worker::peer_failed(uint32_t r) {
   if (p.outstanding == 0) release_record(r);
 }
 
-void Worker::remove_peer(const NetAddr& peer) {
+std::vector<RemoteMr> Worker::remove_peer(const NetAddr& peer) {
+  std::vector<RemoteMr> removed;
   auto it = peer_index_.find(peer);
-  if (it == peer_index_.end()) return;
+  if (it == peer_index_.end()) return removed;
   uint32_t r = it->second;
   records_[r].state = PeerRecord::State::kRemoved;
-  release_record(r);
+  release_record(r);  // first: the record must not be freed while the domains still hold it
+  // Its interned regions go with it (a process at the same address later is another peer,
+  // with other keys). Groups keep their member, which fails with kCancelled from now on.
+  for (uint32_t s = 0; s < remotes_.capacity(); s++) {
+    RemoteSlot& slot = remotes_.slot(s);
+    uint32_t gen = slot.generation.load(std::memory_order_relaxed);
+    if ((gen & 1) && slot.target.record == r) {
+      removed.push_back(RemoteMr{s, gen});
+      remove_remote(removed.back());
+    }
+  }
+  return removed;
 }
 
 // A transfer's target whose peer record is no longer live: a released one (its connection

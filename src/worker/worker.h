@@ -121,8 +121,9 @@ class Worker {
   void remove_remote(const RemoteMr& remote);
   // A peer group of interned regions; returns its id.
   uint32_t add_group(std::span<const RemoteMr> members);
-  // Application says the peer left: its pending transfers end with kCancelled, its resources go.
-  void remove_peer(const NetAddr& peer);
+  // Application says the peer left: its pending transfers end with kCancelled, its resources go,
+  // and so do the remote regions interned for it (returned, so the engine forgets them too).
+  std::vector<RemoteMr> remove_peer(const NetAddr& peer);
   size_t peer_count() const { return peer_index_.size(); }
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
   bool cancel_expectation(uint32_t imm, uint64_t id);

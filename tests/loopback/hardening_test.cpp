@@ -338,7 +338,8 @@ TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
     std::fill(dst.begin(), dst.end(), 0);
     std::atomic<int> done{kDonePending}, landed{kDonePending};
     b.expect_imm_count(0x44, 1, OnDone::flag(&landed));
-    a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {a.add_remote(dd), 0}, .imm = 0x44},
+    const RemoteMr rd = a.add_remote(dd);
+    a.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {rd, 0}, .imm = 0x44},
              OnDone::flag(&done));
     ASSERT_TRUE(wait_until([&] { return ended(done) && ended(landed); }));
     EXPECT_EQ(done.load(), kDoneSucceeded) << "round " << round;
@@ -347,6 +348,12 @@ TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
     a.remove_peer(b.main_address());
     EXPECT_EQ(a.peer_count(), 0u);
     a.remove_peer(b.main_address());  // unknown now: ignored
+    try {  // the peer's interned regions went with it
+      a.submit(SingleWrite{.len = 1, .src = {hs, 0}, .dst = {rd, 0}}, OnDone::none());
+      ADD_FAILURE() << "a region of a removed peer is still interned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotFound) << e.what();
+    }
   }
   try {
     TransferEngine wide(config_for(ProviderCase{"tcp;ofi_rxm", 2, false}));
