@@ -1,5 +1,14 @@
-// GpuSignals on CUDA: an arena of 64-byte lines from cudaHostAlloc (mapped, portable), one word
-// per line, and one watcher thread that scans the active watchers' words and calls back.
+// GpuSignals on CUDA: an arena of cudaHostAlloc memory (mapped, portable), one word per 128 bytes
+// (two cache lines: the adjacent-line prefetcher never couples two words), and one watcher thread
+// that scans the active watchers' words and calls back. The thread's scan reads a dense list of
+// the active watchers (not every slot up to the highest one in use: GPU counters share the slots),
+// so a scan with nothing new costs a few loads per watcher and one atomic increment.
+//
+// Latency (docs/benchmarks.md, "GPU signals"): a round trip GPU -> callback -> GPU is bounded by
+// PCIe, not by this loop; what the kernel does around its store matters more. A fence before the
+// store (st.release.sys, or __threadfence_system() then the store) costs a whole system-scope
+// MEMBAR (about a PCIe round trip) before the store leaves the SM; a store followed by
+// __threadfence_system(), or a store alone, lets that flight overlap.
 #include "cuda/gpu_signals.h"
 
 #include <pthread.h>
@@ -19,11 +28,12 @@ namespace fabric {
 namespace {
 
 constexpr uint32_t kSlots = 4096;
-constexpr size_t kLine = 64;
+constexpr size_t kLine = 128;
 
 class CudaGpuSignals final : public GpuSignals {
  public:
-  explicit CudaGpuSignals(const EngineConfig& config) : config_(config), slots_(kSlots) {
+  explicit CudaGpuSignals(const EngineConfig& config)
+      : config_(config), slots_(kSlots), active_ids_(kSlots), active_pos_(kSlots, UINT32_MAX) {
     cuda::use_device(*config.cuda_device);
     void* arena = nullptr;
     cuda::check("cudaHostAlloc(GPU signals)",
@@ -52,8 +62,12 @@ class CudaGpuSignals final : public GpuSignals {
     s.cb = std::move(cb);
     s.last = 0;
     s.active.store(true, std::memory_order_release);
-    if (id >= scan_end_.load(std::memory_order_relaxed))
-      scan_end_.store(id + 1, std::memory_order_release);
+    // Onto the scan list: the entry first, then the count (release), so a scan that sees the
+    // count sees the entry.
+    uint32_t n = active_count_.load(std::memory_order_relaxed);
+    active_ids_[n].store(id, std::memory_order_relaxed);
+    active_pos_[id] = n;
+    active_count_.store(n + 1, std::memory_order_release);
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
     return {reinterpret_cast<uint64_t*>(device_ + id * kLine), word(id), id};
   }
@@ -63,7 +77,10 @@ class CudaGpuSignals final : public GpuSignals {
       std::lock_guard lock(mu_);
       Slot& s = check_slot(w.id, "free_uvm_watcher");
       s.retiring = true;  // a second free of this id fails from now on
-      s.active.store(false, std::memory_order_release);
+      // seq_cst with the epoch's increments and loads: a scan that starts after the epoch we read
+      // below has moved on sees the slot inactive (the wait below relies on it).
+      s.active.store(false, std::memory_order_seq_cst);
+      drop_from_scan(w.id);
       // Inside a callback, on the watcher thread: the thread releases the slot itself once it
       // has left the callback (it reads the flag again before any further call).
       if (std::this_thread::get_id() == thread_.get_id()) {
@@ -74,7 +91,7 @@ class CudaGpuSignals final : public GpuSignals {
     }
     // Wait, without the lock (a callback may be allocating a watcher right now), until the thread
     // has finished any scan that saw the watcher active.
-    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    uint64_t seen = epoch_.load(std::memory_order_seq_cst);
     while (epoch_.load(std::memory_order_acquire) < seen + 2) std::this_thread::yield();
     std::lock_guard lock(mu_);
     slots_[w.id].cb = nullptr;
@@ -107,6 +124,21 @@ class CudaGpuSignals final : public GpuSignals {
   };
 
   volatile uint64_t* word(uint32_t id) const { return reinterpret_cast<volatile uint64_t*>(host_ + id * kLine); }
+
+  // Off the scan list (under mu_, after the slot went inactive): the last entry moves into its
+  // place. A scan running meanwhile may read the moved watcher twice (the second read sees no
+  // change) or the old entry (inactive: skipped), never miss one that stays: the moved entry is
+  // still at the end until the count drops, and the count drops after it was copied.
+  void drop_from_scan(uint32_t id) {
+    uint32_t k = active_pos_[id];
+    if (k == UINT32_MAX) return;
+    uint32_t last = active_count_.load(std::memory_order_relaxed) - 1;
+    uint32_t moved = active_ids_[last].load(std::memory_order_relaxed);
+    active_ids_[k].store(moved, std::memory_order_relaxed);
+    active_pos_[moved] = k;
+    active_pos_[id] = UINT32_MAX;
+    active_count_.store(last, std::memory_order_release);
+  }
 
   uint32_t take_slot(const char* what) {
     if (free_.empty())
@@ -153,10 +185,11 @@ class CudaGpuSignals final : public GpuSignals {
     util::Idle idle(config_.worker_poll, config_.idle_sleep);
     while (!stop_.load(std::memory_order_relaxed)) {
       bool any = false;
-      uint32_t end = scan_end_.load(std::memory_order_acquire);
-      for (uint32_t id = 0; id < end; id++) {
+      const uint32_t n = active_count_.load(std::memory_order_acquire);
+      for (uint32_t k = 0; k < n; k++) {
+        const uint32_t id = active_ids_[k].load(std::memory_order_relaxed);
         Slot& s = slots_[id];
-        if (!s.active.load(std::memory_order_acquire)) continue;
+        if (!s.active.load(std::memory_order_seq_cst)) continue;  // a plain load on x86
         uint64_t v = *word(id);
         if (v == s.last) continue;
         uint64_t old = s.last;
@@ -168,7 +201,11 @@ class CudaGpuSignals final : public GpuSignals {
           log::error("UVM watcher {} callback threw: {}", id, e.what());
         }
       }
-      epoch_.fetch_add(1, std::memory_order_release);
+      // seq_cst (a locked add on x86, some 10 ns): together with the seq_cst store of a freed
+      // watcher's flag and its loads above, the next scan after this one sees a watcher freed
+      // before this increment as inactive. (A plain store would let this thread's next loads
+      // pass it in the store buffer.)
+      epoch_.fetch_add(1, std::memory_order_seq_cst);
       if (has_retired_.load(std::memory_order_acquire)) release_retired();
       if (any) {
         idle.reset();
@@ -185,7 +222,9 @@ class CudaGpuSignals final : public GpuSignals {
   std::vector<uint32_t> free_;
   std::vector<uint32_t> retired_;
   std::mutex mu_;  // allocation and release (control path)
-  std::atomic<uint32_t> scan_end_{0};
+  std::vector<std::atomic<uint32_t>> active_ids_;  // the scan list: active watchers' ids
+  std::vector<uint32_t> active_pos_;                // id -> its index in the list (under mu_)
+  std::atomic<uint32_t> active_count_{0};
   std::atomic<uint64_t> epoch_{0};
   std::atomic<bool> has_retired_{false};
   std::atomic<bool> stop_{false};

@@ -35,6 +35,7 @@ constexpr size_t kDescBlock = 2048;      // copies per gather launch
 constexpr size_t kDescBlocks = 32;       // gather launches in flight
 constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
 constexpr size_t kBatchBlocks = (kBatchMax + kDescBlock - 1) / kDescBlock;
+constexpr uint32_t kBatchKick = 256;     // an idle GPU gets a batch's first pages this early
 constexpr uint64_t kCopyEngineMin = 1 << 20;  // a WRITE this large goes to a copy engine alone
 
 static_assert(sizeof(cudaIpcMemHandle_t) == ipc::kHandleBytes);
@@ -340,14 +341,20 @@ class CudaIpcDomain final : public Domain {
     bool src_readable = false;
     bool src_known = false;
     cuda::CopyDesc* block = nullptr;
-    uint32_t descs = 0;
+    uint32_t descs = 0, launched = 0;  // in the current block: written, handed to the GPU
+    // Nothing of ours runs on the GPU: launch the first kBatchKick pages at once instead of
+    // after a whole block (the rest of the block follows in a second launch).
+    bool kick = inflight_.empty();
     auto launch = [&] {
-      cudaError_t rc = cuda::launch_gather_copy(block, descs, sm_count_, stream_);
+      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream_);
       issued = true;
       if (rc != cudaSuccess && failure.empty())
         failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
-      block = nullptr;
-      descs = 0;
+      launched = descs;
+      if (descs == kDescBlock) {
+        block = nullptr;
+        descs = launched = 0;
+      }
     };
     for (const WriteOp& op : ops) {
       if (op.peer != id) {
@@ -390,7 +397,10 @@ class CudaIpcDomain final : public Domain {
         block = descs_ + static_cast<size_t>(k) * kDescBlock;
       }
       block[descs++] = {op.src, dst, op.len};
-      if (descs == kDescBlock) launch();
+      if (descs == kDescBlock || (kick && descs == kBatchKick)) {
+        kick = false;
+        launch();
+      }
     }
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
       release(b);
@@ -398,7 +408,7 @@ class CudaIpcDomain final : public Domain {
       last_error_ = std::move(failure);
       return PostResult::kFailed;
     }
-    if (failure.empty() && descs > 0) launch();
+    if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
     cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream_));
     inflight_.push_back(std::move(b));
