@@ -235,7 +235,7 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
                 batch_size, median(bp), median(bpi), median(bs), median(gk), median(rc), batch_ratio,
                 median(bpi) / median(rc));
   json += buf;
-  ch.send(std::string("done"));
+  ch.send(std::to_string(batch_imms_sent));  // done with the receiver's buffer; how many it should count
   uint64_t batch_imms_seen = std::stoull(ch.recv());
   std::printf("  immediates: %llu sent in batches, %llu counted by the receiver%s\n",
               static_cast<unsigned long long>(batch_imms_sent), static_cast<unsigned long long>(batch_imms_seen),
@@ -305,7 +305,11 @@ int run_receiver(tools::Channel& ch) {
   bench::BatchReceiver batches(dev, dst.ptr, kBuf);  // for the sender's post_write_batch run
   ch.send(batches.address());
   ch.send(std::to_string(batches.rkey()));
-  ch.recv();  // the sender is done with our buffer
+  uint64_t want = std::stoull(ch.recv());  // the sender is done with our buffer
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (batches.imms() < want && std::chrono::steady_clock::now() < deadline)  // still in our inbox
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a surplus would show
   ch.send(std::to_string(batches.imms()));
   return 0;
 }

@@ -261,10 +261,11 @@ inline std::vector<double> round_trips(uint64_t* word, const volatile uint64_t* 
       if (cpu_seen) *cpu_seen = sched_getcpu();
       while (!stop.load(std::memory_order_relaxed)) echo_step();
     });
-  ck(launch_ping_pong_signal(word, ack, kRounds, out, signal, stream), "ping_pong_signal");
-  ck(cudaStreamSynchronize(stream), "sync");
+  cudaError_t rc = launch_ping_pong_signal(word, ack, kRounds, out, signal, stream);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(stream);
   stop = true;
-  if (t.joinable()) t.join();
+  if (t.joinable()) t.join();  // before any throw: a joinable thread must not be destroyed
+  ck(rc, "ping_pong_signal");
   std::vector<uint64_t> ns(kRounds);
   ck(cudaMemcpy(ns.data(), out, kRounds * 8, cudaMemcpyDefault), "copy back");
   cudaFree(out);
