@@ -72,7 +72,7 @@ bench-python: build
 
 .PHONY: bench-compare
 bench-compare: build
-	@dpkg -s ucx-utils >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils
+	@dpkg -s ucx-utils python3-venv >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils python3-venv
 	bench/compare.sh $(BUILD) 5 docs/bench/compare.json
 
 .PHONY: bench-sweep bench-plot bench-post
