@@ -330,6 +330,7 @@ class CudaIpcDomain final : public Domain {
     Batch b;
     b.group = ctx;
     b.group_peer = id;
+    if (ops[0].has_imm) b.imms.reserve(ops.size());  // a paged transfer: all or none have one
     b.event = take_event();
     std::string failure;
     bool issued = false;  // something of this batch runs on the GPU: it must end with its event
