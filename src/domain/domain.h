@@ -24,6 +24,7 @@ struct OpContext {
   uint32_t nic = 0;
   uint32_t peer = UINT32_MAX;  // engine's peer record the op goes to
   uint64_t aux = 0;       // engine's per-op value (e.g. bytes)
+  uint32_t writes = 1;    // engine's: WRITEs the op stands for (a batch: its length)
 };
 
 // Handle of a peer inside one Domain (libfabric fi_addr_t, verbs QP index).

@@ -54,9 +54,14 @@ void CallbackThread::run() {
     }
     idle_rounds = 0;
     if (e->stop) return;
+    struct GiveBack {  // the data buffer goes back to the pool even if the callback threw
+      util::SharedPool<std::vector<std::byte>>& pool;
+      std::vector<std::byte>* buf;
+      ~GiveBack() { pool.give(buf); }
+    } give_back{buffers_, e->data};
     try {
       if (e->done) e->done(e->status);
-      if (e->on_recv) (*e->on_recv)(std::span<const std::byte>(e->data));
+      if (e->on_recv) (*e->on_recv)(std::span<const std::byte>(*e->data));
     } catch (const std::exception& ex) {
       log::error("a completion callback threw: {} (callbacks must not throw; the exception was "
                  "dropped)",

@@ -7,6 +7,7 @@
 
 #include "fabric/config.h"
 #include "util/mpsc_queue.h"
+#include "util/shared_pool.h"
 #include "worker/request.h"
 
 namespace fabric {
@@ -22,6 +23,18 @@ class CallbackThread {
   // Retries a worker's overflow list; returns true when it is empty.
   bool flush(std::deque<Event>& overflow);
   void stop();  // queues the final event; the thread exits after running all before it
+  // A buffer for an event's data (a received message), given back once its callback ran: reused,
+  // so receiving allocates nothing after warm-up.
+  std::vector<std::byte>* take_buffer() { return buffers_.take(); }
+  // Adds `count` buffers of `len` bytes' capacity to that pool.
+  void prepare_buffers(size_t count, size_t len) {
+    std::vector<std::vector<std::byte>*> taken;
+    for (size_t i = 0; i < count; i++) {
+      taken.push_back(buffers_.fresh());
+      taken.back()->reserve(len);
+    }
+    for (auto* b : taken) buffers_.give(b);
+  }
   void join() {  // waits for the thread after stop(); the object itself may then be kept
     if (thread_.joinable()) thread_.join();
   }
@@ -30,6 +43,7 @@ class CallbackThread {
   void run();
   void wake();
   util::MpscQueue<Event> queue_;
+  util::SharedPool<std::vector<std::byte>> buffers_;
   // In kAdaptive mode an idle callback thread blocks on `doorbell_` (atomic wait) instead of
   // waking up periodically; producers bump it on every push and notify only while `sleeping_`.
   std::atomic<uint32_t> doorbell_{0};

@@ -239,10 +239,11 @@ TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
 
 void EngineImpl::submit_request(TransferRequest&& r) {
   RequestBuffer* buf = r.buf;
+  const TransferKind kind = r.kind;
   try {
     worker_->submit(std::move(r));
   } catch (...) {
-    buffers_.give(buf);  // never queued: nobody else will
+    buffers_.give(kind, buf);  // never queued: nobody else will
     throw;
   }
 }
@@ -256,7 +257,7 @@ void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDo
                             "({}); use a WRITE for bulk data or raise the limit",
                             bytes.size(), config_.max_message_size));
   TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
-  r.buf = buffers_.take();
+  r.buf = buffers_.take(r.kind);
   r.buf->send_dst = dst;  // copy-assigned into kept capacity: no allocation after warm-up
   r.buf->payload.assign(bytes.begin(), bytes.end());
   submit_request(std::move(r));
@@ -406,7 +407,7 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
   r.dst_offset = w.dst_pages.offset;
   r.dst_stride = w.dst_pages.stride;
   r.count = static_cast<uint32_t>(w.src_pages.indices.size());
-  r.buf = buffers_.take();
+  r.buf = buffers_.take(r.kind);
   r.buf->src_pages.assign(w.src_pages.indices.begin(), w.src_pages.indices.end());
   r.buf->dst_pages.assign(w.dst_pages.indices.begin(), w.dst_pages.indices.end());
   submit_request(std::move(r));
@@ -436,7 +437,7 @@ void EngineImpl::submit(const Scatter& w, OnDone on_done) {
   TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.count = static_cast<uint32_t>(w.slices.size());
-  r.buf = buffers_.take();
+  r.buf = buffers_.take(r.kind);
   r.buf->slices.assign(w.slices.begin(), w.slices.end());
   submit_request(std::move(r));
 }
@@ -468,7 +469,7 @@ void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
   r.src = w.src;
   r.group = w.group.id;
   r.count = static_cast<uint32_t>(w.slices.size());
-  r.buf = buffers_.take();
+  r.buf = buffers_.take(r.kind);
   r.buf->group_slices.assign(w.slices.begin(), w.slices.end());
   submit_request(std::move(r));
 }
@@ -481,7 +482,7 @@ void EngineImpl::submit(const Barrier& w, OnDone on_done) {
   for (const RemoteMr& d : w.dsts) remote(d, what);
   TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
   r.count = static_cast<uint32_t>(w.dsts.size());
-  r.buf = buffers_.take();
+  r.buf = buffers_.take(r.kind);
   r.buf->remotes.assign(w.dsts.begin(), w.dsts.end());
   submit_request(std::move(r));
 }

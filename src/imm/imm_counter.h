@@ -30,7 +30,7 @@ class ImmCounter {
   // Registers expectation `id` (unique, chosen by the caller). If already met, returns its waiter
   // in `met`.
   void expect(uint32_t imm, uint64_t count, uint64_t id, Waiter waiter, std::vector<Waiter>& met) {
-    Entry& e = entries_[imm];
+    Entry& e = entry(imm);
     bool was_stray = stray(e);
     e.waiting.push_back({count, id, std::move(waiter)});
     settle(imm, e, was_stray, met);
@@ -42,9 +42,8 @@ class ImmCounter {
     auto it = entries_.find(imm);
     if (it == entries_.end()) {
       if (strays_ >= max_stray_) return false;
-      it = entries_.emplace(imm, Entry{}).first;
     }
-    Entry& e = it->second;
+    Entry& e = it != entries_.end() ? it->second : entry(imm);
     bool was_stray = stray(e);
     e.count++;
     settle(imm, e, was_stray, met);
@@ -109,12 +108,33 @@ class ImmCounter {
     bool is_stray = stray(e);
     if (was_stray && !is_stray) strays_--;
     if (!was_stray && is_stray) strays_++;
-    if (e.count == 0 && e.waiting.empty()) entries_.erase(imm);
+    if (e.count == 0 && e.waiting.empty()) retire(imm);
   }
 
+  // An entry with nothing left goes, but its node (and its waiting list's capacity) is kept for
+  // the next new immediate: immediates come and go every round, and this keeps them from
+  // allocating.
+  void retire(uint32_t imm) {
+    auto node = entries_.extract(imm);
+    if (spare_.size() < kMaxSpare) spare_.push_back(std::move(node));
+  }
+  Entry& entry(uint32_t imm) {
+    auto it = entries_.find(imm);
+    if (it != entries_.end()) return it->second;
+    if (spare_.empty()) return entries_[imm];
+    auto node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = imm;
+    node.mapped().count = 0;
+    node.mapped().waiting.clear();
+    return entries_.insert(std::move(node)).position->second;
+  }
+
+  static constexpr size_t kMaxSpare = 1024;
   size_t max_stray_;
   size_t strays_ = 0;
   std::unordered_map<uint32_t, Entry> entries_;
+  std::vector<typename std::unordered_map<uint32_t, Entry>::node_type> spare_;
 };
 
 }  // namespace fabric

@@ -38,6 +38,8 @@ class ObjectPool {
   void grow() {
     chunks_.push_back(std::make_unique<T[]>(chunk_));
     T* c = chunks_.back().get();
+    if constexpr (requires { c->prepare(); })  // what each object holds, allocated up front
+      for (size_t i = 0; i < chunk_; i++) c[i].prepare();
     free_.reserve(free_.size() + chunk_);
     for (size_t i = chunk_; i-- > 0;) free_.push_back(&c[i]);
   }

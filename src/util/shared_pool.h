@@ -28,6 +28,13 @@ class SharedPool {
     free_.pop_back();
     return p;
   }
+  // A new object, even when free ones exist (to add warmed objects to the pool).
+  T* fresh() {
+    std::lock_guard lock(mu_);
+    all_.push_back(std::make_unique<T>());
+    free_.reserve(all_.capacity());
+    return all_.back().get();
+  }
   void give(T* p) {
     if (!p) return;
     std::lock_guard lock(mu_);

@@ -76,7 +76,7 @@ struct Event {
   OnDone::Callback done;  // with status
   Status status;
   std::shared_ptr<TransferEngine::RecvCallback> on_recv;  // with data
-  std::vector<std::byte> data;
+  std::vector<std::byte>* data = nullptr;  // CallbackThread::take_buffer(); given back after the call
   bool stop = false;
 };
 

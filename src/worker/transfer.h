@@ -51,6 +51,8 @@ struct Transfer {
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
   Transfer* next = nullptr;
 
+  // Room for a scatter to a few destinations, made when the pool creates the object.
+  void prepare() { targets.reserve(8); }
   // Back to a fresh state for the pool, keeping the targets' capacity (no allocation on reuse).
   void reuse() {
     std::vector<ResolvedTarget> keep = std::move(targets);

@@ -591,6 +591,7 @@ bool Worker::post_next(Transfer& t) {
         batch_ops_.push_back(op);
       }
       ctx->aux = n * q.len;
+      ctx->writes = static_cast<uint32_t>(n);
       result = d.post_write_batch(batch_ops_, ctx);
     } else {
       ctx->aux = op.len;
@@ -705,7 +706,8 @@ void Worker::on_completion(size_t nic, Completion& c) {
       st.messages_received.fetch_add(1, std::memory_order_relaxed);
       Event e;
       e.on_recv = pool->on_recv;
-      e.data.assign(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + c.len);
+      e.data = callbacks_.take_buffer();
+      e.data->assign(reinterpret_cast<std::byte*>(buf), reinterpret_cast<std::byte*>(buf) + c.len);
       callbacks_.push(std::move(e), overflow_);
       repost_recv(nic, c.context);  // the bytes were copied: the buffer goes straight back
       return;
@@ -727,7 +729,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       auto* t = static_cast<Transfer*>(ctx->owner);
       if (c.kind == Completion::Kind::kLocal) {
         if (ctx->kind == kOpWrite) {
-          st.writes_posted.fetch_add(1, std::memory_order_relaxed);
+          st.writes_posted.fetch_add(ctx->writes, std::memory_order_relaxed);
           st.bytes_written.fetch_add(ctx->aux, std::memory_order_relaxed);
         } else {
           st.sends_posted.fetch_add(1, std::memory_order_relaxed);
@@ -781,7 +783,13 @@ void Worker::fail(Transfer& t, Status status) {
 
 void Worker::maybe_finish(Transfer& t) {
   bool all_posted = t.failed || t.next_op == t.total_ops;
-  if (!t.reported && all_posted && t.outstanding == 0) {
+  bool done_now = !t.reported && all_posted && t.outstanding == 0;
+  // The request's buffer goes back before the caller hears of the end, so a caller that waits
+  // for its transfers never sees more buffers taken than it has transfers open (the pool stops
+  // growing after warm-up).
+  if ((done_now || t.reported) && t.outstanding == 0 && !t.queued)
+    buffers_.give(t.req.kind, std::exchange(t.req.buf, nullptr));
+  if (done_now) {
     t.reported = true;
     unlink(t);
     report(t.req.on_done, t.failed ? t.error : Status::ok_status());
@@ -789,7 +797,6 @@ void Worker::maybe_finish(Transfer& t) {
   if (t.reported && t.outstanding == 0 && !t.queued) {
     if (t.send_slot != UINT32_MAX) free_send_slots_.push_back(t.send_slot);
     for (auto& target : t.targets) unhold_record(target.record);
-    buffers_.give(std::exchange(t.req.buf, nullptr));
     transfers_.release(&t);
   }
 }
@@ -912,6 +919,7 @@ void Worker::add_recv_pool(size_t len, size_t count,
     ctx.aux = i;
   }
   recvs_unposted_ += count;
+  callbacks_.prepare_buffers(count, len);  // one copy per buffer can be queued without allocating
   recv_pools_.push_back(std::move(pool));
   post_recv_backlog();  // what the provider takes now; the rest as it frees room
 }

@@ -25,6 +25,7 @@
 #include "imm/imm_counter.h"
 #include "util/mpsc_queue.h"
 #include "util/object_pool.h"
+#include "util/ring.h"
 #include "util/shared_pool.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
@@ -41,7 +42,16 @@ struct NetAddrHash {
   }
 };
 
-using RequestBufferPool = util::SharedPool<RequestBuffer>;
+// One pool per kind of request, so that a buffer is always filled the same way and its warm
+// capacity fits (a buffer that carried pages is never handed to a scatter).
+class RequestBufferPool {
+ public:
+  RequestBuffer* take(TransferKind k) { return pools_[static_cast<size_t>(k)].take(); }
+  void give(TransferKind k, RequestBuffer* b) { pools_[static_cast<size_t>(k)].give(b); }
+
+ private:
+  std::array<util::SharedPool<RequestBuffer>, 7> pools_;  // one per TransferKind
+};
 
 struct AtomicNicStats {
   std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
@@ -222,9 +232,9 @@ class Worker {
   std::vector<ImmWaiter> met_;
   std::set<std::tuple<Clock::time_point, uint64_t, uint32_t>> expect_deadlines_;  // (when, id, imm)
   bool warned_imm_drop_ = false;
-  util::ObjectPool<Transfer> transfers_{64};
+  util::ObjectPool<Transfer> transfers_{256};
   util::ObjectPool<OpContext> contexts_{1024};
-  std::deque<Transfer*> pending_;       // transfers with WRITEs left to post, FIFO
+  util::Ring<Transfer*> pending_;       // transfers with WRITEs left to post, FIFO
   Transfer* oldest_ = nullptr;          // unreported transfers, oldest first (deadline order)
   Transfer* newest_ = nullptr;
   std::vector<std::unique_ptr<RecvPool>> recv_pools_;

@@ -51,7 +51,8 @@ struct Sender {
     std::atomic<uint64_t> ok{0}, failed{0};
     auto t0 = Clock::now();
     for (int i = 0; i < count; i++)
-      engine.submit_single_write(len, src, (i * len) % (kBuf - len + 1), dst, 0, OnDone::counter(&ok, &failed));
+      engine.submit(SingleWrite{.len = len, .src = {src, (i * len) % (kBuf - len + 1)}, .dst = {engine.add_remote(dst), 0}},
+                    OnDone::counter(&ok, &failed));
     if (!wait_for(ok, count) || failed.load()) throw std::runtime_error("engine single writes failed");
     return len * count / seconds_since(t0) / 1e9;
   }
@@ -65,7 +66,8 @@ struct Sender {
   double engine_paged(const Pages& s, const Pages& d) {
     std::atomic<uint64_t> ok{0}, failed{0};
     auto t0 = Clock::now();
-    engine.submit_paged_writes(kPage, src, s, dst, d, OnDone::counter(&ok, &failed));
+    engine.submit(PagedWrites{.page_len = kPage, .src = src, .src_pages = s, .dst = engine.add_remote(dst), .dst_pages = d},
+                  OnDone::counter(&ok, &failed));
     if (!wait_for(ok, 1) || failed.load()) throw std::runtime_error("engine paged write failed");
     return double(kPage) * kPages / seconds_since(t0) / 1e9;
   }
