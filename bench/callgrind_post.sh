@@ -15,7 +15,7 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 batches=101 batch=32
 LD_BIND_NOW=1 valgrind --tool=callgrind --callgrind-out-file="$out" --collect-atstart=no \
-  --toggle-collect='fabric::TransferEngine::submit_single_write(*' \
+  --toggle-collect='fabric::TransferEngine::submit(fabric::SingleWrite const&*' \
   --toggle-collect='fabric::Worker::handle(fabric::TransferRequest&&)' \
   --toggle-collect='fabric::Worker::on_completion(*' \
   --toggle-collect='fabric::Worker::post_pending()' \

@@ -56,6 +56,15 @@ class OnDone {
     return std::move(*this);
   }
 
+  // Back to none, letting go of a callback and what it kept alive (cheap when there is neither).
+  void reset() {
+    if (callback_) callback_ = nullptr;
+    if (keep_alive_) keep_alive_.reset();
+    kind_ = Kind::kNone;
+    flag_ = nullptr;
+    done_ = failed_ = nullptr;
+  }
+
   Kind kind() const { return kind_; }
   Callback& callback_fn() { return callback_; }
   std::atomic<int>* flag_ptr() const { return flag_; }

@@ -25,6 +25,17 @@ struct OpContext {
   uint32_t peer = UINT32_MAX;  // engine's peer record the op goes to
   uint64_t aux = 0;       // engine's per-op value (e.g. bytes)
   uint32_t writes = 1;    // engine's: WRITEs the op stands for (a batch: its length)
+
+  // Back to the pool: the engine's fields reset; provider_space is left as it is (a provider
+  // fills it when the context is posted), which saves clearing 64 bytes per WRITE.
+  void reuse() {
+    owner = nullptr;
+    kind = 0;
+    nic = 0;
+    peer = UINT32_MAX;
+    aux = 0;
+    writes = 1;
+  }
 };
 
 // Handle of a peer inside one Domain (libfabric fi_addr_t, verbs QP index).

@@ -54,11 +54,21 @@ struct Transfer {
   // Room for a scatter to a few destinations, made when the pool creates the object.
   void prepare() { targets.reserve(8); }
   // Back to a fresh state for the pool, keeping the targets' capacity (no allocation on reuse).
+  // Field by field: a fresh Transfer moved in would cost more than the WRITE it carried.
   void reuse() {
-    std::vector<ResolvedTarget> keep = std::move(targets);
-    keep.clear();
-    *this = Transfer{};
-    targets = std::move(keep);
+    req.on_done.reset();  // lets go of a callback and what it kept alive
+    req.buf = nullptr;
+    src = nullptr;
+    group = nullptr;
+    targets.clear();
+    total_ops = next_op = outstanding = 0;
+    outstanding_on = {};
+    batch = 0;
+    send_slot = UINT32_MAX;
+    failed = reported = queued = false;
+    if (!error.ok()) error = Status{};
+    first_post_ns = 0;
+    prev = next = nullptr;
   }
 };
 

@@ -548,7 +548,7 @@ bool Worker::post_next(Transfer& t) {
     uint64_t src_off = 0, dst_off = 0;
     switch (q.kind) {
       case TransferKind::kSingle: {
-        Shard s = single_write_shard(q.len, t.total_ops, i);
+        Shard s = t.total_ops == 1 ? Shard{0, q.len} : single_write_shard(q.len, t.total_ops, i);
         src_off = q.src_offset + s.offset;
         dst_off = q.dst_offset + s.offset;
         op.len = s.len;

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
@@ -87,8 +89,17 @@ struct Counted {
     expected++;
     return OnDone::counter(&done, &failed);
   }
-  void wait() {
-    for (uint64_t d; (d = done.load() + failed.load()) < expected;) done.wait(done.load());
+  // Polls (a failure does not change `done`, so waiting on it alone could sleep for ever).
+  bool wait() {
+    auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (done.load() + failed.load() < expected) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        ADD_FAILURE() << done.load() << " done and " << failed.load() << " failed of " << expected;
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    return true;
   }
 };
 
@@ -145,30 +156,37 @@ TEST(SubmitAllocations, TenThousandSubmitsOfEveryKindAllocateNothing) {
   constexpr uint32_t kRounds = 10000;
   uint64_t sent = 0;
   auto wait_received = [&] {  // every message so far went through its callback
-    while (w.received.load() < sent) w.received.wait(w.received.load());
+    auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (w.received.load() < sent) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        ADD_FAILURE() << w.received.load() << " of " << sent << " messages received";
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    return true;
   };
   auto run = [&](uint32_t rounds) {
     Counted c;
     for (uint32_t i = 0; i < rounds; i++) {
       w.round(c, i);
       sent++;
-      if (i % 16 == 15) {  // a bounded number in flight (below the pools' first chunk)
-        c.wait();
-        wait_received();
-      }
+      // A bounded number in flight (below the pools' first chunk).
+      if (i % 16 == 15 && !(c.wait() && wait_received())) return false;
     }
-    c.wait();
+    bool ok = c.wait();
     EXPECT_EQ(c.failed.load(), 0u);
+    return ok;
   };
-  run(2000);  // warm-up: pools, queues and the provider's buffers reach their working size
-  wait_received();
+  // Warm-up: pools, queues and the provider's buffers reach their working size.
+  ASSERT_TRUE(run(2000) && wait_received());
   void* warm[4];
   backtrace(warm, 4);  // loads what backtrace() needs before counting starts
   g_allocations = 0;
   g_counting = true;
-  run(kRounds);
-  wait_received();
+  const bool ok = run(kRounds) && wait_received();
   g_counting = false;
+  ASSERT_TRUE(ok);
   const uint64_t n = g_allocations.load();
   EXPECT_EQ(n, 0u) << n << " heap allocations in " << kRounds << " rounds of 8 submits, 1 "
                    << "expectation and 1 message each";
