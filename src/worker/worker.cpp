@@ -261,8 +261,9 @@ void Worker::release_record(uint32_t r) {
 }
 
 void Worker::unhold_record(uint32_t r) {
-  if (records_[r].holders > 0) records_[r].holders--;
-  maybe_free_record(r);
+  PeerRecord& p = records_[r];
+  if (p.holders > 0) p.holders--;
+  if (p.state != PeerRecord::State::kLive) maybe_free_record(r);  // live: nothing to free
 }
 
 void Worker::maybe_free_record(uint32_t r) {
@@ -749,7 +750,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       p.outstanding--;
       if (c.kind == Completion::Kind::kError && c.peer_lost) peer_failed(record);
       else if (p.state == PeerRecord::State::kFailed && p.outstanding == 0) release_record(record);
-      else maybe_free_record(record);  // a released record may wait for its last completion
+      else if (p.state != PeerRecord::State::kLive) maybe_free_record(record);  // a released one may wait for its last completion
       maybe_finish(*t);
       return;
     }
