@@ -13,6 +13,7 @@
 
 #include "domain/domain.h"
 #include "fabric/types.h"
+#include "util/free_slots.h"
 
 namespace fabric {
 
@@ -29,18 +30,11 @@ struct RegionSlot {
 
 class MrTable {
  public:
-  explicit MrTable(size_t capacity) : slots_(capacity) {
-    for (size_t i = capacity; i-- > 0;) free_.push_back(static_cast<uint32_t>(i));
-  }
+  explicit MrTable(size_t capacity) : slots_(capacity), free_(capacity) {}
 
   // Worker thread only.
-  std::optional<uint32_t> take_free_slot() {
-    if (free_.empty()) return std::nullopt;
-    uint32_t s = free_.back();
-    free_.pop_back();
-    return s;
-  }
-  void return_slot(uint32_t s) { free_.push_back(s); }
+  std::optional<uint32_t> take_free_slot() { return free_.take(); }
+  void return_slot(uint32_t s) { free_.give(s); }
   RegionSlot& slot(uint32_t s) { return slots_[s]; }
   size_t capacity() const { return slots_.size(); }
 
@@ -53,7 +47,7 @@ class MrTable {
 
  private:
   std::vector<RegionSlot> slots_;
-  std::vector<uint32_t> free_;
+  util::FreeSlots free_;
 };
 
 }  // namespace fabric

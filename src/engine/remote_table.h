@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fabric/types.h"
+#include "util/free_slots.h"
 #include "worker/transfer.h"
 
 namespace fabric {
@@ -34,18 +35,11 @@ struct RemoteView {
 
 class RemoteTable {
  public:
-  explicit RemoteTable(size_t capacity) : slots_(capacity) {
-    for (size_t i = capacity; i-- > 0;) free_.push_back(static_cast<uint32_t>(i));
-  }
+  explicit RemoteTable(size_t capacity) : slots_(capacity), free_(capacity) {}
 
   // Worker thread only.
-  std::optional<uint32_t> take_free_slot() {
-    if (free_.empty()) return std::nullopt;
-    uint32_t s = free_.back();
-    free_.pop_back();
-    return s;
-  }
-  void return_slot(uint32_t s) { free_.push_back(s); }
+  std::optional<uint32_t> take_free_slot() { return free_.take(); }
+  void return_slot(uint32_t s) { free_.give(s); }
   RemoteSlot& slot(uint32_t s) { return slots_[s]; }
   size_t capacity() const { return slots_.size(); }
   // The live slot of a handle, or null (worker thread: no concurrent writer).
@@ -69,7 +63,7 @@ class RemoteTable {
 
  private:
   std::vector<RemoteSlot> slots_;
-  std::vector<uint32_t> free_;
+  util::FreeSlots free_;
 };
 
 }  // namespace fabric
