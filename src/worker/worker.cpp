@@ -452,7 +452,8 @@ void Worker::handle(TransferRequest&& r) {
       default: t.total_ops = q.count; break;  // pages, slices, destinations
     }
     if (grouped(q.kind)) {
-      t.group = groups_.at(q.group).get();
+      if (q.group >= groups_.size()) throw Error(ErrorCode::kNotFound, "unknown peer group");
+      t.group = groups_[q.group].get();
     } else {
       size_t destinations = per_destination(q.kind) ? t.total_ops : 1;
       for (size_t i = 0; i < destinations; i++) t.targets.push_back(target_of(q, i));
