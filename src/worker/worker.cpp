@@ -294,7 +294,7 @@ std::vector<RemoteMr> Worker::remove_peer(const NetAddr& peer) {
   release_record(r);  // first: the record must not be freed while the domains still hold it
   // Its interned regions go with it (a process at the same address later is another peer,
   // with other keys). Groups keep their member, which fails with kCancelled from now on.
-  for (uint32_t s = 0; s < remotes_.capacity(); s++) {
+  for (uint32_t s = 0; s < remotes_.allocated(); s++) {
     RemoteSlot& slot = remotes_.slot(s);
     uint32_t gen = slot.generation.load(std::memory_order_relaxed);
     if ((gen & 1) && slot.target.record == r) {

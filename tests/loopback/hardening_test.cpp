@@ -364,6 +364,46 @@ TEST(Hardening, RemovedPeersAreForgottenAndReachableAgain) {
   }
 }
 
+// ---- interned regions ----------------------------------------------------------------------
+
+// The remote table grows in chunks of 256 slots as regions are interned: handles in later chunks
+// work, removed ones turn stale, and freed slots are reused without reviving old handles.
+TEST(Hardening, InternedRegionsBeyondOneChunkWorkAndRemoveCleanly) {
+  std::vector<uint8_t> src = random_bytes(4096, 21), dst(4096, 0);  // outlive the engines
+  TransferEngine a(config_for(kTcp)), b(config_for(kTcp));
+  auto [hs, ds] = a.reg_mr(src.data(), src.size());
+  auto [hd, dd] = b.reg_mr(dst.data(), dst.size());
+  std::vector<RemoteMr> remotes;  // 600 distinct descriptors of b's region (different lengths)
+  for (uint64_t i = 0; i < 600; i++)
+    remotes.push_back(a.add_remote(MrDesc(dd.owner(), dd.addr(), dd.len() - i, dd.keys())));
+  for (size_t i = 1; i < remotes.size(); i++) ASSERT_NE(remotes[i], remotes[i - 1]);
+  std::atomic<int> landed{kDonePending}, done{kDonePending};
+  b.expect_imm_count(0x45, 1, OnDone::flag(&landed));
+  a.submit(SingleWrite{.len = 3000, .src = {hs, 0}, .dst = {remotes[599], 0}, .imm = 0x45}, OnDone::flag(&done));
+  ASSERT_TRUE(wait_until([&] { return ended(done) && ended(landed); }));
+  EXPECT_EQ(done.load(), kDoneSucceeded);
+  EXPECT_TRUE(std::equal(src.begin(), src.begin() + 3000, dst.begin()));
+  try {  // the last region is 599 bytes shorter: bounds come from the interned descriptor
+    a.submit(SingleWrite{.len = 4096, .src = {hs, 0}, .dst = {remotes[599], 0}}, OnDone::none());
+    ADD_FAILURE() << "a write beyond the interned length was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kOutOfBounds) << e.what();
+  }
+  for (size_t i = 0; i < remotes.size(); i += 2) a.remove_remote(remotes[i]);
+  for (uint64_t i = 600; i < 900; i++)  // reuses the freed slots, then grows
+    a.add_remote(MrDesc(dd.owner(), dd.addr(), dd.len() - i, dd.keys()));
+  for (size_t i = 0; i < remotes.size(); i += 2) {
+    try {
+      a.submit(SingleWrite{.len = 1, .src = {hs, 0}, .dst = {remotes[i], 0}}, OnDone::none());
+      ADD_FAILURE() << "removed handle " << i << " still accepted";
+      break;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotFound);
+    }
+  }
+  EXPECT_EQ(a.peer_count(), 1u);  // one peer, however many of its regions
+}
+
 // ---- a wedged provider ----------------------------------------------------------------
 
 // The provider stops returning (as shm spinning on a lock a killed peer held): calls that wait for
