@@ -2,9 +2,9 @@
 # make bench-compare: the engine against a raw libfabric loop (same provider, same endpoint setup,
 # same WRITEs, same number in flight) on tcp;ofi_rxm and shm, and against UCX's ucx_perftest
 # (UCX_TLS=tcp, the engine under NIXL) on loopback; alternating trials, medians, ratios.
-# Then the peers (bench/peers/, installed into BUILD_DIR/peers-venv on first use): the same two
+# And the peers (bench/peers/, installed into BUILD_DIR/peers-venv on first use): the same two
 # workloads through NIXL (UCX backend, UCX_TLS=tcp on loopback and UCX_TLS=sm) and Mooncake Transfer
-# Engine (tcp), alternating trials, medians against the engine's (tcp;ofi_rxm for *_tcp, shm for sm).
+# Engine (tcp), their trials alternating with the engine's (tcp;ofi_rxm for *_tcp, shm for sm).
 # Ends with: ratio paged64k=<engine/raw> single16m=<engine/raw> ucx=<engine/ucx>  (tcp;ofi_rxm)
 #            peers paged64k nixl_tcp=<ours/theirs> nixl_sm=<ours/theirs> mooncake_tcp=<ours/theirs>
 #            peers single16m nixl_tcp=... nixl_sm=... mooncake_tcp=...   ("failed" where a peer failed)
@@ -41,6 +41,39 @@ ucx_gbps() {
   awk '/^Final:/ { printf "%.3f", $7 / 1000 }' <<<"$out"
 }
 
+# The peers (bench/peers/*.py): each driver runs an initiator and a target process, moves the
+# workload through the peer's own API, verifies every byte on the target and prints a `moved ...
+# GB/s, bytes: OK` line for gbps(). Their trials alternate with the engine's on the provider they
+# are compared with (peer_ours). A peer that cannot be installed or fails prints why and reads
+# "failed"; it never stops the comparison.
+venv=$build/peers-venv py=$build/peers-venv/bin/python peers_ok=1
+if ! bench/peers/setup.sh "$venv"; then
+  echo "peers: NOT INSTALLED (bench/peers/setup.sh $venv failed, see above): every peer reads failed"
+  peers_ok=0
+fi
+peer_log=$(mktemp)
+trap 'rm -f "$peer_log"' EXIT
+# name -> command; the driver takes the workload's fabric-demo arguments. NIXL runs without its
+# progress thread, both processes polling (as nixlbench does by default, and as fabric-demo --busy
+# polls): faster here than its progress thread. UCX_TLS=sm has no transport with peer failure
+# detection, which NIXL's default UCX error mode ("peer") requires, so sm runs with mode "none".
+declare -A peer_cmd=(
+  [nixl_tcp]="env UCX_TLS=tcp UCX_NET_DEVICES=lo $py bench/peers/nixl_bench.py --prog-thread 0"
+  [nixl_sm]="env UCX_TLS=sm $py bench/peers/nixl_bench.py --prog-thread 0 --param ucx_error_handling_mode=none"
+  [mooncake_tcp]="$py bench/peers/mooncake_bench.py --protocol tcp")
+declare -A peer_ours=([nixl_tcp]="tcp;ofi_rxm" [nixl_sm]=shm [mooncake_tcp]="tcp;ofi_rxm")
+peers=(nixl_tcp nixl_sm mooncake_tcp)
+declare -A pt  # peer.workload -> its trials
+peer_trial() {  # name workload trial: prints GB/s, or "failed" (and why, on stderr)
+  local v
+  # shellcheck disable=SC2086  # the command and the workload arguments are word lists
+  if ((peers_ok)) && v=$(gbps timeout 600 ${peer_cmd[$1]} ${args[$2]} 2>"$peer_log"); then
+    echo "$v"
+  else
+    ((peers_ok)) && { echo "peers: $1 $2 trial $3 FAILED:"; tail -n 4 "$peer_log" | sed 's/^/  /'; } >&2
+    echo failed
+  fi
+}
 # Workloads: name, demo/raw arguments. single16m: one 16 MiB WRITE per round.
 declare -A args=([paged64k]="--page-kib 64 --pages 512 --rounds 128"
                  [single16m]="--page-kib 16384 --pages 1 --rounds 128")
@@ -55,6 +88,9 @@ for provider in "tcp;ofi_rxm" shm; do
       e+=("$(gbps "$demo" --provider "$provider" --busy ${args[$w]})")
       # shellcheck disable=SC2086
       r+=("$(gbps "$raw" --provider "$provider" ${args[$w]})")
+      for p in "${peers[@]}"; do  # the peers compared with this provider, in the same rotation
+        if [[ ${peer_ours[$p]} == "$provider" ]]; then pt[$p.$w]+="$(peer_trial "$p" "$w" "$i") "; fi
+      done
     done
     em=$(median "${e[@]}") rm=$(median "${r[@]}")
     result[$provider.$w]=$em
@@ -77,37 +113,6 @@ printf 'engine/ucx on tcp: paged64k %s, single16m %s\n' "$(ratio "${result[tcp;o
 points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 65536, \"gbps\": $(awk -v g="$um" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
 points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 16777216, \"gbps\": $(awk -v g="$u16" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
 
-# The peers side by side (bench/peers/*.py): each driver runs an initiator and a target process,
-# moves the workload through the peer's own API, verifies every byte on the target and prints a
-# `moved ... GB/s, bytes: OK` line for gbps(). A peer that cannot be installed or fails prints why
-# and reads "failed"; it never stops the comparison.
-venv=$build/peers-venv py=$build/peers-venv/bin/python peers_ok=1
-if ! bench/peers/setup.sh "$venv"; then
-  echo "peers: NOT INSTALLED (bench/peers/setup.sh $venv failed, see above): every peer reads failed"
-  peers_ok=0
-fi
-peer_log=$(mktemp)
-trap 'rm -f "$peer_log"' EXIT
-# name -> command; the driver takes the workload's fabric-demo arguments. NIXL runs without its
-# progress thread, both processes polling (as nixlbench does by default, and as fabric-demo --busy
-# polls): faster here than its progress thread. UCX_TLS=sm has no transport with peer failure
-# detection, which NIXL's default UCX error mode ("peer") requires, so sm runs with mode "none".
-declare -A peer_cmd=(
-  [nixl_tcp]="env UCX_TLS=tcp UCX_NET_DEVICES=lo $py bench/peers/nixl_bench.py --prog-thread 0"
-  [nixl_sm]="env UCX_TLS=sm $py bench/peers/nixl_bench.py --prog-thread 0 --param ucx_error_handling_mode=none"
-  [mooncake_tcp]="$py bench/peers/mooncake_bench.py --protocol tcp")
-declare -A peer_ours=([nixl_tcp]="tcp;ofi_rxm" [nixl_sm]=shm [mooncake_tcp]="tcp;ofi_rxm")
-peers=(nixl_tcp nixl_sm mooncake_tcp)
-peer_trial() {  # name workload trial: prints GB/s, or "failed" (and why, on stderr)
-  local v
-  # shellcheck disable=SC2086  # the command and the workload arguments are word lists
-  if ((peers_ok)) && v=$(gbps timeout 600 ${peer_cmd[$1]} ${args[$2]} 2>"$peer_log"); then
-    echo "$v"
-  else
-    ((peers_ok)) && { echo "peers: $1 $2 trial $3 FAILED:"; tail -n 4 "$peer_log" | sed 's/^/  /'; } >&2
-    echo failed
-  fi
-}
 # NIXL's LIBFABRIC backend is not among the peers: say whether it starts here, and why not.
 if ((peers_ok)); then
   lf=$("$py" bench/peers/nixl_bench.py --backend LIBFABRIC --probe 2>&1 | grep '^nixl LIBFABRIC' || true)
@@ -116,15 +121,11 @@ else
   lf="nixl LIBFABRIC backend: not probed (NIXL is not installed)"
 fi
 echo "$lf; not measured"
-printf '%-12s %-10s %-34s %-14s %s\n' peer workload "peer GB/s (median: trials)" "ours GB/s" ours/peer
+printf '%-12s %-10s %-34s %-20s %s\n' peer workload "peer GB/s (median: trials)" "ours GB/s" ours/peer
 declare -A peer_ratio
 for w in paged64k single16m; do
-  declare -A pt=()
-  for ((i = 0; i < trials; i++)); do  # alternate, as above
-    for p in "${peers[@]}"; do pt[$p]+="$(peer_trial "$p" "$w" "$i") "; done
-  done
   for p in "${peers[@]}"; do
-    mapfile -t ok < <(tr ' ' '\n' <<<"${pt[$p]}" | grep -E '^[0-9.]+$' || true)
+    mapfile -t ok < <(tr ' ' '\n' <<<"${pt[$p.$w]}" | grep -E '^[0-9.]+$' || true)
     ours=${result[${peer_ours[$p]}.$w]}
     if ((${#ok[@]})); then
       pm=$(median "${ok[@]}") peer_ratio[$p.$w]=$(ratio "$ours" "$pm")
@@ -133,7 +134,7 @@ for w in paged64k single16m; do
     else
       pm=failed peer_ratio[$p.$w]=failed
     fi
-    printf '%-12s %-10s %-34s %-14s %s\n' "$p" "$w" "$pm (${pt[$p]% })" "$ours (${peer_ours[$p]})" \
+    printf '%-12s %-10s %-34s %-20s %s\n' "$p" "$w" "$pm (${pt[$p.$w]% })" "$ours (${peer_ours[$p]})" \
       "${peer_ratio[$p.$w]}"
   done
 done
