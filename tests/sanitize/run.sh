@@ -12,7 +12,7 @@ run_suite() {  # run_suite <name> <sanitizers> <env...>
   local dir=build-$name start=$SECONDS
   cmake -S . -B "$dir" "${COMMON[@]}" -DFABRIC_SANITIZE="$san" >/dev/null
   cmake --build "$dir"
-  env "$@" ctest --test-dir "$dir" --output-on-failure --timeout 900
+  env "$@" ctest --test-dir "$dir" --output-on-failure --timeout 900 ${EXCLUDE:+-E "$EXCLUDE"}
   echo "sanitize $name ($san): clean in $((SECONDS - start)) s"
 }
 
@@ -21,4 +21,7 @@ run_suite asan address,undefined FABRIC_CHURN_CYCLES=100 \
   ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 \
   LSAN_OPTIONS=suppressions=$HERE/lsan.supp \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-run_suite tsan thread FABRIC_CHURN_CYCLES=100 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+# Under TSan the 8-peer scatter with 4 NICs per engine takes 2-3.5 min per case on 2 cores (nine
+# engines' threads at once; 4-5 s under ASan): those two cases run in the other suites only.
+EXCLUDE='ScatterAndBarrierReachEightPeers/tcp_4nic' \
+  run_suite tsan thread FABRIC_CHURN_CYCLES=100 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
