@@ -35,6 +35,17 @@ std::string desc_key(const MrDesc& d) {
 // Explicit shard counts: enough for any NIC layout, few enough that a mistake is caught.
 constexpr uint32_t kMaxShards = 256;
 
+// The message for a write whose [offset, offset + len) is outside its region: `side` is
+// "source" or "destination", `slice` the slice of a scatter, `region` what the region is.
+[[noreturn]] void out_of_bounds(const char* what, std::optional<size_t> slice, const char* side,
+                                uint64_t offset, uint64_t len, std::string_view region,
+                                uint64_t region_len) {
+  throw Error(ErrorCode::kOutOfBounds,
+              fmt::format("{}: {}{} [{}, {}+{}) is outside {} of {} bytes", what,
+                          slice ? fmt::format("slice {}: ", *slice) : std::string(), side, offset,
+                          offset, len, region, region_len));
+}
+
 }  // namespace
 
 EngineImpl::EngineImpl(EngineConfig config)
@@ -351,14 +362,10 @@ void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
   check_open();
   const RegionSlot& s = source(w.src.mr);
   if (!in_bounds(w.src.offset, w.len, s.len))
-    throw Error(ErrorCode::kOutOfBounds,
-                fmt::format("{}: source [{}, {}+{}) is outside the registered region of {} bytes",
-                            what, w.src.offset, w.src.offset, w.len, s.len));
+    out_of_bounds(what, {}, "source", w.src.offset, w.len, "the registered region", s.len);
   RemoteView d = remote(w.dst.mr, what);
   if (!in_bounds(w.dst.offset, w.len, d.len))
-    throw Error(ErrorCode::kOutOfBounds,
-                fmt::format("{}: destination [{}, {}+{}) is outside the remote region of {} bytes",
-                            what, w.dst.offset, w.dst.offset, w.len, d.len));
+    out_of_bounds(what, {}, "destination", w.dst.offset, w.len, "the remote region", d.len);
   check_route(s, d.local, what);
   if (w.num_shards && (*w.num_shards == 0 || *w.num_shards > kMaxShards))
     throw Error(ErrorCode::kInvalidArgument,
@@ -422,16 +429,10 @@ void EngineImpl::submit(const Scatter& w, OnDone on_done) {
   for (size_t i = 0; i < w.slices.size(); i++) {
     const ScatterSlice& sl = w.slices[i];
     if (!in_bounds(sl.src_offset, sl.len, s.len))
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("{}: slice {}: source [{}, {}+{}) is outside the registered region "
-                              "of {} bytes",
-                              what, i, sl.src_offset, sl.src_offset, sl.len, s.len));
+      out_of_bounds(what, i, "source", sl.src_offset, sl.len, "the registered region", s.len);
     RemoteView d = remote(sl.dst.mr, what);
     if (!in_bounds(sl.dst.offset, sl.len, d.len))
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("{}: slice {}: destination [{}, {}+{}) is outside the remote region "
-                              "of {} bytes",
-                              what, i, sl.dst.offset, sl.dst.offset, sl.len, d.len));
+      out_of_bounds(what, i, "destination", sl.dst.offset, sl.len, "the remote region", d.len);
     check_route(s, d.local, what);
   }
   TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
@@ -454,15 +455,10 @@ void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
   for (size_t i = 0; i < w.slices.size(); i++) {
     const GroupSlice& sl = w.slices[i];
     if (!in_bounds(sl.src_offset, sl.len, s.len))
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("{}: slice {}: source [{}, {}+{}) is outside the registered region "
-                              "of {} bytes",
-                              what, i, sl.src_offset, sl.src_offset, sl.len, s.len));
+      out_of_bounds(what, i, "source", sl.src_offset, sl.len, "the registered region", s.len);
     if (!in_bounds(sl.dst_offset, sl.len, g.lens[i]))
-      throw Error(ErrorCode::kOutOfBounds,
-                  fmt::format("{}: slice {}: destination [{}, {}+{}) is outside member {}'s region "
-                              "of {} bytes",
-                              what, i, sl.dst_offset, sl.dst_offset, sl.len, i, g.lens[i]));
+      out_of_bounds(what, i, "destination", sl.dst_offset, sl.len,
+                    fmt::format("member {}'s region", i), g.lens[i]);
   }
   check_route(s, g.all_local, what);
   TransferRequest r = make_request(TransferKind::kGroupScatter, std::move(on_done), w.imm, w.nic, what);

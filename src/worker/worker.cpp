@@ -316,14 +316,11 @@ bool Worker::usable(Transfer& t, ResolvedTarget& target, uint32_t op) {
   }
   try {
     if (t.group) {  // `target` is the member's own: refreshed in place, held by the group
-      current(t.group->members[op]);
+      GroupMember& m = t.group->members[op];
+      refresh(m.target, m.desc);
       return true;
     }
-    ResolvedTarget fresh = target_of(t.req, per_destination(t.req.kind) ? op : 0);
-    records_[fresh.record].holders++;
-    uint32_t old = target.record;
-    target = fresh;
-    unhold_record(old);
+    rehold(target, target_of(t.req, per_destination(t.req.kind) ? op : 0));
   } catch (const Error& e) {
     fail(t, e.status());
     return false;
@@ -346,34 +343,33 @@ RemoteSlot& live_remote(RemoteTable& table, const RemoteMr& r) {
 ResolvedTarget Worker::target_of(const TransferRequest& q, size_t i) {
   switch (q.kind) {
     case TransferKind::kSend: return resolve(q.buf->send_dst);
-    case TransferKind::kScatter: return current(live_remote(remotes_, q.buf->slices[i].dst.mr));
-    case TransferKind::kBarrier: return current(live_remote(remotes_, q.buf->remotes[i]));
-    default: return current(live_remote(remotes_, q.dst));
+    case TransferKind::kScatter: return current(q.buf->slices[i].dst.mr);
+    case TransferKind::kBarrier: return current(q.buf->remotes[i]);
+    default: return current(q.dst);
   }
 }
 
-const ResolvedTarget& Worker::current(RemoteSlot& remote) {
-  refresh(remote.target, remote.desc);
-  return remote.target;
+const ResolvedTarget& Worker::current(const RemoteMr& remote) {
+  RemoteSlot& slot = live_remote(remotes_, remote);
+  return refresh(slot.target, slot.desc);
 }
 
-const ResolvedTarget& Worker::current(GroupMember& member) {
-  refresh(member.target, member.desc);
-  return member.target;
-}
-
-// A held route whose peer was released (its connection failed) is resolved again, the hold
-// moving to the new record; one whose peer was removed cannot be.
-void Worker::refresh(ResolvedTarget& held, const MrDesc& desc) {
-  PeerRecord::State s = records_[held.record].state;
-  if (s == PeerRecord::State::kLive || s == PeerRecord::State::kFailed) return;
-  if (s == PeerRecord::State::kRemoved)
-    throw Error(ErrorCode::kCancelled, "the destination peer was removed (remove_peer)");
-  ResolvedTarget fresh = route(desc);
+// Moves a hold from the record `held` names to the one `fresh` names.
+void Worker::rehold(ResolvedTarget& held, const ResolvedTarget& fresh) {
   records_[fresh.record].holders++;
   uint32_t old = held.record;
   held = fresh;
   unhold_record(old);
+}
+
+// A held route whose peer was released (its connection failed) is resolved again, the hold
+// moving to the new record; one whose peer was removed cannot be.
+const ResolvedTarget& Worker::refresh(ResolvedTarget& held, const MrDesc& desc) {
+  PeerRecord::State s = records_[held.record].state;
+  if (s == PeerRecord::State::kRemoved)
+    throw Error(ErrorCode::kCancelled, "the destination peer was removed (remove_peer)");
+  if (s != PeerRecord::State::kLive && s != PeerRecord::State::kFailed) rehold(held, route(desc));
+  return held;
 }
 
 ResolvedTarget Worker::route(const MrDesc& d) {
@@ -428,7 +424,7 @@ uint32_t Worker::add_group(std::span<const RemoteMr> members) {
   auto g = std::make_unique<GroupState>();
   for (const RemoteMr& m : members) {
     RemoteSlot& slot = live_remote(remotes_, m);
-    g->members.push_back({current(slot), slot.desc});
+    g->members.push_back({refresh(slot.target, slot.desc), slot.desc});
   }
   for (auto& m : g->members) records_[m.target.record].holders++;
   groups_.push_back(std::move(g));

@@ -184,9 +184,9 @@ class Worker {
   ResolvedTarget target_of(const TransferRequest& q, size_t destination);
   // A live route for an interned region or a group member, resolved again if its peer was
   // released; throws (kNotFound, kCancelled) when there is none.
-  const ResolvedTarget& current(RemoteSlot& remote);
-  const ResolvedTarget& current(GroupMember& member);
-  void refresh(ResolvedTarget& held, const MrDesc& desc);
+  const ResolvedTarget& current(const RemoteMr& remote);
+  const ResolvedTarget& refresh(ResolvedTarget& held, const MrDesc& desc);
+  void rehold(ResolvedTarget& held, const ResolvedTarget& fresh);
   void peer_failed(uint32_t r);
   void report_met();
   void on_completion(size_t nic, Completion& c);
