@@ -830,18 +830,26 @@ class CudaIpcDomain final : public Domain {
     }
   }
 
-  // Delivers op's immediate and completes op; false when the peer's inbox is full.
-  bool deliver_imm(const PendingOp& op) {
-    Peer* peer = live_peer(op.peer);
+  // The peer whose inbox an operation's immediates go to, or null with the operation's error
+  // completion queued: removed (`what` delivered too late), or lost (its inbox has no reader).
+  Peer* receiving_peer(PeerId id, OpContext* ctx, const char* what) {
+    Peer* peer = live_peer(id);
     if (!peer) {
       ready_.push_back(error_completion(
-          op.ctx, "cuda_ipc: the peer was removed before this WRITE's immediate was delivered"));
-      return true;
+          ctx, fmt::format("cuda_ipc: the peer was removed before {} delivered", what)));
+      return nullptr;
     }
-    if (peer->lost) {  // its inbox has no reader any more
-      ready_.push_back(lost_completion(op.ctx));
-      return true;
+    if (peer->lost) {
+      ready_.push_back(lost_completion(ctx));
+      return nullptr;
     }
+    return peer;
+  }
+
+  // Delivers op's immediate and completes op; false when the peer's inbox is full.
+  bool deliver_imm(const PendingOp& op) {
+    Peer* peer = receiving_peer(op.peer, op.ctx, "this WRITE's immediate was");
+    if (!peer) return true;
     if (!peer->inbox.push_imm(op.imm)) return false;
     ready_.push_back(local_completion(op.ctx));
     return true;
@@ -850,16 +858,8 @@ class CudaIpcDomain final : public Domain {
   // Delivers what is left of a batch's immediates (all at once where the inbox has room) and
   // completes the batch once they are all in; false when the inbox filled up first.
   bool deliver_group(HeldGroup& g) {
-    Peer* peer = live_peer(g.peer);
-    if (!peer) {
-      ready_.push_back(error_completion(
-          g.ctx, "cuda_ipc: the peer was removed before this batch's immediates were delivered"));
-      return true;
-    }
-    if (peer->lost) {  // its inbox has no reader any more
-      ready_.push_back(lost_completion(g.ctx));
-      return true;
-    }
+    Peer* peer = receiving_peer(g.peer, g.ctx, "this batch's immediates were");
+    if (!peer) return true;
     while (g.next < g.imms.size()) {
       size_t n = peer->inbox.push_imms(g.imms.data() + g.next, g.imms.size() - g.next);
       if (n == 0) return false;
