@@ -87,14 +87,12 @@ bench-plot:
 	python3 bench/plot.py docs/bench docs/bench/fabric-bench-tcp.json docs/bench/fabric-bench-shm.json \
 	  --compare docs/bench/compare.json
 
-# Posting cost: wall-clock submit-to-post on both providers, then callgrind instructions per WRITE
+# Posting cost: wall-clock submit-to-post on both providers against a raw libfabric loop (`post ...`
+# lines), then callgrind instructions per WRITE
 # (group scatter, list scatter, and last the single write: `engine instructions per posted WRITE: N`).
 bench-post: build
 	@command -v valgrind >/dev/null || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq valgrind
-	for p in tcp shm; do \
-	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --busy --peers 1 --only post; \
-	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --busy --peers 64 --peer-idle-us 2000 \
-	    --peer-buffer-mib 1 --buffer-mib 8 --only post; done
+	bench/post_vs_raw.sh $(BUILD)
 	bench/callgrind_post.sh $(BUILD)
 
 .PHONY: bench-multinic

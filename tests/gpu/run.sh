@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run, in one call on the lent GPU machine (it has CUDA and cmake but no libfabric headers
 # and no network): unpack the Debian packages that tests/gpu/fetch_deps.sh put in .gpudeps/, build
-# with CUDA for Hopper, run the GPU tests (and the CPU suite beside them), then the cuda_ipc
-# benchmark. Results go to $OUT (or ./gpu-results). Exits non-zero on any failure.
+# with CUDA for Hopper, run the GPU tests, the cuda_ipc benchmark, the posting benchmark against a
+# raw libfabric loop (bench/post_vs_raw.sh), then the CPU suite. Results go to $OUT (or
+# ./gpu-results). Exits non-zero on any failure.
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -22,7 +23,7 @@ BUILD=build-gpu
 # Verbs off: the machine's own libibverbs.pc does not survive the sysroot above, and it has no RDMA
 # NIC (the verbs code with CUDA is compiled in every CUDA build elsewhere).
 cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_BUILD_TOOLS=OFF -DFABRIC_VERBS=OFF > "$OUT/configure.log" 2>&1 ||
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_VERBS=OFF > "$OUT/configure.log" 2>&1 ||
   { tail -30 "$OUT/configure.log"; exit 1; }
 QUICK=${FABRIC_GPU_QUICK:-}
 cmake --build $BUILD -j "$(nproc)" ${QUICK:+--target fabric gpu_tests cuda_ipc_batch_tests unit_tests} > "$OUT/build.log" 2>&1 ||
@@ -43,7 +44,11 @@ if [ -n "$QUICK" ]; then
   exit $status
 fi
 ctest --test-dir $BUILD -L gpu -V --timeout 300 2>&1 | tee "$OUT/gpu_tests.log" || status=1
-ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
-grep -E "tests passed|Failed|\*\*\*" "$OUT/cpu_tests.log" || true
 $BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
+# Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
+bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
+grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
+# The CPU suite last, bounded, so that a slow run cannot cost the figures above.
+timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
+grep -E "tests passed|Failed|\*\*\*" "$OUT/cpu_tests.log" || true
 exit $status
