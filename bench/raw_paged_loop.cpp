@@ -1,7 +1,6 @@
 // raw-paged-loop: the fabric-demo workload (rounds of paged WRITEs with immediates) on bare
 // libfabric, one endpoint per process, no engine: the baseline for the engine's numbers.
 #include <fmt/format.h>
-#include <poll.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -38,16 +37,11 @@ struct Options {
 
 constexpr uint64_t kImm = 0xFAB00001;
 
-bool readable(int fd) {
-  pollfd p{fd, POLLIN, 0};
-  return ::poll(&p, 1, 0) > 0;
-}
-
 // Manual progress: keep driving the CQ while waiting on the out-of-band channel, in case the peer
 // still needs this side's progress to finish.
 std::string recv_progressing(Channel& ch, Endpoint& ep) {
   fi_cq_data_entry entries[64];
-  while (!readable(ch.fd())) ep.poll(entries);
+  while (!ch.readable()) ep.poll(entries);
   return ch.recv();
 }
 
@@ -73,7 +67,7 @@ int run_receiver(const Options& o, Channel& ch) {
         imms++;
         if (static_cast<uint32_t>(entries[i].data) != static_cast<uint32_t>(kImm)) wrong_imm++;
       }
-    if (n == 0 && ++idle % 4096 == 0 && (Clock::now() > deadline || readable(ch.fd()))) break;
+    if (n == 0 && ++idle % 4096 == 0 && (Clock::now() > deadline || ch.readable())) break;
   }
 
   // The last two rounds cover both halves: every destination byte has a known value.

@@ -5,7 +5,6 @@
 // to progress). No engine, no queue, no worker: what is left of the engine's "all posted" above this
 // is the engine's own cost.
 #include <fmt/format.h>
-#include <poll.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -37,11 +36,6 @@ struct Options {
 
 constexpr size_t kLen = 64;
 
-bool readable(int fd) {
-  pollfd p{fd, POLLIN, 0};
-  return ::poll(&p, 1, 0) > 0;
-}
-
 // The targets: one endpoint and one buffer per peer, driven until the sender says it is done.
 int run_targets(const Options& o, Channel& ch) {
   std::vector<std::unique_ptr<Endpoint>> eps;
@@ -56,7 +50,7 @@ int run_targets(const Options& o, Channel& ch) {
   for (auto& ep : eps) ep->insert_peer(sender);  // as the engine does
   fi_cq_data_entry entries[64];
   uint64_t rounds = 0;
-  while (++rounds % 256 != 0 || !readable(ch.fd()))
+  while (++rounds % 256 != 0 || !ch.readable())
     for (auto& ep : eps) ep->poll(entries);
   ch.recv();
   return 0;

@@ -2,6 +2,7 @@
 // exchange addresses and descriptors). Used by the demo, the benchmarks and the integration tests.
 #pragma once
 
+#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -39,6 +40,12 @@ class Channel {
     return {s.begin(), s.end()};
   }
   int fd() const { return fd_; }
+  // True when a message (or the peer's close) is waiting: for loops that must keep polling a
+  // provider while they wait on the channel.
+  bool readable() const {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
 
  private:
   void write_all(const void* p, size_t n) const {
