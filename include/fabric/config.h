@@ -72,6 +72,15 @@ struct FaultConfig {
   uint64_t wedge_after_posts = 0;
 };
 
+// One worker of a multi-GPU engine: the GPU it serves, its NICs (its rail) and its cores. Built by
+// engine_config_for(detect_topology()) or by hand.
+struct WorkerConfig {
+  std::optional<int> cuda_device;  // none: a host-memory worker (only as the engine's only worker)
+  std::vector<NicConfig> nics = {NicConfig{}};  // 1 to 4; every worker has as many
+  std::optional<int> worker_cpu;
+  std::optional<int> watcher_cpu;
+};
+
 struct EngineConfig {
   // "efa" or "verbs" in production; "tcp;ofi_rxm" or "shm" here ("verbs" on Soft-RoCE in a VM).
   // Any other name is a libfabric provider.
@@ -118,6 +127,12 @@ struct EngineConfig {
   bool cuda_ipc = false;
   // UVM watchers' polling thread: pinned to this core if given; polls as worker_poll says.
   std::optional<int> watcher_cpu;
+
+  // A multi-GPU engine: one worker per entry (at most kMaxWorkers), each with its own thread,
+  // request queue, NICs and UVM watcher thread; requests go to the worker of their source region's
+  // device (host memory: the first worker). Empty: one worker made of the fields above (nics,
+  // cuda_device, worker_cpu, watcher_cpu), as a one-GPU or host-only engine has always been.
+  std::vector<WorkerConfig> workers;
 
   // Record, per transfer, the time from the submit call to its first and its last WRITE handed to
   // the provider (TransferEngine::take_post_timings). For benchmarks; costs two clock reads per

@@ -57,18 +57,21 @@ struct GroupScatter {
   std::optional<uint8_t> nic{};
 };
 
-// One zero-byte WRITE carrying `imm` to each destination region's owner.
+// One zero-byte WRITE carrying `imm` to each destination region's owner, from the NICs of the
+// worker serving `device` (a multi-GPU engine: the GPU whose rail it goes out on; host: the first).
 struct Barrier {
   std::span<const RemoteMr> dsts{};
   uint32_t imm = 0;
   std::optional<uint8_t> nic{};
+  Device device{};
 };
 
-// One zero-byte WRITE carrying `imm` to every member of a peer group.
+// One zero-byte WRITE carrying `imm` to every member of a peer group (from `device`'s worker).
 struct GroupBarrier {
   PeerGroupHandle group{};
   uint32_t imm = 0;
   std::optional<uint8_t> nic{};
+  Device device{};
 };
 
 }  // namespace fabric

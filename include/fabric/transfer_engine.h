@@ -29,6 +29,7 @@ struct UvmWatcher {
   uint64_t* device = nullptr;
   volatile uint64_t* host = nullptr;
   uint32_t id = UINT32_MAX;
+  uint32_t worker = 0;  // whose watcher thread polls it
 };
 // Runs on the engine's watcher thread on every change of the word: keep it short (submit work).
 using UvmCallback = std::function<void(uint64_t old_value, uint64_t new_value)>;
@@ -39,6 +40,7 @@ struct GpuCounter {
   std::atomic<uint64_t>* host = nullptr;
   const uint64_t* device = nullptr;
   uint32_t id = UINT32_MAX;
+  uint32_t worker = 0;  // whose GPU it lives on
 };
 
 // Counters of one NIC, as seen by this engine.
@@ -62,12 +64,17 @@ struct NicStats {
 struct ImmExpectation {
   uint32_t imm = 0;
   uint64_t id = 0;
+  uint32_t worker = 0;
 };
 
 struct ExpectOptions {
   // Not met within this long: the expectation ends with kTimeout (its arrivals stay counted).
   // None: it waits until met, cancelled or the engine closes.
   std::optional<std::chrono::milliseconds> timeout;
+  // Where the counted WRITEs land: immediates are counted by the worker whose NICs receive them,
+  // the one serving the destination regions' device (host memory, and any one-worker engine: the
+  // first).
+  Device device{};
 };
 
 // The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver
@@ -98,8 +105,10 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
+  // Every worker's NIC (and cuda_ipc) addresses.
   NetAddr main_address() const;
-  size_t nic_count() const;
+  size_t nic_count() const;     // NICs per worker (the rail width)
+  size_t worker_count() const;  // one per GPU served (EngineConfig::workers), or 1
 
   // Registers [ptr, ptr+len) with every NIC for local use and remote writes.
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device = Device::host());
@@ -158,15 +167,17 @@ class TransferEngine {
   // Peers this engine holds NIC resources for (diagnostics and tests; a worker round trip).
   size_t peer_count();
 
-  // One entry per NIC, then one for the cuda_ipc domain where EngineConfig::cuda_ipc is on.
+  // Per worker in order: one entry per NIC, then one for the cuda_ipc domain where
+  // EngineConfig::cuda_ipc is on.
   std::vector<NicStats> nic_stats();
 
-  // GPU signals (CUDA builds, EngineConfig::cuda_device set; kUnsupported otherwise).
+  // GPU signals (CUDA builds, EngineConfig::cuda_device set; kUnsupported otherwise). Each
+  // worker has its own watcher thread; `cuda_device` picks the GPU's worker (none: the first).
   // The word starts at 0; cb(old, new) runs once per change the watcher thread observes (a GPU
   // that writes faster than the thread polls may have intermediate values coalesced).
-  UvmWatcher alloc_uvm_watcher(UvmCallback cb);
+  UvmWatcher alloc_uvm_watcher(UvmCallback cb, std::optional<int> cuda_device = std::nullopt);
   void free_uvm_watcher(const UvmWatcher& watcher);  // also allowed from inside a callback
-  GpuCounter alloc_gpu_counter();  // starts at 0
+  GpuCounter alloc_gpu_counter(std::optional<int> cuda_device = std::nullopt);  // starts at 0
   void free_gpu_counter(const GpuCounter& counter);
   // Makes CUDA stream `cuda_stream` (a cudaStream_t) wait until *counter.device >= at_least, so a
   // kernel queued behind it starts the moment its data has landed (cuStreamWaitValue64).

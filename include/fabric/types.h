@@ -11,33 +11,50 @@
 
 namespace fabric {
 
-inline constexpr size_t kMaxNics = 4;           // NICs per engine (per GPU), as on AWS p5
+inline constexpr size_t kMaxNics = 4;           // NICs per worker (per GPU), as on AWS p5
+inline constexpr size_t kMaxWorkers = 8;        // workers (GPUs) per engine: one host
 inline constexpr size_t kMaxNicAddrLen = 256;  // longest provider endpoint name we accept
 inline constexpr size_t kMaxProviderNameLen = 64;
 
-// Where memory lives: host memory, or the memory of CUDA device `index`.
+// Where memory lives: host memory, or the memory of CUDA device `index`. A multi-GPU engine
+// registers a region with the NICs of the worker serving its device; host memory goes to the first
+// worker unless host_for_worker names another (a staging buffer on GPU w's rail).
 struct Device {
   enum class Kind : uint8_t { kHost, kCuda };
   Kind kind = Kind::kHost;
-  int index = -1;
+  int index = -1;  // kCuda: the CUDA device; kHost: the worker serving it (-1: the first)
   static Device host() { return {}; }
+  static Device host_for_worker(int worker) { return {Kind::kHost, worker}; }
   static Device cuda(int i) { return {Kind::kCuda, i}; }
   bool operator==(const Device&) const = default;
 };
 
-// Opaque, serializable address of one engine: the provider name, one endpoint name per NIC and,
-// where the engine serves same-host GPU peers through CUDA IPC, its local endpoint.
-// Exchanged out of band (a TCP store, a file, a command line) as bytes or hex.
+// Opaque, serializable address of one engine: the provider name and, per GPU the engine serves
+// (its workers: one for a one-GPU or host-only engine), one endpoint name per NIC and, where that
+// worker serves same-host GPU peers through CUDA IPC, its local endpoint. Every worker has the same
+// number of NICs (the rail width). Exchanged out of band (a TCP store, a file, a command line) as
+// bytes or hex.
 class NetAddr {
  public:
   NetAddr() = default;
+  // One worker.
   NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::string local = {});
+  // Several workers: nic_addrs[w] and locals[w] are worker w's (locals may be empty: none has one).
+  NetAddr(std::string provider, std::vector<std::vector<std::string>> nic_addrs,
+          std::vector<std::string> locals);
 
   const std::string& provider() const { return provider_; }
-  size_t nic_count() const { return nics_.size(); }
-  const std::string& nic(size_t i) const { return nics_.at(i); }
-  // The cuda_ipc endpoint ("<host id>/..."), empty when the engine does not offer one.
-  const std::string& local() const { return local_; }
+  // NICs per worker (the rail width).
+  size_t nic_count() const { return nics_.empty() ? 0 : nics_[0].size(); }
+  size_t worker_count() const { return nics_.size(); }
+  // Worker 0's NIC i and local endpoint; the cuda_ipc endpoint is "<host id>/...", empty when the
+  // worker does not offer one.
+  const std::string& nic(size_t i) const { return nics_.at(0).at(i); }
+  const std::string& local() const;
+  const std::string& nic(size_t worker, size_t i) const { return nics_.at(worker).at(i); }
+  const std::string& local(size_t worker) const { return locals_.at(worker); }
+  // The address of one worker alone (what a worker of another engine connects to).
+  NetAddr worker(size_t w) const;
 
   std::vector<uint8_t> to_bytes() const;
   std::string to_hex() const;
@@ -49,8 +66,8 @@ class NetAddr {
 
  private:
   std::string provider_;
-  std::vector<std::string> nics_;
-  std::string local_;
+  std::vector<std::vector<std::string>> nics_;  // per worker
+  std::vector<std::string> locals_;             // per worker
 };
 
 // Local handle of a registered memory region (source of writes). Cheap to copy.
@@ -69,8 +86,10 @@ struct RemoteKey {
   bool operator==(const RemoteKey&) const = default;
 };
 
-// Serializable remote descriptor of a region: its owner, its length, one key per NIC and, for GPU
-// memory of an engine that offers CUDA IPC, the key of its local (same-host) endpoint.
+// Serializable remote descriptor of a region: its owner, the owner's worker whose NICs it is
+// registered with (the GPU it lives on; host memory: worker 0), its length, one key per NIC of that
+// worker and, for GPU memory of an engine that offers CUDA IPC, the key of its local (same-host)
+// endpoint. Writers reach it through that worker's NICs, from their NIC k to its NIC k.
 // `keys` is empty when the owner's NICs cannot reach the region (a NIC provider without GPU
 // memory support): then only same-host peers can write it, through CUDA IPC.
 // Destinations are given as offsets into the region; the length lets the initiator reject an
@@ -79,9 +98,12 @@ class MrDesc {
  public:
   MrDesc() = default;
   MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
-         std::optional<RemoteKey> local_key = std::nullopt);
+         std::optional<RemoteKey> local_key = std::nullopt, uint32_t worker = 0);
 
   const NetAddr& owner() const { return owner_; }
+  uint32_t worker() const { return worker_; }
+  // The owner's address as seen by a writer of this region: that worker's alone.
+  NetAddr endpoint() const { return owner_.worker(worker_); }
   uint64_t addr() const { return addr_; }  // the owner's virtual address, for logs only
   uint64_t len() const { return len_; }
   const std::vector<RemoteKey>& keys() const { return keys_; }
@@ -100,6 +122,7 @@ class MrDesc {
   uint64_t len_ = 0;
   std::vector<RemoteKey> keys_;
   std::optional<RemoteKey> local_key_{};
+  uint32_t worker_ = 0;
 };
 
 // A remote region interned by TransferEngine::add_remote: its owner's addresses are resolved and

@@ -1,5 +1,6 @@
-// EngineImpl: validation at submit time and routing to the worker. Application threads call in
-// here; they meet the worker only at its request queue and at the region table.
+// EngineImpl: validation at submit time and routing to the workers (one per GPU; a request goes to
+// the worker of its source region's device). Application threads call in here; they meet a worker
+// only at its request queue and at the region tables.
 #pragma once
 
 #include <array>
@@ -32,7 +33,8 @@ class EngineImpl {
 
   const EngineConfig& config() const { return config_; }
   const NetAddr& address() const { return address_; }
-  size_t nic_count() const { return worker_->nic_count(); }
+  size_t nic_count() const { return workers_[0]->nic_count(); }
+  size_t worker_count() const { return workers_.size(); }
 
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device);
   void dereg_mr(MrHandle handle);
@@ -53,14 +55,18 @@ class EngineImpl {
   void submit(const GroupBarrier& w, OnDone on_done);
   PeerGroupHandle add_peer_group(std::span<const RemoteMr> members);
   std::vector<NicStats> nic_stats() const;
-  GpuSignals& signals();  // created on first use
-  std::vector<PostTiming> take_post_timings() {
-    check_open();
-    return worker_->call([&] { return worker_->take_post_timings(); });
-  }
+  // That GPU's worker's signals (none: the first worker's) and the worker; created on first use.
+  std::pair<GpuSignals&, uint32_t> signals(std::optional<int> cuda_device);
+  GpuSignals& signals_of(uint32_t worker);
+  std::vector<PostTiming> take_post_timings();
 
  private:
   void check_open() const;  // throws kShutdown once destruction has begun
+  // The worker serving memory of `device` (host memory: the first). Throws kInvalidArgument for a
+  // GPU no worker serves.
+  uint32_t worker_index(Device device, const char* what) const;
+  Worker& worker_of(const RegionSlot& src) const { return *workers_[src.worker]; }
+  void remove_remote_locked(RemoteMr r);  // control_mu_ held
   const RegionSlot& source(const MrHandle& h) const;
   void check_peer(const NetAddr& peer, const char* what) const;
   RemoteView remote(const RemoteMr& r, const char* what) const;
@@ -69,9 +75,10 @@ class EngineImpl {
   void check_route(const RegionSlot& src, bool dst_local, const char* what) const;
   TransferRequest make_request(TransferKind kind, OnDone on_done, std::optional<uint32_t> imm,
                                std::optional<uint8_t> nic, const char* what) const;
-  void submit_request(TransferRequest&& r);  // gives its buffer back if the worker refuses it
+  void submit_request(Worker& w, TransferRequest&& r);  // gives its buffer back if w refuses it
 
   EngineConfig config_;
+  std::vector<EngineConfig> worker_configs_;  // each worker's own: its GPU, NICs and cores
   // Heap-held so that a wedged worker, abandoned at close, never sees them freed.
   std::unique_ptr<MrTable> mrs_owner_;
   MrTable& mrs_;
@@ -80,7 +87,7 @@ class EngineImpl {
   std::unique_ptr<RequestBufferPool> buffers_owner_;
   RequestBufferPool& buffers_;
   std::unique_ptr<CallbackThread> callbacks_;
-  std::unique_ptr<Worker> worker_;
+  std::vector<std::unique_ptr<Worker>> workers_;
   NetAddr address_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_expectation_id_{1};
@@ -90,7 +97,7 @@ class EngineImpl {
   std::array<std::atomic<const PeerGroup*>, kMaxGroups> groups_{};
   std::vector<std::unique_ptr<PeerGroup>> group_storage_;
   std::mutex signals_mu_;
-  std::unique_ptr<GpuSignals> signals_;
+  std::array<std::unique_ptr<GpuSignals>, kMaxWorkers> signals_;
 };
 
 }  // namespace fabric

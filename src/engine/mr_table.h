@@ -1,5 +1,6 @@
-// Table of registered regions. Written by the worker (registration runs there, it owns the
-// domains), read lock-free by application threads to validate handles and bounds at submit time.
+// Table of registered regions, one for all workers. Written by the worker that registers a region
+// (registration runs there, it owns the domains; the engine's control mutex orders them), read
+// lock-free by application threads to validate handles and bounds at submit time.
 // A slot's generation is odd while the region is registered; handles carry the generation, so a
 // stale handle never matches a later registration of the same slot.
 #pragma once
@@ -23,6 +24,7 @@ struct RegionSlot {
   uint64_t len = 0;
   Device device;
   bool on_nics = true;  // false: GPU memory the NICs cannot reach (cuda_ipc peers only)
+  uint32_t worker = 0;  // the worker whose domains registered it (and that posts its writes)
   std::array<DomainRegion, kMaxDomains> per_nic{};  // NICs, then the local domain
   // Worker thread only: WRITEs posted from this region and not completed (dereg_mr waits for 0).
   mutable uint32_t writes_in_flight = 0;
@@ -32,7 +34,7 @@ class MrTable {
  public:
   explicit MrTable(size_t capacity) : slots_(capacity), free_(capacity) {}
 
-  // Worker thread only.
+  // A worker's thread, under the engine's control mutex.
   std::optional<uint32_t> take_free_slot() { return free_.take(); }
   void return_slot(uint32_t s) { free_.give(s); }
   RegionSlot& slot(uint32_t s) { return slots_[s]; }

@@ -1,7 +1,9 @@
-// Table of interned remote regions (TransferEngine::add_remote). Written by the worker (interning
-// resolves the owner's addresses, which only the worker may do), read lock-free by application
-// threads to validate handles and bounds at submit time. As in MrTable, a slot's generation is
-// odd while it is live and handles carry it, so a stale handle never matches a reused slot.
+// Table of interned remote regions (TransferEngine::add_remote), one for all workers. Slots are
+// taken and published by the engine under its control mutex; each worker writes only its own
+// route in a slot (resolving the owner's addresses, which only that worker may do); application
+// threads read it lock-free to validate handles and bounds at submit time. As in MrTable, a slot's
+// generation is odd while it is live and handles carry it, so a stale handle never matches a
+// reused slot.
 #pragma once
 
 #include <algorithm>
@@ -22,10 +24,12 @@ struct RemoteSlot {
   // reuse, which the generation check then reports as stale).
   std::atomic<uint64_t> len{0};
   std::atomic<bool> local{false};  // reached through this engine's cuda_ipc domain, not its NICs
-  // Worker thread only: the descriptor (to resolve its owner again after a failure) and the
-  // route, which holds the owner's peer record.
+  // Set before the slot is published and cleared after it turns stale, under the engine's
+  // control mutex: the descriptor (each worker resolves its owner again after a failure).
   MrDesc desc;
-  ResolvedTarget target;
+  // Worker w's thread only: its route, which holds the owner's peer record in that worker.
+  ResolvedTarget& target(size_t w) { return targets[w]; }
+  ResolvedTarget* targets = nullptr;  // one per worker, owned by the table
 };
 
 // What a submitting thread may read of a live slot.
@@ -40,30 +44,39 @@ struct RemoteView {
 class RemoteTable {
  public:
   static constexpr size_t kChunk = 256;
-  explicit RemoteTable(size_t capacity) : capacity_(capacity), chunks_((capacity + kChunk - 1) / kChunk) {}
+  RemoteTable(size_t capacity, size_t workers)
+      : capacity_(capacity), workers_(workers), chunks_((capacity + kChunk - 1) / kChunk),
+        routes_(chunks_.size()) {}
   ~RemoteTable() {
     for (auto& c : chunks_) delete[] c.load(std::memory_order_relaxed);
+    for (auto* r : routes_) delete[] r;
   }
   RemoteTable(const RemoteTable&) = delete;
   RemoteTable& operator=(const RemoteTable&) = delete;
 
-  // Worker thread only.
+  // Under the engine's control mutex.
   std::optional<uint32_t> take_free_slot() {
     if (auto s = free_.take()) return s;
-    if (allocated_ >= capacity_) return std::nullopt;
-    const size_t first = allocated_;
-    chunks_[first / kChunk].store(new RemoteSlot[kChunk], std::memory_order_release);
-    allocated_ = std::min(capacity_, first + kChunk);
-    for (size_t i = allocated_; i-- > first + 1;) free_.give(static_cast<uint32_t>(i));
+    const size_t first = allocated_.load(std::memory_order_relaxed);
+    if (first >= capacity_) return std::nullopt;
+    auto* chunk = new RemoteSlot[kChunk];
+    auto* routes = new ResolvedTarget[kChunk * workers_];
+    for (size_t i = 0; i < kChunk; i++) chunk[i].targets = routes + i * workers_;
+    routes_[first / kChunk] = routes;
+    chunks_[first / kChunk].store(chunk, std::memory_order_release);
+    const size_t end = std::min(capacity_, first + kChunk);
+    allocated_.store(end, std::memory_order_release);
+    for (size_t i = end; i-- > first + 1;) free_.give(static_cast<uint32_t>(i));
     return static_cast<uint32_t>(first);
   }
   void return_slot(uint32_t s) { free_.give(s); }
   RemoteSlot& slot(uint32_t s) { return chunks_[s / kChunk].load(std::memory_order_relaxed)[s % kChunk]; }
   size_t capacity() const { return capacity_; }
-  size_t allocated() const { return allocated_; }  // slots [0, allocated) exist
-  // The live slot of a handle, or null (worker thread: no concurrent writer).
+  // Slots [0, allocated) exist (any thread).
+  size_t allocated() const { return allocated_.load(std::memory_order_acquire); }
+  // The live slot of a handle, or null (a worker's thread).
   RemoteSlot* live(const RemoteMr& r) {
-    if (r.slot >= allocated_ || (r.generation & 1) == 0) return nullptr;
+    if (r.slot >= allocated() || (r.generation & 1) == 0) return nullptr;
     RemoteSlot& s = slot(r.slot);
     return s.generation.load(std::memory_order_relaxed) == r.generation ? &s : nullptr;
   }
@@ -84,8 +97,10 @@ class RemoteTable {
 
  private:
   const size_t capacity_;
+  const size_t workers_;
   std::vector<std::atomic<RemoteSlot*>> chunks_;
-  size_t allocated_ = 0;  // worker thread only
+  std::vector<ResolvedTarget*> routes_;  // per chunk: kChunk x workers_ routes
+  std::atomic<size_t> allocated_{0};     // written under the engine's control mutex
   util::FreeSlots free_{0};
 };
 

@@ -48,50 +48,113 @@ constexpr uint32_t kMaxShards = 256;
 
 }  // namespace
 
+namespace {
+
+// Each worker's own configuration: the engine's, with that worker's GPU, NICs and cores, and no
+// worker list (what the worker, its domains and its GPU signals read).
+std::vector<EngineConfig> split_workers(const EngineConfig& c) {
+  std::vector<WorkerConfig> workers = c.workers;
+  if (workers.empty()) workers.push_back({c.cuda_device, c.nics, c.worker_cpu, c.watcher_cpu});
+  if (workers.size() > kMaxWorkers)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("EngineConfig::workers lists {} workers; an engine has 1 to {}",
+                            workers.size(), kMaxWorkers));
+  std::vector<EngineConfig> out;
+  for (size_t w = 0; w < workers.size(); w++) {
+    const WorkerConfig& wc = workers[w];
+    if (wc.nics.empty() || wc.nics.size() > kMaxNics)
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("worker {}: must list 1 to {} NICs, it lists {}", w, kMaxNics, wc.nics.size()));
+    if (wc.nics.size() != workers[0].nics.size())
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("worker {} has {} NICs and worker 0 {}: every worker needs the same "
+                              "number (rail-aligned peers)",
+                              w, wc.nics.size(), workers[0].nics.size()));
+    for (size_t v = 0; v < w; v++)
+      if (wc.cuda_device && workers[v].cuda_device == wc.cuda_device)
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("workers {} and {} both serve GPU {}", v, w, *wc.cuda_device));
+    EngineConfig e = c;
+    e.workers.clear();
+    e.cuda_device = wc.cuda_device;
+    e.nics = wc.nics;
+    e.worker_cpu = wc.worker_cpu;
+    e.watcher_cpu = wc.watcher_cpu;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+}  // namespace
+
 EngineImpl::EngineImpl(EngineConfig config)
     : config_(std::move(config)),
+      worker_configs_(split_workers(config_)),
       mrs_owner_(std::make_unique<MrTable>(config_.max_regions)),
       mrs_(*mrs_owner_),
-      remotes_owner_(std::make_unique<RemoteTable>(config_.max_remotes)),
+      remotes_owner_(std::make_unique<RemoteTable>(config_.max_remotes, worker_configs_.size())),
       remotes_(*remotes_owner_),
       buffers_owner_(std::make_unique<RequestBufferPool>()),
       buffers_(*buffers_owner_) {
-  if (config_.nics.empty() || config_.nics.size() > kMaxNics)
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("EngineConfig::nics must list 1 to {} NICs, it lists {}", kMaxNics,
-                            config_.nics.size()));
   callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
   try {
-    worker_ = std::make_unique<Worker>(config_, mrs_, remotes_, buffers_, *callbacks_);
+    for (size_t w = 0; w < worker_configs_.size(); w++)
+      workers_.push_back(
+          std::make_unique<Worker>(worker_configs_[w], w, mrs_, remotes_, buffers_, *callbacks_));
   } catch (...) {
+    for (auto& w : workers_) w->stop();
+    workers_.clear();
     callbacks_->stop();
     callbacks_.reset();
     throw;
   }
-  address_ = NetAddr(worker_->provider(), worker_->nic_addresses(), worker_->local_address());
+  std::vector<std::vector<std::string>> nics;
+  std::vector<std::string> locals;
+  for (auto& w : workers_) {
+    nics.push_back(w->nic_addresses());
+    locals.push_back(w->local_address());
+  }
+  address_ = NetAddr(workers_[0]->provider(), std::move(nics), std::move(locals));
 }
 
 EngineImpl::~EngineImpl() {
-  signals_.reset();  // watcher callbacks may submit: stop them while the engine still works
+  for (auto& s : signals_) s.reset();  // watcher callbacks may submit: stop them while the engine still works
   // From here on every call throws kShutdown, callbacks of the failed transfers included (they
-  // run below, after the worker is gone but before its object is).
+  // run below, after the workers are gone but before their objects are).
   closing_.store(true, std::memory_order_release);
-  // Fails what is pending (events queued), closes NICs, joins.
-  bool joined = worker_->stop();
+  // Each fails what is pending (events queued), closes its NICs, joins.
+  bool joined = true;
+  for (auto& w : workers_) joined &= w->stop();
   callbacks_->stop();
   if (!joined) {
-    // Wedged inside its provider: the worker may still wake up and touch its own object, the
-    // region table and the callback queue, so all three are left behind (a leak, not a crash).
+    // One is wedged inside its provider: it may still wake up and touch its own object, the
+    // region tables and the callback queue, so all of them are left behind (a leak, not a crash).
     callbacks_->join();
     (void)callbacks_.release();
     (void)mrs_owner_.release();
     (void)remotes_owner_.release();
     (void)buffers_owner_.release();
-    (void)worker_.release();
+    for (auto& w : workers_) (void)w.release();
     return;
   }
   callbacks_.reset();  // runs every queued callback, joins
-  worker_.reset();
+  workers_.clear();
+}
+
+uint32_t EngineImpl::worker_index(Device device, const char* what) const {
+  if (device.kind == Device::Kind::kHost) {
+    if (device.index < 0) return 0;
+    if (static_cast<size_t>(device.index) < workers_.size()) return static_cast<uint32_t>(device.index);
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: host memory for worker {}, but this engine has {} workers", what,
+                            device.index, workers_.size()));
+  }
+  if (workers_.size() == 1) return 0;  // a one-worker engine serves whatever its providers reach
+  for (size_t w = 0; w < worker_configs_.size(); w++)
+    if (worker_configs_[w].cuda_device == device.index) return static_cast<uint32_t>(w);
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("{}: no worker of this engine serves GPU {} (EngineConfig::workers)", what,
+                          device.index));
 }
 
 void EngineImpl::check_open() const {
@@ -104,8 +167,11 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
   check_open();
   if (!ptr || len == 0)
     throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
+  const uint32_t w = worker_index(device, "reg_mr");
+  Worker& worker = *workers_[w];
+  if (device.kind == Device::Kind::kHost) device = Device::host();  // the providers see host memory
   std::lock_guard lock(control_mu_);
-  return worker_->call([&]() -> std::pair<MrHandle, MrDesc> {
+  return worker.call([&]() -> std::pair<MrHandle, MrDesc> {
     auto s = mrs_.take_free_slot();
     if (!s)
       throw Error(ErrorCode::kResourceExhausted,
@@ -118,18 +184,18 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
     std::string nic_refusal;
     size_t done = 0;
     try {
-      for (; done < worker_->domain_count(); done++) {
+      for (; done < worker.domain_count(); done++) {
         try {
-          slot.per_nic[done] = worker_->register_on(done, ptr, len, device);
+          slot.per_nic[done] = worker.register_on(done, ptr, len, device);
         } catch (const Error& e) {
-          if (e.code() != ErrorCode::kUnsupported || done >= nic_count() || !worker_->has_local())
+          if (e.code() != ErrorCode::kUnsupported || done >= nic_count() || !worker.has_local())
             throw;
           nic_refusal = e.what();
           slot.per_nic[done] = {};
         }
       }
     } catch (...) {
-      while (done-- > 0) worker_->deregister_on(done, slot.per_nic[done]);
+      while (done-- > 0) worker.deregister_on(done, slot.per_nic[done]);
       mrs_.return_slot(*s);
       throw;
     }
@@ -139,15 +205,16 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
     slot.len = len;
     slot.device = device;
     slot.on_nics = nic_refusal.empty();
+    slot.worker = w;
     uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
     std::vector<RemoteKey> keys;
     if (nic_refusal.empty())
       for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
     std::optional<RemoteKey> local_key;
-    if (worker_->has_local() && slot.per_nic[nic_count()].remote_access)
+    if (worker.has_local() && slot.per_nic[nic_count()].remote_access)
       local_key = slot.per_nic[nic_count()].remote;
     return {MrHandle{*s, gen},
-            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key)};
+            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w)};
   });
 }
 
@@ -156,15 +223,16 @@ void EngineImpl::dereg_mr(MrHandle handle) {
   std::lock_guard lock(control_mu_);
   source(handle);  // throws for an unknown or stale handle
   RegionSlot* slot = &mrs_.slot(handle.slot);
+  Worker& worker = *workers_[slot->worker];
   // One step on the worker: the handle turns stale (no transfer taken from now on reads the
   // region, and one being posted stops at its next WRITE), and the transfers reading it fail,
   // each reported once. The slot is not reused until the end, so nothing can read another
   // region's bytes through it.
-  size_t in_flight = worker_->call([&] {
+  size_t in_flight = worker.call([&] {
     if (slot->generation.load(std::memory_order_relaxed) != handle.generation)
       throw Error(ErrorCode::kNotFound, "dereg_mr: the region was deregistered meanwhile");
     slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
-    return worker_->fail_transfers_from(slot);
+    return worker.fail_transfers_from(slot);
   });
   // WRITEs already handed to a NIC may still be reading the memory: the region stays registered
   // until they complete (at most the transfer timeout: a WRITE that never completes is
@@ -172,10 +240,10 @@ void EngineImpl::dereg_mr(MrHandle handle) {
   auto deadline = std::chrono::steady_clock::now() + config_.transfer_timeout;
   while (in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
-    in_flight = worker_->call([&] { return worker_->fail_transfers_from(slot); });
+    in_flight = worker.call([&] { return worker.fail_transfers_from(slot); });
   }
-  worker_->call([&] {
-    for (size_t i = 0; i < worker_->domain_count(); i++) worker_->deregister_on(i, slot->per_nic[i]);
+  worker.call([&] {
+    for (size_t i = 0; i < worker.domain_count(); i++) worker.deregister_on(i, slot->per_nic[i]);
     mrs_.return_slot(handle.slot);
   });
 }
@@ -229,7 +297,7 @@ void EngineImpl::check_route(const RegionSlot& src, bool dst_local, const char* 
 bool EngineImpl::reachable_locally(const MrDesc& dst) const {
   const std::string& ours = address_.local();
   return !ours.empty() && dst.local_key() &&
-         local_scope(dst.owner().local()) == local_scope(ours);
+         local_scope(dst.owner().local(dst.worker())) == local_scope(ours);
 }
 
 TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
@@ -248,11 +316,11 @@ TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
   return r;
 }
 
-void EngineImpl::submit_request(TransferRequest&& r) {
+void EngineImpl::submit_request(Worker& w, TransferRequest&& r) {
   RequestBuffer* buf = r.buf;
   const TransferKind kind = r.kind;
   try {
-    worker_->submit(std::move(r));
+    w.submit(std::move(r));
   } catch (...) {
     buffers_.give(kind, buf);  // never queued: nobody else will
     throw;
@@ -269,9 +337,12 @@ void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDo
                             bytes.size(), config_.max_message_size));
   TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
   r.buf = buffers_.take(r.kind);
-  r.buf->send_dst = dst;  // copy-assigned into kept capacity: no allocation after warm-up
+  // Messages go between first workers. Copy-assigned into kept capacity: no allocation after
+  // warm-up (a several-worker address is cut down to its first worker's first).
+  if (dst.worker_count() == 1) r.buf->send_dst = dst;
+  else r.buf->send_dst = dst.worker(0);
   r.buf->payload.assign(bytes.begin(), bytes.end());
-  submit_request(std::move(r));
+  submit_request(*workers_[0], std::move(r));
 }
 
 void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv) {
@@ -287,46 +358,70 @@ void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on
                             count, len, config_.max_message_size));
   auto cb = std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv));
   // Registration runs on the worker; its errors reach the caller here.
-  worker_->call([&] { worker_->add_recv_pool(len, count, std::move(cb)); });
+  workers_[0]->call([&] { workers_[0]->add_recv_pool(len, count, std::move(cb)); });
 }
 
 ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done,
                                   const ExpectOptions& opts) {
   check_open();
+  const uint32_t w = worker_index(opts.device, "expect_imm_count");
   ExpectRequest r;
   r.imm = imm;
   r.count = count;
   r.id = next_expectation_id_.fetch_add(1, std::memory_order_relaxed);
   if (opts.timeout) r.deadline = Clock::now() + *opts.timeout;
   r.on_done = std::move(on_done);
-  ImmExpectation handle{imm, r.id};
-  worker_->submit(std::move(r));
+  ImmExpectation handle{imm, r.id, w};
+  workers_[w]->submit(std::move(r));
   return handle;
 }
 
 bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
   check_open();
-  return worker_->call([&] { return worker_->cancel_expectation(e.imm, e.id); });
+  if (e.worker >= workers_.size()) return false;
+  Worker& w = *workers_[e.worker];
+  return w.call([&] { return w.cancel_expectation(e.imm, e.id); });
 }
 
 void EngineImpl::remove_peer(const NetAddr& peer) {
   check_open();
   check_peer(peer, "remove_peer");
   std::lock_guard lock(control_mu_);
-  std::vector<RemoteMr> removed = worker_->call([&] { return worker_->remove_peer(peer); });
-  std::erase_if(remote_index_, [&](const auto& kv) {
-    return std::find(removed.begin(), removed.end(), kv.second) != removed.end();
-  });
+  // Every worker of ours holds its own record of every worker of the peer.
+  std::vector<RemoteMr> removed;
+  for (size_t g = 0; g < peer.worker_count(); g++) {
+    const NetAddr one = peer.worker(g);
+    for (auto& w : workers_)
+      for (const RemoteMr& r : w->call([&] { return w->remove_peer(one); }))
+        if (std::find(removed.begin(), removed.end(), r) == removed.end()) removed.push_back(r);
+  }
+  // Its interned regions go with it (a process at the same address later is another peer, with
+  // other keys). Groups keep their member, which fails with kCancelled from now on.
+  for (const RemoteMr& r : removed) remove_remote_locked(r);
 }
 
 size_t EngineImpl::peer_count() {
   check_open();
-  return worker_->call([&] { return worker_->peer_count(); });
+  size_t n = 0;
+  for (auto& w : workers_) n += w->call([&] { return w->peer_count(); });
+  return n;
 }
 
 uint64_t EngineImpl::imm_count(uint32_t imm) {
   check_open();
-  return worker_->call([&] { return worker_->imm_count(imm); });
+  uint64_t n = 0;
+  for (auto& w : workers_) n += w->call([&] { return w->imm_count(imm); });
+  return n;
+}
+
+std::vector<PostTiming> EngineImpl::take_post_timings() {
+  check_open();
+  std::vector<PostTiming> out;
+  for (auto& w : workers_) {
+    auto t = w->call([&] { return w->take_post_timings(); });
+    out.insert(out.end(), t.begin(), t.end());
+  }
+  return out;
 }
 
 RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
@@ -345,7 +440,34 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
   std::lock_guard lock(control_mu_);
   auto it = remote_index_.find(key);
   if (it != remote_index_.end()) return it->second;
-  RemoteMr r = worker_->call([&] { return worker_->add_remote(desc); });
+  auto s = remotes_.take_free_slot();
+  if (!s)
+    throw Error(ErrorCode::kResourceExhausted,
+                fmt::format("add_remote: all {} remote slots are in use; remove_remote regions "
+                            "that are no longer written or raise EngineConfig::max_remotes",
+                            remotes_.capacity()));
+  RemoteSlot& slot = remotes_.slot(*s);
+  slot.desc = desc;
+  // Each worker resolves its own route to the owner (address-vector insertion, connection set-up).
+  size_t attached = 0;
+  try {
+    for (; attached < workers_.size(); attached++) {
+      Worker& w = *workers_[attached];
+      w.call([&] { w.attach_remote(*s); });
+    }
+  } catch (...) {
+    while (attached-- > 0) {
+      Worker& w = *workers_[attached];
+      w.call([&] { w.detach_remote(*s); });
+    }
+    slot.desc = MrDesc{};
+    remotes_.return_slot(*s);
+    throw;
+  }
+  slot.len.store(desc.len(), std::memory_order_relaxed);
+  slot.local.store(slot.target(0).local, std::memory_order_relaxed);  // every worker shares one host
+  uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
+  RemoteMr r{*s, gen};
   remote_index_.emplace(std::move(key), r);
   return r;
 }
@@ -353,7 +475,17 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
 void EngineImpl::remove_remote(RemoteMr r) {
   check_open();
   std::lock_guard lock(control_mu_);
-  worker_->call([&] { worker_->remove_remote(r); });
+  remove_remote_locked(r);
+}
+
+void EngineImpl::remove_remote_locked(RemoteMr r) {
+  RemoteSlot* slot = remotes_.live(r);
+  if (!slot) throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
+  // Stale first, so no worker takes a new request naming it; then each drops its route.
+  slot->generation.fetch_add(1, std::memory_order_release);
+  for (auto& w : workers_) w->call([&] { w->detach_remote(r.slot); });
+  slot->desc = MrDesc{};
+  remotes_.return_slot(r.slot);
   std::erase_if(remote_index_, [&](const auto& kv) { return kv.second == r; });
 }
 
@@ -377,7 +509,7 @@ void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
   r.dst_offset = w.dst.offset;
   r.dst = w.dst.mr;
   r.shards = static_cast<uint32_t>(single_write_imm_count(w, nic_count()));
-  submit_request(std::move(r));
+  submit_request(worker_of(s), std::move(r));
 }
 
 void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
@@ -417,7 +549,7 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
   r.buf = buffers_.take(r.kind);
   r.buf->src_pages.assign(w.src_pages.indices.begin(), w.src_pages.indices.end());
   r.buf->dst_pages.assign(w.dst_pages.indices.begin(), w.dst_pages.indices.end());
-  submit_request(std::move(r));
+  submit_request(worker_of(s), std::move(r));
 }
 
 void EngineImpl::submit(const Scatter& w, OnDone on_done) {
@@ -440,7 +572,7 @@ void EngineImpl::submit(const Scatter& w, OnDone on_done) {
   r.count = static_cast<uint32_t>(w.slices.size());
   r.buf = buffers_.take(r.kind);
   r.buf->slices.assign(w.slices.begin(), w.slices.end());
-  submit_request(std::move(r));
+  submit_request(worker_of(s), std::move(r));
 }
 
 void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
@@ -467,7 +599,7 @@ void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
   r.count = static_cast<uint32_t>(w.slices.size());
   r.buf = buffers_.take(r.kind);
   r.buf->group_slices.assign(w.slices.begin(), w.slices.end());
-  submit_request(std::move(r));
+  submit_request(worker_of(s), std::move(r));
 }
 
 void EngineImpl::submit(const Barrier& w, OnDone on_done) {
@@ -476,21 +608,23 @@ void EngineImpl::submit(const Barrier& w, OnDone on_done) {
   if (w.dsts.size() > UINT32_MAX)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many destinations", what));
   for (const RemoteMr& d : w.dsts) remote(d, what);
+  Worker& worker = *workers_[worker_index(w.device, what)];
   TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
   r.count = static_cast<uint32_t>(w.dsts.size());
   r.buf = buffers_.take(r.kind);
   r.buf->remotes.assign(w.dsts.begin(), w.dsts.end());
-  submit_request(std::move(r));
+  submit_request(worker, std::move(r));
 }
 
 void EngineImpl::submit(const GroupBarrier& w, OnDone on_done) {
   constexpr const char* what = "submit(GroupBarrier)";
   check_open();
   const PeerGroup& g = group(w.group, what);
+  Worker& worker = *workers_[worker_index(w.device, what)];
   TransferRequest r = make_request(TransferKind::kGroupBarrier, std::move(on_done), w.imm, w.nic, what);
   r.group = w.group.id;
   r.count = static_cast<uint32_t>(g.lens.size());
-  submit_request(std::move(r));
+  submit_request(worker, std::move(r));
 }
 
 PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
@@ -505,7 +639,15 @@ PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
   if (group_storage_.size() >= kMaxGroups)
     throw Error(ErrorCode::kResourceExhausted,
                 fmt::format("add_peer_group: at most {} peer groups", kMaxGroups));
-  uint32_t id = worker_->call([&] { return worker_->add_group(members); });
+  // Every worker builds the group's routes from its own NICs; they number groups alike (each takes
+  // every group, in this order, under this lock).
+  uint32_t id = UINT32_MAX;
+  for (auto& w : workers_) {
+    uint32_t got = w->call([&] { return w->add_group(members); });
+    if (id != UINT32_MAX && got != id)
+      throw Error(ErrorCode::kProvider, fmt::format("add_peer_group: workers disagree on the group id ({} and {})", id, got));
+    id = got;
+  }
   groups_[id].store(g.get(), std::memory_order_release);
   group_storage_.push_back(std::move(g));
   return PeerGroupHandle{id, static_cast<uint32_t>(members.size())};
@@ -514,20 +656,28 @@ PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
 std::vector<NicStats> EngineImpl::nic_stats() const {
   check_open();
   std::vector<NicStats> out;
-  for (size_t i = 0; i < worker_->domain_count(); i++) {
-    const AtomicNicStats& a = worker_->stats(i);
-    Domain::InjectedFaults f = worker_->injected_faults(i);
-    out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
-                   a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
-                   f.duplicated_imms, a.imms_dropped.load()});
-  }
+  for (auto& w : workers_)
+    for (size_t i = 0; i < w->domain_count(); i++) {
+      const AtomicNicStats& a = w->stats(i);
+      Domain::InjectedFaults f = w->injected_faults(i);
+      out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
+                     a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
+                     f.duplicated_imms, a.imms_dropped.load()});
+    }
   return out;
 }
 
-GpuSignals& EngineImpl::signals() {
+std::pair<GpuSignals&, uint32_t> EngineImpl::signals(std::optional<int> cuda_device) {
+  uint32_t w = cuda_device ? worker_index(Device::cuda(*cuda_device), "GPU signals") : 0;
+  return {signals_of(w), w};
+}
+
+GpuSignals& EngineImpl::signals_of(uint32_t w) {
+  if (w >= workers_.size())
+    throw Error(ErrorCode::kNotFound, fmt::format("GPU signals: no worker {}", w));
   std::lock_guard lock(signals_mu_);
-  if (!signals_) signals_ = make_gpu_signals(config_);
-  return *signals_;
+  if (!signals_[w]) signals_[w] = make_gpu_signals(worker_configs_[w]);
+  return *signals_[w];
 }
 
 // ---- TransferEngine: the public face ----
@@ -546,6 +696,7 @@ TransferEngine::~TransferEngine() = default;
 
 NetAddr TransferEngine::main_address() const { return impl_->address(); }
 size_t TransferEngine::nic_count() const { return impl_->nic_count(); }
+size_t TransferEngine::worker_count() const { return impl_->worker_count(); }
 std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device) {
   return impl_->reg_mr(ptr, len, device);
 }
@@ -578,12 +729,20 @@ PeerGroupHandle TransferEngine::add_peer_group(std::span<const RemoteMr> members
   return impl_->add_peer_group(members);
 }
 std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
-UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb) {
-  return impl_->signals().add_watcher(std::move(cb));
+UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb, std::optional<int> cuda_device) {
+  auto [signals, worker] = impl_->signals(cuda_device);
+  UvmWatcher w = signals.add_watcher(std::move(cb));
+  w.worker = worker;
+  return w;
 }
-void TransferEngine::free_uvm_watcher(const UvmWatcher& w) { impl_->signals().remove_watcher(w); }
-GpuCounter TransferEngine::alloc_gpu_counter() { return impl_->signals().add_counter(); }
-void TransferEngine::free_gpu_counter(const GpuCounter& c) { impl_->signals().remove_counter(c); }
+void TransferEngine::free_uvm_watcher(const UvmWatcher& w) { impl_->signals_of(w.worker).remove_watcher(w); }
+GpuCounter TransferEngine::alloc_gpu_counter(std::optional<int> cuda_device) {
+  auto [signals, worker] = impl_->signals(cuda_device);
+  GpuCounter c = signals.add_counter();
+  c.worker = worker;
+  return c;
+}
+void TransferEngine::free_gpu_counter(const GpuCounter& c) { impl_->signals_of(c.worker).remove_counter(c); }
 void TransferEngine::gpu_stream_wait(void* cuda_stream, const GpuCounter& counter, uint64_t at_least) {
   fabric::gpu_stream_wait(cuda_stream, counter, at_least);
 }

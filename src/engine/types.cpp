@@ -4,10 +4,10 @@
 // they end up in error messages and Python str. NIC endpoint addresses are binary (sockaddr bytes,
 // verbs addresses) and may hold any bytes.
 //
-// NetAddr: "FBNA" u8 version u8 provider_len provider u8 nic_count { u16 len, bytes }*
-//          u16 local_len local
-// MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u64 addr u64 len u8 n { u64 rkey u64 base }*
-//          u8 has_local [u64 rkey u64 base]
+// NetAddr: "FBNA" u8 version u8 provider_len provider u8 worker_count u8 nic_count
+//          { { u16 len, bytes }*nic_count u16 local_len local }*worker_count
+// MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u8 worker u64 addr u64 len
+//          u8 n { u64 rkey u64 base }* u8 has_local [u64 rkey u64 base]
 #include "fabric/types.h"
 
 #include <cstring>
@@ -19,7 +19,7 @@ namespace fabric {
 namespace {
 constexpr char kAddrMagic[4] = {'F', 'B', 'N', 'A'};
 constexpr char kDescMagic[4] = {'F', 'B', 'M', 'D'};
-constexpr uint8_t kVersion = 2;
+constexpr uint8_t kVersion = 3;  // 3: several workers per engine
 
 void check_magic(util::ByteReader& r, const char (&magic)[4]) {
   for (char m : magic)
@@ -36,19 +36,51 @@ void validate_nic_count(size_t n, const char* what) {
 }  // namespace
 
 NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::string local)
-    : provider_(std::move(provider)), nics_(std::move(nic_addrs)), local_(std::move(local)) {
-  validate_nic_count(nics_.size(), "NetAddr");
+    : NetAddr(std::move(provider), std::vector<std::vector<std::string>>{std::move(nic_addrs)},
+              std::vector<std::string>{std::move(local)}) {}
+
+NetAddr::NetAddr(std::string provider, std::vector<std::vector<std::string>> nic_addrs,
+                 std::vector<std::string> locals)
+    : provider_(std::move(provider)), nics_(std::move(nic_addrs)), locals_(std::move(locals)) {
+  if (nics_.empty() || nics_.size() > kMaxWorkers)
+    throw Error(ErrorCode::kInvalidArgument,
+                "NetAddr: worker count " + std::to_string(nics_.size()) + " outside 1.." +
+                    std::to_string(kMaxWorkers));
+  if (locals_.size() != nics_.size())
+    throw Error(ErrorCode::kInvalidArgument, "NetAddr: one local endpoint (or \"\") per worker");
+  validate_nic_count(nics_[0].size(), "NetAddr");
   if (provider_.empty() || provider_.size() > kMaxProviderNameLen)
     throw Error(ErrorCode::kInvalidArgument, "NetAddr: provider name length must be 1..64");
-  for (auto& n : nics_)
-    if (n.empty() || n.size() > kMaxNicAddrLen)
-      throw Error(ErrorCode::kInvalidArgument, "NetAddr: NIC address length must be 1..256");
-  if (local_.size() > kMaxNicAddrLen)
-    throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint longer than 256 bytes");
+  for (auto& worker : nics_) {
+    if (worker.size() != nics_[0].size())
+      throw Error(ErrorCode::kInvalidArgument,
+                  "NetAddr: every worker must have the same number of NICs (rail-aligned)");
+    for (auto& n : worker)
+      if (n.empty() || n.size() > kMaxNicAddrLen)
+        throw Error(ErrorCode::kInvalidArgument, "NetAddr: NIC address length must be 1..256");
+  }
+  for (auto& local : locals_) {
+    if (local.size() > kMaxNicAddrLen)
+      throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint longer than 256 bytes");
+    if (!util::is_utf8(local))
+      throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint is not valid UTF-8");
+  }
   if (!util::is_utf8(provider_))
     throw Error(ErrorCode::kInvalidArgument, "NetAddr: provider name is not valid UTF-8");
-  if (!util::is_utf8(local_))
-    throw Error(ErrorCode::kInvalidArgument, "NetAddr: local endpoint is not valid UTF-8");
+}
+
+const std::string& NetAddr::local() const {
+  static const std::string none;
+  return locals_.empty() ? none : locals_[0];
+}
+
+NetAddr NetAddr::worker(size_t w) const {
+  if (w >= nics_.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                "NetAddr: worker " + std::to_string(w) + " of an engine with " +
+                    std::to_string(nics_.size()) + " workers");
+  if (nics_.size() == 1) return *this;
+  return NetAddr(provider_, nics_[w], locals_[w]);
 }
 
 std::vector<uint8_t> NetAddr::to_bytes() const {
@@ -58,12 +90,15 @@ std::vector<uint8_t> NetAddr::to_bytes() const {
   w.u8(static_cast<uint8_t>(provider_.size()));
   w.raw(provider_.data(), provider_.size());
   w.u8(static_cast<uint8_t>(nics_.size()));
-  for (auto& n : nics_) {
-    w.u16(static_cast<uint16_t>(n.size()));
-    w.raw(n.data(), n.size());
+  w.u8(static_cast<uint8_t>(nic_count()));
+  for (size_t g = 0; g < nics_.size(); g++) {
+    for (auto& n : nics_[g]) {
+      w.u16(static_cast<uint16_t>(n.size()));
+      w.raw(n.data(), n.size());
+    }
+    w.u16(static_cast<uint16_t>(locals_[g].size()));
+    w.raw(locals_[g].data(), locals_[g].size());
   }
-  w.u16(static_cast<uint16_t>(local_.size()));
-  w.raw(local_.data(), local_.size());
   return w.take();
 }
 
@@ -72,18 +107,24 @@ static NetAddr read_net_addr(util::ByteReader& r) {
   uint8_t plen = r.u8("provider length");
   if (plen == 0 || plen > kMaxProviderNameLen) r.fail("provider name length " + std::to_string(plen));
   std::string provider = r.text(plen, "provider");
+  uint8_t workers = r.u8("worker count");
+  if (workers < 1 || workers > kMaxWorkers)
+    r.fail("worker count " + std::to_string(workers) + " outside 1.." + std::to_string(kMaxWorkers));
   uint8_t n = r.u8("NIC count");
   if (n < 1 || n > kMaxNics) r.fail("NIC count " + std::to_string(n) + " outside 1..4");
-  std::vector<std::string> nics;
-  for (uint8_t i = 0; i < n; i++) {
-    uint16_t len = r.u16("NIC address length");
-    if (len == 0 || len > kMaxNicAddrLen) r.fail("NIC address length " + std::to_string(len));
-    nics.push_back(r.str(len, "NIC address"));
+  std::vector<std::vector<std::string>> nics(workers);
+  std::vector<std::string> locals;
+  for (auto& worker : nics) {
+    for (uint8_t i = 0; i < n; i++) {
+      uint16_t len = r.u16("NIC address length");
+      if (len == 0 || len > kMaxNicAddrLen) r.fail("NIC address length " + std::to_string(len));
+      worker.push_back(r.str(len, "NIC address"));
+    }
+    uint16_t local_len = r.u16("local endpoint length");
+    if (local_len > kMaxNicAddrLen) r.fail("local endpoint length " + std::to_string(local_len));
+    locals.push_back(r.text(local_len, "local endpoint"));
   }
-  uint16_t local_len = r.u16("local endpoint length");
-  if (local_len > kMaxNicAddrLen) r.fail("local endpoint length " + std::to_string(local_len));
-  std::string local = r.text(local_len, "local endpoint");
-  return NetAddr(std::move(provider), std::move(nics), std::move(local));
+  return NetAddr(std::move(provider), std::move(nics), std::move(locals));
 }
 
 NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {
@@ -97,13 +138,18 @@ std::string NetAddr::to_hex() const { return util::to_hex(to_bytes()); }
 NetAddr NetAddr::from_hex(std::string_view hex) { return from_bytes(util::from_hex(hex, "NetAddr")); }
 
 MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
-               std::optional<RemoteKey> local_key)
-    : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)), local_key_(local_key) {
+               std::optional<RemoteKey> local_key, uint32_t worker)
+    : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)), local_key_(local_key),
+      worker_(worker) {
+  if (worker_ >= owner_.worker_count())
+    throw Error(ErrorCode::kInvalidArgument,
+                "MrDesc: worker " + std::to_string(worker_) + " of an owner with " +
+                    std::to_string(owner_.worker_count()) + " workers");
   if (keys_.size() != owner_.nic_count() && !(keys_.empty() && local_key_))
     throw Error(ErrorCode::kInvalidArgument,
                 "MrDesc: " + std::to_string(keys_.size()) + " keys for an owner with " +
                     std::to_string(owner_.nic_count()) + " NICs");
-  if (local_key_ && owner_.local().empty())
+  if (local_key_ && owner_.local(worker_).empty())
     throw Error(ErrorCode::kInvalidArgument, "MrDesc: a local key for an owner with no local endpoint");
 }
 
@@ -114,6 +160,7 @@ std::vector<uint8_t> MrDesc::to_bytes() const {
   auto owner = owner_.to_bytes();
   w.u32(static_cast<uint32_t>(owner.size()));
   w.raw(owner.data(), owner.size());
+  w.u8(static_cast<uint8_t>(worker_));
   w.u64(addr_);
   w.u64(len_);
   w.u8(static_cast<uint8_t>(keys_.size()));
@@ -137,6 +184,10 @@ MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
   auto owner_bytes = bytes.subspan(bytes.size() - r.remaining(), owner_len);
   NetAddr owner = NetAddr::from_bytes(owner_bytes);
   r.str(owner_len, "owner");  // skip what NetAddr parsed
+  uint8_t worker = r.u8("worker");
+  if (worker >= owner.worker_count())
+    r.fail("worker " + std::to_string(worker) + " of an owner with " +
+           std::to_string(owner.worker_count()) + " workers");
   uint64_t addr = r.u64("addr");
   uint64_t len = r.u64("len");
   uint8_t n = r.u8("key count");
@@ -153,10 +204,10 @@ MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
   if (has_local > 1) r.fail("local key flag " + std::to_string(has_local));
   if (has_local) local = RemoteKey{r.u64("local rkey"), r.u64("local base")};
   if (n == 0 && !local) r.fail("no key at all (neither NIC keys nor a local key)");
-  if (local && owner.local().empty()) r.fail("a local key for an owner with no local endpoint");
+  if (local && owner.local(worker).empty()) r.fail("a local key for an owner with no local endpoint");
   if (addr + len < addr) r.fail("addr + len overflows");
   r.expect_end();
-  return MrDesc(std::move(owner), addr, len, std::move(keys), local);
+  return MrDesc(std::move(owner), addr, len, std::move(keys), local, worker);
 }
 
 std::string MrDesc::to_hex() const { return util::to_hex(to_bytes()); }

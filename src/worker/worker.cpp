@@ -37,9 +37,10 @@ struct Worker::RecvPool {
   std::shared_ptr<TransferEngine::RecvCallback> on_recv;
 };
 
-Worker::Worker(const EngineConfig& config, MrTable& mrs, RemoteTable& remotes,
+Worker::Worker(const EngineConfig& config, size_t index, MrTable& mrs, RemoteTable& remotes,
                RequestBufferPool& buffers, CallbackThread& callbacks)
     : config_(config),
+      index_(index),
       mrs_(mrs),
       remotes_(remotes),
       buffers_(buffers),
@@ -297,10 +298,7 @@ std::vector<RemoteMr> Worker::remove_peer(const NetAddr& peer) {
   for (uint32_t s = 0; s < remotes_.allocated(); s++) {
     RemoteSlot& slot = remotes_.slot(s);
     uint32_t gen = slot.generation.load(std::memory_order_relaxed);
-    if ((gen & 1) && slot.target.record == r) {
-      removed.push_back(RemoteMr{s, gen});
-      remove_remote(removed.back());
-    }
+    if ((gen & 1) && slot.target(index_).record == r) removed.push_back(RemoteMr{s, gen});
   }
   return removed;
 }
@@ -351,7 +349,7 @@ ResolvedTarget Worker::target_of(const TransferRequest& q, size_t i) {
 
 const ResolvedTarget& Worker::current(const RemoteMr& remote) {
   RemoteSlot& slot = live_remote(remotes_, remote);
-  return refresh(slot.target, slot.desc);
+  return refresh(slot.target(index_), slot.desc);
 }
 
 // Moves a hold from the record `held` names to the one `fresh` names.
@@ -373,7 +371,7 @@ const ResolvedTarget& Worker::refresh(ResolvedTarget& held, const MrDesc& desc) 
 }
 
 ResolvedTarget Worker::route(const MrDesc& d) {
-  ResolvedTarget t = resolve(d.owner());
+  ResolvedTarget t = resolve(d.endpoint());
   if (t.local && d.local_key()) {
     t.key[nic_count()] = *d.local_key();
     return t;
@@ -387,44 +385,25 @@ ResolvedTarget Worker::route(const MrDesc& d) {
   return t;
 }
 
-RemoteMr Worker::add_remote(const MrDesc& desc) {
-  auto s = remotes_.take_free_slot();
-  if (!s)
-    throw Error(ErrorCode::kResourceExhausted,
-                fmt::format("add_remote: all {} remote slots are in use; remove_remote regions "
-                            "that are no longer written or raise EngineConfig::max_remotes",
-                            remotes_.capacity()));
-  RemoteSlot& slot = remotes_.slot(*s);
-  try {
-    slot.target = route(desc);
-  } catch (...) {
-    remotes_.return_slot(*s);
-    throw;
-  }
-  records_[slot.target.record].holders++;
-  slot.desc = desc;
-  slot.len.store(desc.len(), std::memory_order_relaxed);
-  slot.local.store(slot.target.local, std::memory_order_relaxed);
-  uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
-  return RemoteMr{*s, gen};
+void Worker::attach_remote(uint32_t s) {
+  RemoteSlot& slot = remotes_.slot(s);
+  ResolvedTarget& target = slot.target(index_);
+  target = route(slot.desc);
+  records_[target.record].holders++;
 }
 
-void Worker::remove_remote(const RemoteMr& r) {
-  RemoteSlot* slot = remotes_.live(r);
-  if (!slot) throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
-  slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
-  uint32_t record = slot->target.record;
-  slot->target = {};
-  slot->desc = MrDesc{};
-  unhold_record(record);
-  remotes_.return_slot(r.slot);
+void Worker::detach_remote(uint32_t s) {
+  ResolvedTarget& target = remotes_.slot(s).target(index_);
+  const uint32_t record = target.record;
+  target = {};
+  if (record != UINT32_MAX) unhold_record(record);
 }
 
 uint32_t Worker::add_group(std::span<const RemoteMr> members) {
   auto g = std::make_unique<GroupState>();
   for (const RemoteMr& m : members) {
     RemoteSlot& slot = live_remote(remotes_, m);
-    g->members.push_back({refresh(slot.target, slot.desc), slot.desc});
+    g->members.push_back({refresh(slot.target(index_), slot.desc), slot.desc});
   }
   for (auto& m : g->members) records_[m.target.record].holders++;
   groups_.push_back(std::move(g));

@@ -71,8 +71,10 @@ class Worker {
  public:
   // Starts the thread, which pins itself, opens every NIC and only then allocates its state.
   // Throws the error that opening a NIC raised.
-  Worker(const EngineConfig& config, MrTable& mrs, RemoteTable& remotes, RequestBufferPool& buffers,
-         CallbackThread& callbacks);
+  // `config` is this worker's alone (one GPU, its NICs, its cores); `index` is its place in the
+  // engine (its route in each RemoteTable slot, the worker named in the MrDescs it registers).
+  Worker(const EngineConfig& config, size_t index, MrTable& mrs, RemoteTable& remotes,
+         RequestBufferPool& buffers, CallbackThread& callbacks);
   ~Worker();  // stop(), if not done
   // Fails everything pending with kShutdown, closes the NICs and joins the thread. The object
   // stays (other threads may still look at it) but takes no more work. False: the worker was
@@ -126,13 +128,14 @@ class Worker {
   ResolvedTarget resolve(const NetAddr& peer);
   // The route to one destination region: the local domain where both ends offer it, else NICs.
   ResolvedTarget route(const MrDesc& dst);
-  // Interns a remote region (its route holds its owner's record) / forgets it.
-  RemoteMr add_remote(const MrDesc& desc);
-  void remove_remote(const RemoteMr& remote);
+  // An interned remote region's route in this worker (it holds the owner's peer record), set from
+  // the slot's descriptor while the engine interns it / dropped once the engine made it stale.
+  void attach_remote(uint32_t slot);
+  void detach_remote(uint32_t slot);
   // A peer group of interned regions; returns its id.
   uint32_t add_group(std::span<const RemoteMr> members);
-  // Application says the peer left: its pending transfers end with kCancelled, its resources go,
-  // and so do the remote regions interned for it (returned, so the engine forgets them too).
+  // Application says the peer (one worker of it) left: its pending transfers end with kCancelled
+  // and its resources go; returns the remote regions interned for it, which the engine removes.
   std::vector<RemoteMr> remove_peer(const NetAddr& peer);
   size_t peer_count() const { return peer_index_.size(); }
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
@@ -202,6 +205,7 @@ class Worker {
   void unlink(Transfer& t);
 
   EngineConfig config_;
+  const size_t index_;
   MrTable& mrs_;
   RemoteTable& remotes_;
   RequestBufferPool& buffers_;
