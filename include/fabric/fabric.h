@@ -4,5 +4,6 @@
 #include "fabric/config.h"
 #include "fabric/error.h"
 #include "fabric/on_done.h"
+#include "fabric/topology.h"
 #include "fabric/transfer_engine.h"
 #include "fabric/types.h"
