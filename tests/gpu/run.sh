@@ -48,6 +48,10 @@ $BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/c
 # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
 bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
 grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
+# A worker of a two-worker engine against the only worker of a one-worker engine, both busy.
+for p in shm "tcp;ofi_rxm"; do $BUILD/bench/multi-worker-post --provider "$p" --workers 2; done \
+  >> "$OUT/post.txt" 2>&1 || status=1
+grep -E "^workers=|^ratio workers" "$OUT/post.txt" || true
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
 grep -E "tests passed|Failed|\*\*\*" "$OUT/cpu_tests.log" || true
