@@ -81,12 +81,37 @@ struct Completion {
   bool peer_lost = false;
 };
 
+// What one Domain (one NIC) can do, read once when it is opened (the provider's own attributes,
+// the values its code runs on, never a second guess). For logs, topology and placement decisions;
+// nothing on the posting path reads it.
+struct DomainCaps {
+  // What a person calls this NIC: the libfabric domain name ("rdmap16s27-rdm", "lo", "shm"), the
+  // verbs device ("mlx5_0"), "cuda_ipc".
+  std::string nic_name;
+  // Can register CUDA device memory (libfabric FI_HMEM; verbs in a CUDA build: dma-buf or peer
+  // memory; cuda_ipc).
+  bool gpu_memory = false;
+  // Largest single WRITE the provider takes (libfabric ep_attr->max_msg_size, SIZE_MAX where it
+  // reports 0; verbs the port's max_msg_sz). Longer WRITEs are split inside the domain.
+  size_t max_message = 0;
+  // Largest payload sent inline (libfabric tx_attr->inject_size, verbs max_inline_data); 0: none.
+  size_t inject_size = 0;
+  // Link speed where the provider says (libfabric nic->link_attr->speed, verbs active speed x
+  // width), in Gb/s; 0: unknown (loopback tcp, shm, cuda_ipc).
+  double link_gbps = 0;
+  // Data moves only while the application polls (libfabric FI_PROGRESS_MANUAL; verbs and cuda_ipc
+  // hand held-back work to the hardware at poll()): the worker must poll even when idle.
+  bool manual_progress = false;
+};
+
 class Domain {
  public:
   virtual ~Domain() = default;
 
   virtual const std::string& provider_name() const = 0;
   virtual const std::string& address() const = 0;  // endpoint name, bytes
+  // Fixed for the domain's life; any thread may read it once the domain is open.
+  virtual const DomainCaps& caps() const = 0;
   // Largest immediate the provider carries is at least 32 bits; remote CQ data is masked to 32.
 
   // Throw fabric::Error on failure; kUnsupported when the provider cannot reach that device's

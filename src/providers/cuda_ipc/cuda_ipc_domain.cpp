@@ -167,6 +167,7 @@ class CudaIpcDomain final : public Domain {
 
   const std::string& provider_name() const override { return name_; }
   const std::string& address() const override { return address_; }
+  const DomainCaps& caps() const override { return caps_; }
   size_t max_in_flight() const override { return kDescBlock * kDescBlocks; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
@@ -875,6 +876,11 @@ class CudaIpcDomain final : public Domain {
   }
 
   const std::string name_ = "cuda_ipc";
+  // GPU memory is all it writes; a WRITE is bounded only by its destination region (1 MiB and
+  // more go to cudaMemcpyAsync whole); nothing is sent inline; no link of its own; single WRITEs
+  // and immediates move at poll().
+  const DomainCaps caps_{name_, /*gpu_memory=*/true, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
+                         /*link_gbps=*/0.0, /*manual_progress=*/true};
   int device_;
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;

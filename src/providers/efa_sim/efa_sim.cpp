@@ -665,6 +665,8 @@ void present_as_efa(ProviderAttrs& a, bool hmem_wanted) {
   a.cq_data_size = kCqDataSize;
   a.max_msg_size = kMaxMsgSize;
   a.inject_size = kInjectSize;
+  a.data_progress = FI_PROGRESS_MANUAL;  // EFA's RDM endpoint, as tcp's: the worker drives it
+  // domain_name and link_speed stay tcp's: the NIC is the loopback one, with no speed of its own.
   // tcp moves host memory only. offer_hmem: FI_HMEM is offered where the domain asks for it, as
   // EFA on a GPU host does, at API 1.20 (dma-buf registration): GPU regions are registered (and
   // checked) by the shim, never moved.

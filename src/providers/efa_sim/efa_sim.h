@@ -47,7 +47,8 @@ inline constexpr size_t kCqDataSize = 4;
 
 // Rewrites what tcp's fi_getinfo returned into what EFA's would: prov_name "efa", mr_mode
 // FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_HMEM, 4-byte CQ data,
-// kMaxMsgSize, kInjectSize. Capabilities stay tcp's (no FI_HMEM: the shim moves host memory
+// kMaxMsgSize, kInjectSize, manual data progress (the domain name and link speed stay tcp's, so
+// Domain::caps() names the loopback NIC). Capabilities stay tcp's (no FI_HMEM: the shim moves host memory
 // only), unless offer_hmem(true) and the domain asked for FI_HMEM (hmem_wanted): then FI_HMEM at
 // API 1.20, as EFA on a GPU host, so that GPU memory takes the domain's dma-buf path; the shim
 // checks and registers such regions but refuses to move them.

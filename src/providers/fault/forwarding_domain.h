@@ -14,6 +14,7 @@ class ForwardingDomain : public Domain {
 
   const std::string& provider_name() const override { return inner_->provider_name(); }
   const std::string& address() const override { return inner_->address(); }
+  const DomainCaps& caps() const override { return inner_->caps(); }
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
     return inner_->register_memory(ptr, len, device);
   }

@@ -68,6 +68,7 @@ class LibfabricDomain final : public Domain {
 
   const std::string& provider_name() const override { return provider_; }
   const std::string& address() const override { return address_; }
+  const DomainCaps& caps() const override { return caps_; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
     const bool gpu = device.kind == Device::Kind::kCuda;
@@ -254,6 +255,13 @@ class LibfabricDomain final : public Domain {
     // GPU memory goes in as a dma-buf where the provider takes one (FI_HMEM, API 1.20): no
     // nvidia-peermem needed. Elsewhere, or if it is refused, as an FI_HMEM_CUDA address range.
     dmabuf_ = (attrs_.caps & FI_HMEM) && attrs_.api_version >= fi_compat::kDmabufApi;
+    // What the code above decided, as the Domain contract reports it (efa-sim: EFA's values).
+    caps_.nic_name = attrs_.domain_name;
+    caps_.gpu_memory = (attrs_.caps & FI_HMEM) != 0;  // register_memory's test
+    caps_.max_message = max_msg_;                       // the split size
+    caps_.inject_size = attrs_.inject_size;
+    caps_.link_gbps = static_cast<double>(attrs_.link_speed) / 1e9;
+    caps_.manual_progress = attrs_.data_progress == FI_PROGRESS_MANUAL;
 
     check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric_, nullptr));
     check("fi_domain", sim_ ? efa_sim::open_domain(fabric_, info_, &domain_)
@@ -285,10 +293,11 @@ class LibfabricDomain final : public Domain {
     size_t straddr_len = sizeof straddr;
     fi_av_straddr(av_, name, straddr, &straddr_len);
     log::info("nic {}: provider={} domain={} addr={} mr_mode=0x{:x} tx_size={} inject={} "
-              "max_msg={} cq_data={} api={}.{}",
-              nic_index, provider_, info_->domain_attr->name, straddr, attrs_.mr_mode, attrs_.tx_size,
+              "max_msg={} cq_data={} api={}.{} hmem={} link={} Gb/s progress={}",
+              nic_index, provider_, caps_.nic_name, straddr, attrs_.mr_mode, attrs_.tx_size,
               attrs_.inject_size, attrs_.max_msg_size, attrs_.cq_data_size,
-              FI_MAJOR(attrs_.api_version), FI_MINOR(attrs_.api_version));
+              FI_MAJOR(attrs_.api_version), FI_MINOR(attrs_.api_version), caps_.gpu_memory,
+              caps_.link_gbps, caps_.manual_progress ? "manual" : "auto");
   }
 
   // EFA, before fi_enable (it reads both when the endpoint is enabled): no shm transport (same-host
@@ -652,6 +661,7 @@ class LibfabricDomain final : public Domain {
   fid_ep* ep_ = nullptr;
   std::string provider_;
   std::string address_;
+  DomainCaps caps_;
   size_t max_msg_ = SIZE_MAX;
   bool dmabuf_ = false;
   std::mt19937_64 key_rng_{std::random_device{}()};

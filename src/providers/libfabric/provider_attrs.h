@@ -25,6 +25,9 @@ struct ProviderAttrs {
   size_t max_msg_size = 0;     // largest single operation (ep_attr)
   size_t inject_size = 0;      // tx_attr
   size_t tx_size = 0;          // tx_attr
+  std::string domain_name;     // domain_attr->name: the NIC ("rdmap16s27-rdm", "lo", "shm")
+  fi_progress data_progress = FI_PROGRESS_UNSPEC;  // domain_attr: FI_PROGRESS_MANUAL, _AUTO
+  uint64_t link_speed = 0;     // nic->link_attr->speed in bits/s; 0 where the provider says none
 
   static ProviderAttrs of(const fi_info* info) {
     ProviderAttrs a;
@@ -38,6 +41,9 @@ struct ProviderAttrs {
     a.max_msg_size = info->ep_attr->max_msg_size;
     a.inject_size = info->tx_attr->inject_size;
     a.tx_size = info->tx_attr->size;
+    a.domain_name = info->domain_attr->name ? info->domain_attr->name : "";
+    a.data_progress = info->domain_attr->data_progress;
+    if (info->nic && info->nic->link_attr) a.link_speed = info->nic->link_attr->speed;
     return a;
   }
 };

@@ -104,6 +104,29 @@ DeviceContext::~DeviceContext() {
   if (ctx) ibv_close_device(ctx);
 }
 
+double link_gbps(const ibv_port_attr& port) {
+  double lane = 0;  // Gb/s of data per lane (IBV_SPEED_*; FDR10 and QDR both 10)
+  switch (port.active_speed) {
+    case 1: lane = 2.5; break;    // SDR
+    case 2: lane = 5; break;      // DDR
+    case 4: lane = 10; break;     // QDR
+    case 8: lane = 10; break;     // FDR10
+    case 16: lane = 14; break;    // FDR
+    case 32: lane = 25; break;    // EDR
+    case 64: lane = 50; break;    // HDR
+    case 128: lane = 100; break;  // NDR
+    default: return 0;            // XDR and later need active_speed_ex (newer rdma-core)
+  }
+  switch (port.active_width) {  // IBV_WIDTH_*
+    case 1: return lane;       // 1x
+    case 2: return 4 * lane;   // 4x
+    case 4: return 8 * lane;   // 8x
+    case 8: return 12 * lane;  // 12x
+    case 16: return 2 * lane;  // 2x
+    default: return 0;
+  }
+}
+
 ibv_ah_attr DeviceContext::ah_attr(const ibv_gid& dgid, uint16_t dlid) const {
   ibv_ah_attr a{};
   a.port_num = port;

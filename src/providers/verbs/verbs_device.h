@@ -30,4 +30,8 @@ struct DeviceContext {
   ibv_gid gid{};
 };
 
+// The port's link speed in Gb/s (active_speed per lane x active_width lanes, as ibv_devinfo
+// shows them); 0 where either code is not one this table knows.
+double link_gbps(const ibv_port_attr& port);
+
 }  // namespace fabric::verbs

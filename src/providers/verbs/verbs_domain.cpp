@@ -164,6 +164,15 @@ class VerbsDomain final : public Domain {
     imm_reposts_ = imm_srq_depth_;  // fill the immediate SRQ
     repost_imm_recvs();
 
+    caps_.nic_name = d;
+#ifdef FABRIC_WITH_CUDA
+    caps_.gpu_memory = true;  // register_gpu: dma-buf, else peer memory
+#endif
+    caps_.max_message = max_msg_;  // the split size of post_write
+    caps_.inject_size = probe_inline();
+    caps_.link_gbps = link_gbps(dev_.port_attr);
+    caps_.manual_progress = true;  // chained requests and the handshake move at poll()
+
     scratch_ = std::aligned_alloc(64, kScratchLen);
     std::memset(scratch_, 0, kScratchLen);
     scratch_region_ = register_memory(scratch_, kScratchLen, Device::host());
@@ -178,8 +187,8 @@ class VerbsDomain final : public Domain {
     me.nonce = rng_() | 1;  // never 0
     me_ = me;
     address_ = me.to_bytes();
-    log::info("nic {}: verbs {} {} (qp depth {}, max message {} B)", nic_index, d, me.describe(),
-              qp_depth_, max_msg_);
+    log::info("nic {}: verbs {} {} (qp depth {}, max message {} B, inline {} B, link {} Gb/s)", nic_index, d,
+              me.describe(), qp_depth_, max_msg_, caps_.inject_size, caps_.link_gbps);
   }
 
   ~VerbsDomain() override {
@@ -202,6 +211,7 @@ class VerbsDomain final : public Domain {
 
   const std::string& provider_name() const override { return provider_; }
   const std::string& address() const override { return address_; }
+  const DomainCaps& caps() const override { return caps_; }
   size_t max_in_flight() const override { return max_in_flight_; }
   void* scratch_desc() const override { return scratch_region_.desc; }
   void* scratch_buffer() const override { return scratch_; }
@@ -394,6 +404,14 @@ class VerbsDomain final : public Domain {
       fail("ibv_modify_qp(RC INIT)", rc, dev_.name);
     }
     return qp;
+  }
+
+  // The inline size this device gives RC queue pairs (what create_rc_qp asks for, as the device
+  // answers, 0 where it has none): one queue pair created and destroyed at open, so that caps()
+  // is known before the first peer.
+  uint32_t probe_inline() {
+    ibv_destroy_qp(create_rc_qp(msg_srq_, 0));
+    return max_inline_;
   }
 
   void open_handshake_qp() {
@@ -939,6 +957,7 @@ class VerbsDomain final : public Domain {
   uint32_t drops_left_ = 0;
   std::string provider_ = "verbs";
   std::string address_;
+  DomainCaps caps_;
   VerbsAddress me_;
   std::mt19937_64 rng_;
   uint64_t max_msg_ = 0;
