@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -81,6 +82,12 @@ inline EngineConfig gpu_engine_config(int device, bool cuda_ipc = true) {
   c.cuda_device = device;
   c.cuda_ipc = cuda_ipc;
   c.transfer_timeout = std::chrono::seconds(30);
+  // FABRIC_GPU_FROM_TOPOLOGY=1: the same engine as one worker of engine_config_for(the detected
+  // topology): that GPU's NICs (none here: loopback tcp stays) and its two cores.
+  if (const char* t = std::getenv("FABRIC_GPU_FROM_TOPOLOGY"); t && std::string(t) == "1") {
+    const int gpus[] = {device};
+    c = engine_config_for(detect_topology(), c, gpus);
+  }
   return c;
 }
 

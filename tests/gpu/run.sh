@@ -23,8 +23,8 @@ BUILD=build-gpu
 # Verbs off: the machine's own libibverbs.pc does not survive the sysroot above, and it has no RDMA
 # NIC (the verbs code with CUDA is compiled in every CUDA build elsewhere).
 cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_VERBS=OFF > "$OUT/configure.log" 2>&1 ||
-  { tail -30 "$OUT/configure.log"; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_VERBS=OFF > /tmp/configure.log 2>&1 ||
+  { tail -30 /tmp/configure.log; exit 1; }
 QUICK=${FABRIC_GPU_QUICK:-}
 cmake --build $BUILD -j "$(nproc)" ${QUICK:+--target fabric gpu_tests cuda_ipc_batch_tests unit_tests} > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
@@ -43,7 +43,16 @@ if [ -n "$QUICK" ]; then
   grep -E "PASSED|FAILED|seqlock:|holds:" "$OUT/unit_tests.log" || true
   exit $status
 fi
-ctest --test-dir $BUILD -L gpu -V --timeout 300 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+# This machine's topology: the table, and its sysfs recorded as a fixture (tests/topology/fixtures).
+{ $BUILD/tools/fabric-bench/fabric-bench topo; nproc; } > "$OUT/topo.txt" 2>&1 || status=1
+python3 tests/topology/record_sysfs.py -o "$OUT/lent-h200.sysfs" --machine lent-h200 \
+  --note "recorded on the lent nvidia-h200 machine by tests/gpu/run.sh" >> "$OUT/topo.txt" 2>&1 || status=1
+cat "$OUT/topo.txt"
+ctest --test-dir $BUILD -L gpu -V --timeout 300 > /tmp/gpu_tests.log 2>&1 || status=1
+grep -E "tests passed|Failed|\*\*\*|remove_peer:|batch across|owner:" /tmp/gpu_tests.log || true
+# The same GPU tests on a one-GPU engine built from the detected topology (gpu_support.h).
+FABRIC_GPU_FROM_TOPOLOGY=1 ctest --test-dir $BUILD -L gpu --timeout 300 > /tmp/gpu_tests_topo.log 2>&1 || status=1
+echo "from the topology:"; grep -E "tests passed|Failed|\*\*\*" /tmp/gpu_tests_topo.log || true
 $BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
 # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
 bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
