@@ -3,6 +3,7 @@
 One-sided WRITEs carrying 32-bit immediates, counted on the receiver whatever their order, over
 1 to 4 NICs. The calls mirror the C++ API (docs/api.md); on top of it this package adds tensor and
 buffer registration, page lists from any integer sequence, and asyncio awaitables.
+detect_topology() reads the host's GPUs, RDMA NICs and cores from sysfs.
 """
 
 from __future__ import annotations
@@ -24,19 +25,26 @@ from ._fabric_lib import (
     MrDesc,
     MrHandle,
     NetAddr,
+    NicAffinity,
     NicStats,
     Pages as _Pages,
     PeerGroupHandle,
     RemoteMr,
     ScatterSlice,
     Status,
+    TopoGpu,
+    TopoNic,
+    TopoNumaNode,
+    Topology,
+    detect_topology,
     single_write_imm_count,
 )
 
 __all__ = [
     "DoneCounter", "DoneFlag", "FabricError", "GroupSlice", "ImmExpectation", "MrDesc", "MrHandle",
-    "NetAddr", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr", "ScatterSlice", "Status",
-    "TransferEngine", "single_write_imm_count",
+    "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr", "ScatterSlice",
+    "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine", "detect_topology",
+    "single_write_imm_count",
 ]
 
 # Wherever a destination is expected: an interned region, or a descriptor that the call interns

@@ -13,11 +13,13 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
 
 #include "fabric/fabric.h"
+#include "fabric/topology.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -421,6 +423,72 @@ NB_MODULE(_fabric_lib, m) {
         },
         "len"_a, "nic_count"_a, "pinned_to_one_nic"_a = false, nb::kw_only(), "num_shards"_a = nb::none(),
         "How many immediates a single write delivers (see docs/api.md): num_shards if given.");
+
+  // The host's topology (include/fabric/topology.h): read-only values.
+  nb::enum_<NicAffinity>(m, "NicAffinity", "How close a GPU's NICs are (as NCCL names PCIe distances).")
+      .value("SWITCH", NicAffinity::kSwitch, "behind the same PCIe switch as the GPU")
+      .value("NUMA", NicAffinity::kNuma, "on the GPU's NUMA node, under another switch or root port")
+      .value("SYSTEM", NicAffinity::kSystem, "on another NUMA node")
+      .value("NONE", NicAffinity::kNone, "no RDMA NIC on the host");
+
+  nb::class_<TopoNic>(m, "TopoNic", "An RDMA NIC listed under class/infiniband.")
+      .def_ro("name", &TopoNic::name)
+      .def_ro("pci", &TopoNic::pci)
+      .def_ro("driver", &TopoNic::driver)
+      .def_ro("provider", &TopoNic::provider, "what EngineConfig's provider must say to use it")
+      .def_ro("domain", &TopoNic::domain, "the NIC entry's domain: libfabric's domain, verbs' device")
+      .def_ro("numa_node", &TopoNic::numa_node)
+      .def_ro("link_gbps", &TopoNic::link_gbps)
+      .def_ro("active", &TopoNic::active)
+      .def("__repr__", [](const TopoNic& n) {
+        char gbps[32];
+        std::snprintf(gbps, sizeof gbps, "%g", n.link_gbps);
+        return "TopoNic(" + n.name + ", pci=" + n.pci + ", provider=" + n.provider +
+               ", numa_node=" + std::to_string(n.numa_node) + ", link_gbps=" + gbps + ")";
+      });
+
+  nb::class_<TopoGpu>(m, "TopoGpu", "A GPU and the NICs and cores assigned to it.")
+      .def_ro("cuda_index", &TopoGpu::cuda_index)
+      .def_ro("pci", &TopoGpu::pci)
+      .def_ro("numa_node", &TopoGpu::numa_node)
+      .def_prop_ro("nics", [](const TopoGpu& g) { return g.nics; }, "indices into Topology.nics, in rail order")
+      .def_ro("affinity", &TopoGpu::affinity)
+      .def_ro("worker_cpu", &TopoGpu::worker_cpu, "-1: none known")
+      .def_ro("watcher_cpu", &TopoGpu::watcher_cpu, "-1: none known")
+      .def("__repr__", [](const TopoGpu& g) {
+        std::string nics;
+        for (size_t i : g.nics) nics += (nics.empty() ? "" : ", ") + std::to_string(i);
+        return "TopoGpu(" + std::to_string(g.cuda_index) + ", pci=" + g.pci + ", numa_node=" +
+               std::to_string(g.numa_node) + ", nics=[" + nics + "], worker_cpu=" + std::to_string(g.worker_cpu) +
+               ", watcher_cpu=" + std::to_string(g.watcher_cpu) + ")";
+      });
+
+  nb::class_<TopoNumaNode>(m, "TopoNumaNode")
+      .def_ro("id", &TopoNumaNode::id)
+      .def_prop_ro("cpus", [](const TopoNumaNode& n) { return n.cpus; }, "every logical CPU of the node")
+      .def("__repr__", [](const TopoNumaNode& n) {
+        return "TopoNumaNode(" + std::to_string(n.id) + ", " + std::to_string(n.cpus.size()) + " CPUs)";
+      });
+
+  nb::class_<Topology>(m, "Topology", "GPUs, RDMA NICs and NUMA nodes of a host, as detect_topology assigns them.")
+      .def_prop_ro("gpus", [](const Topology& t) { return t.gpus; }, "by CUDA index (PCI order)")
+      .def_prop_ro("nics", [](const Topology& t) { return t.nics; }, "active RDMA NICs, by PCI address")
+      .def_prop_ro("numa_nodes", [](const Topology& t) { return t.numa_nodes; })
+      .def_ro("provider", &Topology::provider, "what every NIC speaks: 'efa', 'verbs', or '' (none)")
+      .def("to_table", &Topology::to_table, "a readable table (what `fabric-bench topo` prints)")
+      .def("__repr__", [](const Topology& t) {
+        return "Topology(" + std::to_string(t.gpus.size()) + " GPUs, " + std::to_string(t.nics.size()) +
+               " NICs, provider='" + t.provider + "')";
+      });
+
+  m.def("detect_topology",
+        [](const std::string& sysfs_root) {
+          nb::gil_scoped_release release;
+          return detect_topology({.sysfs_root = sysfs_root});
+        },
+        "sysfs_root"_a = "/sys",
+        "Reads the host's GPUs, RDMA NICs and NUMA nodes from sysfs and assigns each GPU its NICs and "
+        "cores (include/fabric/topology.h). Raises FabricError when sysfs_root is not a sysfs tree.");
 
   nb::class_<PyEngine>(m, "Engine")
       .def("__init__",

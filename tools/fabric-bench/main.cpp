@@ -1,5 +1,6 @@
 // fabric-bench: server/client benchmark of the TransferEngine. `server` prints its address;
-// `client ADDR` runs the sweeps against it; `local` runs both on this machine (two processes).
+// `client ADDR` runs the sweeps against it; `local` runs both on this machine (two processes);
+// `topo` prints the host's topology (fabric::detect_topology).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -8,6 +9,7 @@
 #include <unistd.h>
 
 #include "bench_options.h"
+#include "fabric/topology.h"
 #include "process_pair.h"
 
 using namespace fabric::bench;
@@ -57,7 +59,20 @@ int main(int argc, char** argv) {
   client->add_option("address", server_addr, "the server's address (hex)")->required();
   auto* local = app.add_subcommand("local", "server and client as two processes on this machine");
   for (auto* c : {server, client, local}) add_common(c);
+  std::string sysfs_root = "/sys";
+  auto* topo = app.add_subcommand("topo", "print this host's GPUs, RDMA NICs and cores as detect_topology assigns them");
+  topo->add_option("--sysfs", sysfs_root, "the sysfs root to read (a materialised fixture in tests)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (topo->parsed()) {
+    try {
+      fmt::print("{}", fabric::detect_topology({.sysfs_root = sysfs_root}).to_table());
+      return 0;
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "fabric-bench topo: {}\n", e.what());
+      return 1;
+    }
+  }
   bool nics_given = false;
   for (auto* c : {server, client, local}) nics_given |= c->count("--nics") > 0;
   if (o.provider == "shm" || (o.provider == "verbs" && !nics_given)) o.nics.assign(o.nics.size(), "");
