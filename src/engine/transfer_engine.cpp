@@ -179,36 +179,26 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
                               "EngineConfig::max_regions",
                               mrs_.capacity()));
     RegionSlot& slot = mrs_.slot(*s);
-    // Every domain registers the region. A NIC provider that cannot reach GPU memory is skipped
-    // when the local domain can serve it: the region is then writable by same-host peers only.
-    std::string nic_refusal;
-    size_t done = 0;
+    // Every domain registers the region; GPU memory the NICs cannot reach is writable by
+    // same-host peers only (DomainGroup::register_region).
+    DomainGroup::Registration reg;
     try {
-      for (; done < worker.domain_count(); done++) {
-        try {
-          slot.per_nic[done] = worker.register_on(done, ptr, len, device);
-        } catch (const Error& e) {
-          if (e.code() != ErrorCode::kUnsupported || done >= nic_count() || !worker.has_local())
-            throw;
-          nic_refusal = e.what();
-          slot.per_nic[done] = {};
-        }
-      }
+      reg = worker.register_region(ptr, len, device);
     } catch (...) {
-      while (done-- > 0) worker.deregister_on(done, slot.per_nic[done]);
       mrs_.return_slot(*s);
       throw;
     }
-    if (!nic_refusal.empty())
-      log::info("reg_mr: {}; the region is reachable through cuda_ipc only", nic_refusal);
+    if (!reg.on_nics)
+      log::info("reg_mr: {}; the region is reachable through cuda_ipc only", reg.nic_refusal);
+    slot.per_nic = reg.regions;
     slot.ptr = static_cast<uint8_t*>(ptr);
     slot.len = len;
     slot.device = device;
-    slot.on_nics = nic_refusal.empty();
+    slot.on_nics = reg.on_nics;
     slot.worker = w;
     uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
     std::vector<RemoteKey> keys;
-    if (nic_refusal.empty())
+    if (reg.on_nics)
       for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
     std::optional<RemoteKey> local_key;
     if (worker.has_local() && slot.per_nic[nic_count()].remote_access)
@@ -243,7 +233,7 @@ void EngineImpl::dereg_mr(MrHandle handle) {
     in_flight = worker.call([&] { return worker.fail_transfers_from(slot); });
   }
   worker.call([&] {
-    for (size_t i = 0; i < worker.domain_count(); i++) worker.deregister_on(i, slot->per_nic[i]);
+    worker.deregister_region(slot->per_nic);
     mrs_.return_slot(handle.slot);
   });
 }

@@ -10,7 +10,6 @@
 
 #include "util/idle.h"
 #include "util/log.h"
-#include "worker/sharding.h"
 
 namespace fabric {
 
@@ -46,7 +45,6 @@ Worker::Worker(const EngineConfig& config, size_t index, MrTable& mrs, RemoteTab
       buffers_(buffers),
       callbacks_(callbacks),
       requests_(config.request_queue_capacity),
-      stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)),
       imms_(config.max_unexpected_imms) {
   std::promise<void> opened;
   auto ready = opened.get_future();
@@ -98,7 +96,7 @@ Error Worker::stall_error(const char* what) const {
                fmt::format("{}: the engine's worker has made no progress for {} ms, stuck inside "
                            "the '{}' provider (shm does this after a peer died holding its lock); "
                            "restart this process (EngineConfig::worker_stall_timeout)",
-                           what, config_.worker_stall_timeout.count(), provider_));
+                           what, config_.worker_stall_timeout.count(), provider()));
 }
 
 void Worker::submit(Request&& request) {
@@ -129,9 +127,10 @@ void Worker::run(std::promise<void> opened) {
         throw Error(ErrorCode::kInvalidArgument,
                     fmt::format("cannot pin the worker to CPU {}", *config_.worker_cpu));
     }
-    open_domains();  // after pinning, so NIC state lands on this core's NUMA node
+    domains_.open(config_);  // after pinning, so NIC state lands on this core's NUMA node
+    open_send_buffers();
   } catch (...) {
-    domains_.clear();
+    domains_.close();
     opened.set_exception(std::current_exception());
     return;
   }
@@ -141,29 +140,11 @@ void Worker::run(std::promise<void> opened) {
   exited_.store(true, std::memory_order_release);
 }
 
-void Worker::open_domains() {
-  if (config_.nics.empty() || config_.nics.size() > kMaxNics)
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("an engine needs 1 to {} NICs, the configuration has {}", kMaxNics,
-                            config_.nics.size()));
-  for (size_t i = 0; i < config_.nics.size(); i++) {
-    domains_.push_back(open_domain(config_, i));
-    nic_addresses_.push_back(domains_.back()->address());
-  }
-  provider_ = domains_[0]->provider_name();
-  if (config_.cuda_ipc) {
-    domains_.push_back(open_local_domain(config_));
-    local_address_ = domains_.back()->address();
-  }
-  for (size_t i = 0; i < domains_.size(); i++) {
-    size_t limit = domains_[i]->max_in_flight();
-    max_in_flight_[i] = limit ? limit : config_.max_in_flight_per_nic;
-  }
-  completions_.resize(config_.cq_batch);
-
-  // Send buffers: a copy of each message waits here until its SEND completes.
+// Send buffers: a copy of each message waits here until its SEND completes.
+void Worker::open_send_buffers() {
   send_buffer_.resize(config_.send_slots * config_.max_message_size);
-  send_region_ = domains_[0]->register_memory(send_buffer_.data(), send_buffer_.size(), Device::host());
+  send_region_ = domains_.register_on(DomainGroup::kMessageDomain, send_buffer_.data(),
+                                      send_buffer_.size(), Device::host());
   for (size_t s = config_.send_slots; s-- > 0;) free_send_slots_.push_back(static_cast<uint32_t>(s));
 }
 
@@ -206,23 +187,7 @@ bool Worker::take_requests() {
 ResolvedTarget Worker::resolve(const NetAddr& peer) {
   auto it = peer_index_.find(peer);
   if (it != peer_index_.end()) return records_[it->second].target;
-  ResolvedTarget t;
-  size_t inserted = 0;
-  try {
-    for (; inserted < nic_count(); inserted++) t.peer[inserted] = domains_[inserted]->insert_peer(peer.nic(inserted));
-  } catch (...) {
-    while (inserted-- > 0) domains_[inserted]->remove_peer(t.peer[inserted]);
-    throw;
-  }
-  if (has_local() && !peer.local().empty() &&
-      local_scope(peer.local()) == local_scope(local_address_)) {
-    try {
-      t.peer[nic_count()] = domains_[nic_count()]->insert_peer(peer.local());
-      t.local = true;
-    } catch (const Error& e) {  // e.g. another container's endpoint: the NICs still reach it
-      log::info("cuda_ipc cannot reach a same-host peer, using the NICs: {}", e.what());
-    }
-  }
+  ResolvedTarget t = domains_.insert_peer(peer);
   t.record = new_record(peer, t);
   return records_[t.record].target;
 }
@@ -250,13 +215,9 @@ uint32_t Worker::new_record(const NetAddr& addr, const ResolvedTarget& t) {
 // next post (kReleased: re-resolve; kRemoved: fail). The record is reused once none holds it.
 void Worker::release_record(uint32_t r) {
   PeerRecord& p = records_[r];
-  for (size_t i = 0; i < nic_count(); i++) domains_[i]->remove_peer(p.target.peer[i]);
-  if (p.target.local) domains_[nic_count()]->remove_peer(p.target.peer[nic_count()]);
+  domains_.remove_peer(p.target);
   auto it = peer_index_.find(p.addr);
   if (it != peer_index_.end() && it->second == r) peer_index_.erase(it);
-  std::erase_if(peer_backoff_, [&](const PeerBackoff& b) {
-    return b.peer == p.target.peer[b.domain] && (b.domain < nic_count() || p.target.local);
-  });
   if (p.state != PeerRecord::State::kRemoved) p.state = PeerRecord::State::kReleased;
   maybe_free_record(r);
 }
@@ -373,7 +334,7 @@ const ResolvedTarget& Worker::refresh(ResolvedTarget& held, const MrDesc& desc) 
 ResolvedTarget Worker::route(const MrDesc& d) {
   ResolvedTarget t = resolve(d.endpoint());
   if (t.local && d.local_key()) {
-    t.key[nic_count()] = *d.local_key();
+    t.key[domains_.local_index()] = *d.local_key();
     return t;
   }
   t.local = false;
@@ -436,7 +397,7 @@ void Worker::handle(TransferRequest&& r) {
     // Pages to a same-host GPU peer go as batches where the local domain takes them (one
     // gather kernel and one completion for many pages).
     if (q.kind == TransferKind::kPaged && t.targets[0].local && q.pinned_nic < 0) {
-      size_t batch = domains_[nic_count()]->max_write_batch();
+      size_t batch = domains_.local_write_batch();
       if (batch > 1) {
         t.batch = static_cast<uint32_t>(batch);
         t.total_ops = static_cast<uint32_t>((q.count + batch - 1) / batch);
@@ -482,16 +443,9 @@ bool Worker::post_next(Transfer& t) {
                                          "was being posted"));
     return true;
   }
-  // Same-host GPU peers take the local domain (sharded writes keep their shard count, so the
-  // receiver's immediate count does not depend on the route); others NIC by NIC.
-  size_t nic = q.kind == TransferKind::kSend ? 0
-               : target->local             ? nic_count()
-                                           : nic_for_op(i, nic_count(), q.pinned_nic);
+  const size_t nic = domains_.domain_for(q, *target, i);
   // The NIC pushed back or is full: wait for its completions.
-  if (backoff_[nic] > 0 || in_flight_[nic] >= max_in_flight_[nic]) return false;
-  for (const PeerBackoff& b : peer_backoff_)  // empty unless a peer pushed back
-    if (b.domain == nic && b.peer == target->peer[nic]) return false;
-  Domain& d = *domains_[nic];
+  if (!domains_.may_post(nic, target->peer[nic])) return false;
   OpContext* ctx = contexts_.acquire();
   ctx->owner = &t;
   ctx->nic = static_cast<uint32_t>(nic);
@@ -510,9 +464,9 @@ bool Worker::post_next(Transfer& t) {
                   q.buf->payload.size());
     }
     ctx->kind = kOpSend;
-    result = domains_[0]->post_send(t.targets[0].peer[0],
-                                    &send_buffer_[t.send_slot * config_.max_message_size],
-                                    q.buf->payload.size(), send_region_.desc, ctx);
+    result = domains_.post_send(nic, target->peer[nic],
+                                &send_buffer_[t.send_slot * config_.max_message_size],
+                                q.buf->payload.size(), send_region_.desc, ctx);
   } else {
     // The template: where this destination is reached through this NIC.
     WriteOp op;
@@ -525,7 +479,7 @@ bool Worker::post_next(Transfer& t) {
     uint64_t src_off = 0, dst_off = 0;
     switch (q.kind) {
       case TransferKind::kSingle: {
-        Shard s = t.total_ops == 1 ? Shard{0, q.len} : single_write_shard(q.len, t.total_ops, i);
+        Shard s = DomainGroup::shard(q.len, t.total_ops, i);
         src_off = q.src_offset + s.offset;
         dst_off = q.dst_offset + s.offset;
         op.len = s.len;
@@ -550,8 +504,8 @@ bool Worker::post_next(Transfer& t) {
         break;
     }
     if (!reads_source(q.kind)) {
-      op.src = d.scratch_buffer();
-      op.desc = d.scratch_desc();  // EFA wants a valid descriptor even on zero-byte writes
+      op.src = domains_.scratch_buffer(nic);
+      op.desc = domains_.scratch_desc(nic);  // EFA wants a valid descriptor even on zero-byte writes
     } else {
       op.src = t.src->ptr + src_off;
       op.desc = t.src->per_nic[nic].desc;
@@ -569,35 +523,27 @@ bool Worker::post_next(Transfer& t) {
       }
       ctx->aux = n * q.len;
       ctx->writes = static_cast<uint32_t>(n);
-      result = d.post_write_batch(batch_ops_, ctx);
+      result = domains_.post_write_batch(nic, batch_ops_, ctx);
     } else {
       ctx->aux = op.len;
-      result = d.post_write(op, ctx);
+      result = domains_.post_write(nic, op, ctx);
     }
   }
 
-  if (result == PostResult::kRetry) {
-    // Retrying at once would only take the provider's locks again (shm shares one with the
-    // peer): skip this NIC until it completes something or a few polls have passed.
-    backoff_[nic] = kRetryBackoffPolls;
-    contexts_.release(ctx);
-    return false;
-  }
-  if (result == PostResult::kRetryPeer) {  // only this peer: the NIC keeps serving the others
-    peer_backoff_.push_back({static_cast<uint32_t>(nic), target->peer[nic], kRetryBackoffPolls});
+  // The domain group booked the result (back-off, in-flight count, errors); the transfer and
+  // the peer record count what was posted.
+  if (result == PostResult::kRetry || result == PostResult::kRetryPeer) {
     contexts_.release(ctx);
     return false;
   }
   if (result == PostResult::kFailed) {
     contexts_.release(ctx);
-    stats_[nic].errors.fetch_add(1, std::memory_order_relaxed);
-    fail(t, Status(ErrorCode::kProvider, domains_[nic]->last_error()));
+    fail(t, Status(ErrorCode::kProvider, domains_.last_error(nic)));
     return true;
   }
   t.next_op++;
   t.outstanding++;
   t.outstanding_on[nic]++;
-  in_flight_[nic]++;
   records_[target->record].outstanding++;
   if (t.src) t.src->writes_in_flight++;
   if (config_.record_post_timings) record_post_timing(t);
@@ -631,11 +577,13 @@ bool Worker::post_recv_backlog() {
   for (auto& pool : recv_pools_) {
     while (pool->next_unposted < pool->contexts.size()) {
       OpContext& ctx = pool->contexts[pool->next_unposted];
-      PostResult res = domains_[0]->post_recv(pool->buffer.data() + ctx.aux * pool->len, pool->len,
-                                              pool->region.desc, &ctx);
+      PostResult res = domains_.post_recv(DomainGroup::kMessageDomain,
+                                          pool->buffer.data() + ctx.aux * pool->len, pool->len,
+                                          pool->region.desc, &ctx);
       if (res == PostResult::kRetry || res == PostResult::kRetryPeer) return any;
       if (res == PostResult::kFailed)
-        log::error("posting receive buffer {} failed: {}", ctx.aux, domains_[0]->last_error());
+        log::error("posting receive buffer {} failed: {}", ctx.aux,
+                   domains_.last_error(DomainGroup::kMessageDomain));
       pool->next_unposted++;
       recvs_unposted_--;
       any = true;
@@ -645,24 +593,11 @@ bool Worker::post_recv_backlog() {
 }
 
 bool Worker::poll_domains() {
-  bool any = false;
-  if (!peer_backoff_.empty())
-    std::erase_if(peer_backoff_, [](PeerBackoff& b) { return --b.polls == 0; });
-  for (size_t nic = 0; nic < domains_.size(); nic++) {
-    size_t n = domains_[nic]->poll(completions_);
-    for (size_t i = 0; i < n; i++) on_completion(nic, completions_[i]);
-    any |= n > 0;
-    if (n > 0) {
-      backoff_[nic] = 0;
-    } else if (backoff_[nic] > 0) {
-      backoff_[nic]--;
-    }
-  }
-  return any;
+  return domains_.poll([this](size_t nic, Completion& c) { on_completion(nic, c); });
 }
 
 void Worker::on_completion(size_t nic, Completion& c) {
-  AtomicNicStats& st = stats_[nic];
+  AtomicNicStats& st = domains_.stats(nic);
   switch (c.kind) {
     case Completion::Kind::kRemoteImm:
       st.imms_received.fetch_add(1, std::memory_order_relaxed);
@@ -718,7 +653,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       const uint32_t op_domain = ctx->nic;  // read before the context goes back to the pool
       const uint32_t record = ctx->peer;
       contexts_.release(ctx);
-      if (!t->reported) in_flight_[op_domain]--;
+      if (!t->reported) domains_.completed(op_domain);
       t->outstanding--;
       t->outstanding_on[op_domain]--;
       if (t->src) t->src->writes_in_flight--;
@@ -747,8 +682,8 @@ void Worker::record_post_timing(Transfer& t) {
 void Worker::repost_recv(size_t nic, OpContext* ctx) {
   auto* pool = static_cast<RecvPool*>(ctx->owner);
   uint8_t* buf = pool->buffer.data() + ctx->aux * pool->len;
-  if (domains_[nic]->post_recv(buf, pool->len, pool->region.desc, ctx) != PostResult::kPosted)
-    log::error("re-posting a receive buffer failed: {}", domains_[nic]->last_error());
+  if (domains_.post_recv(nic, buf, pool->len, pool->region.desc, ctx) != PostResult::kPosted)
+    log::error("re-posting a receive buffer failed: {}", domains_.last_error(nic));
 }
 
 void Worker::fail(Transfer& t, Status status) {
@@ -829,10 +764,10 @@ void Worker::check_deadlines() {
     Transfer& t = *oldest_;
     // shm does not recover from a peer that died with operations in flight (measured: even
     // writes to live peers stop completing), so say what to do about it.
-    const char* hint = provider_ == "shm" ? "; with shm, a peer that died with WRITEs in flight "
-                                            "can leave this endpoint unable to complete large "
-                                            "writes: restart this process"
-                                          : "";
+    const char* hint = provider() == "shm" ? "; with shm, a peer that died with WRITEs in flight "
+                                             "can leave this endpoint unable to complete large "
+                                             "writes: restart this process"
+                                           : "";
     fail(t, Status(ErrorCode::kTimeout,
                    fmt::format("transfer not completed after {} ms ({} of {} WRITEs posted, {} "
                                "outstanding): is the peer alive? (EngineConfig::transfer_timeout){}",
@@ -850,9 +785,8 @@ void Worker::check_deadlines() {
       peer_failed(t.group ? t.group->members[blocker].target.record : t.targets[blocker].record);
     }
     // Outstanding WRITEs keep their context; the transfer is freed when they complete or at
-    // shutdown. They stop counting against the in-flight limits: a completion that never comes
-    // (a stuck operation) must not take a NIC's budget for good.
-    for (size_t d = 0; d < domains_.size(); d++) in_flight_[d] -= t.outstanding_on[d];
+    // shutdown. They stop counting against the in-flight limits.
+    domains_.forget_in_flight(t.outstanding_on);
   }
 }
 
@@ -887,7 +821,8 @@ void Worker::add_recv_pool(size_t len, size_t count,
   pool->len = len;
   pool->buffer.resize(len * count);  // the engine checked len * count for overflow
   pool->on_recv = std::move(on_recv);
-  pool->region = domains_[0]->register_memory(pool->buffer.data(), pool->buffer.size(), Device::host());
+  pool->region = domains_.register_on(DomainGroup::kMessageDomain, pool->buffer.data(),
+                                     pool->buffer.size(), Device::host());
   pool->contexts.resize(count);
   for (size_t i = 0; i < count; i++) {
     OpContext& ctx = pool->contexts[i];
@@ -899,14 +834,6 @@ void Worker::add_recv_pool(size_t len, size_t count,
   callbacks_.prepare_buffers(count, len);  // one copy per buffer can be queued without allocating
   recv_pools_.push_back(std::move(pool));
   post_recv_backlog();  // what the provider takes now; the rest as it frees room
-}
-
-DomainRegion Worker::register_on(size_t nic, void* ptr, size_t len, Device device) {
-  return domains_[nic]->register_memory(ptr, len, device);
-}
-
-void Worker::deregister_on(size_t nic, DomainRegion& region) {
-  domains_[nic]->deregister_memory(region);
 }
 
 size_t Worker::fail_transfers_from(const RegionSlot* src) {
@@ -951,13 +878,13 @@ void Worker::shutdown() {
   for (uint32_t s = 0; s < mrs_.capacity(); s++) {
     RegionSlot& slot = mrs_.slot(s);
     if ((slot.generation.load(std::memory_order_relaxed) & 1) == 0) continue;
-    for (size_t nic = 0; nic < domains_.size(); nic++) domains_[nic]->deregister_memory(slot.per_nic[nic]);
+    domains_.deregister_region(slot.per_nic);
     heartbeat_.fetch_add(1, std::memory_order_relaxed);
     slot.generation.fetch_add(1, std::memory_order_release);
   }
-  for (auto& pool : recv_pools_) domains_[0]->deregister_memory(pool->region);
-  domains_[0]->deregister_memory(send_region_);
-  domains_.clear();  // closes endpoints: nothing refers to our contexts any more
+  for (auto& pool : recv_pools_) domains_.deregister_on(DomainGroup::kMessageDomain, pool->region);
+  domains_.deregister_on(DomainGroup::kMessageDomain, send_region_);
+  domains_.close();  // closes endpoints: nothing refers to our contexts any more
 }
 
 void Worker::link(Transfer& t) {

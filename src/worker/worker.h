@@ -1,5 +1,6 @@
-// The worker: one thread that owns the NICs (Domains) of one GPU, takes requests from a lock-free
-// queue, posts WRITEs, polls completions, counts immediates and hands events to the callback thread.
+// The worker: one thread that owns the NICs (Domains) of one GPU through its DomainGroup, takes
+// requests from a lock-free queue, posts WRITEs, polls completions, counts immediates and hands
+// events to the callback thread.
 #pragma once
 
 #include <array>
@@ -27,6 +28,7 @@
 #include "util/object_pool.h"
 #include "util/ring.h"
 #include "util/shared_pool.h"
+#include "worker/domain_group.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
 
@@ -53,11 +55,6 @@ class RequestBufferPool {
   std::array<util::SharedPool<RequestBuffer>, 7> pools_;  // one per TransferKind
 };
 
-struct AtomicNicStats {
-  std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
-      messages_received{0}, errors{0}, imms_dropped{0};
-};
-
 // What ImmCounter holds per expectation.
 struct ImmWaiter {
   OnDone on_done;
@@ -82,16 +79,17 @@ class Worker {
   // touch this object, the region table and the callback thread, which must then never be freed.
   bool stop();
 
-  const std::vector<std::string>& nic_addresses() const { return nic_addresses_; }
-  const std::string& provider() const { return provider_; }
-  size_t nic_count() const { return nic_addresses_.size(); }
+  // Any thread: its domains (DomainGroup) as opened.
+  const std::vector<std::string>& nic_addresses() const { return domains_.nic_addresses(); }
+  const std::string& provider() const { return domains_.provider(); }
+  size_t nic_count() const { return domains_.nic_count(); }
   // The local (cuda_ipc) domain: its address ("" without one) and its index after the NICs.
-  const std::string& local_address() const { return local_address_; }
-  bool has_local() const { return !local_address_.empty(); }
-  size_t domain_count() const { return nic_count() + (has_local() ? 1 : 0); }
-  const AtomicNicStats& stats(size_t domain) const { return stats_[domain]; }
-  // Any thread: the domains live as long as the worker.
-  Domain::InjectedFaults injected_faults(size_t domain) const { return domains_[domain]->injected_faults(); }
+  const std::string& local_address() const { return domains_.local_address(); }
+  bool has_local() const { return domains_.has_local(); }
+  size_t domain_count() const { return domains_.domain_count(); }
+  const AtomicNicStats& stats(size_t domain) const { return domains_.stats(domain); }
+  // The domains live as long as the worker.
+  Domain::InjectedFaults injected_faults(size_t domain) const { return domains_.injected_faults(domain); }
 
   // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has
   // stopped taking requests (nothing submitted is ever silently lost).
@@ -120,8 +118,14 @@ class Worker {
   Error stall_error(const char* what) const;
 
   // Worker thread only (through call()).
-  DomainRegion register_on(size_t nic, void* ptr, size_t len, Device device);
-  void deregister_on(size_t nic, DomainRegion& region);
+  // A region registered with every domain of this worker (DomainGroup::register_region), and
+  // deregistered from all of them.
+  DomainGroup::Registration register_region(void* ptr, size_t len, Device device) {
+    return domains_.register_region(ptr, len, device);
+  }
+  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions) {
+    domains_.deregister_region(regions);
+  }
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
   // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);
@@ -165,7 +169,7 @@ class Worker {
   };
 
   void run(std::promise<void> opened);
-  void open_domains();
+  void open_send_buffers();
   void loop();
   bool take_requests();
   void handle(TransferRequest&& r);
@@ -211,14 +215,12 @@ class Worker {
   RequestBufferPool& buffers_;
   CallbackThread& callbacks_;
   util::MpscQueue<Request> requests_;
-  std::vector<std::string> nic_addresses_;
-  std::string local_address_;
-  std::string provider_;
-  std::unique_ptr<AtomicNicStats[]> stats_;
+  // Opened by the worker thread before the constructor returns; then only its addresses, stats
+  // and faults are read from other threads.
+  DomainGroup domains_;
   std::thread thread_;
 
   // Owned by the worker thread.
-  std::vector<std::unique_ptr<Domain>> domains_;
   struct PeerRecord {
     enum class State : uint8_t { kFree, kLive, kFailed, kReleased, kRemoved };
     State state = State::kFree;
@@ -248,21 +250,6 @@ class Worker {
   std::vector<uint32_t> free_send_slots_;
   std::deque<Event> overflow_;
   std::vector<PostTiming> post_timings_;
-  std::vector<Completion> completions_;
-  // Polls to wait before posting again on a NIC that answered -FI_EAGAIN (0: post freely). A
-  // completion on that NIC resets it; the countdown covers back-pressure that no completion of
-  // ours will lift (a connection still being set up).
-  static constexpr uint32_t kRetryBackoffPolls = 16;
-  std::array<uint32_t, kMaxDomains> backoff_{};
-  // The same for one peer of one domain (PostResult::kRetryPeer): other peers keep posting.
-  struct PeerBackoff {
-    uint32_t domain;
-    PeerId peer;
-    uint32_t polls;
-  };
-  std::vector<PeerBackoff> peer_backoff_;
-  std::array<size_t, kMaxDomains> in_flight_{};  // posted, not completed
-  std::array<size_t, kMaxDomains> max_in_flight_{};
   bool stopping_ = false;
   // Submitters inside submit(), and whether the worker still takes requests: the last drain
   // waits for the first to reach zero after the second turned false, so none is lost.
