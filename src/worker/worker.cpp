@@ -877,7 +877,8 @@ void Worker::shutdown() {
   while (!callbacks_.flush(overflow_)) std::this_thread::yield();
   for (uint32_t s = 0; s < mrs_.capacity(); s++) {
     RegionSlot& slot = mrs_.slot(s);
-    if ((slot.generation.load(std::memory_order_relaxed) & 1) == 0) continue;
+    // Only this worker's regions: the others' belong to domains this thread must not touch.
+    if ((slot.generation.load(std::memory_order_relaxed) & 1) == 0 || slot.worker != index_) continue;
     domains_.deregister_region(slot.per_nic);
     heartbeat_.fetch_add(1, std::memory_order_relaxed);
     slot.generation.fetch_add(1, std::memory_order_release);
