@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -58,6 +59,12 @@ struct NicStats {
   // Immediates dropped because EngineConfig::max_unexpected_imms distinct values were already
   // counted with nobody waiting for them.
   uint64_t imms_dropped = 0;
+  // Which NIC: its name as the provider calls it (libfabric domain "rdmap16s27-rdm", verbs device
+  // "mlx5_0", "cuda_ipc"), the worker it belongs to, and its link speed (0: the provider does not
+  // say, as on loopback).
+  std::string nic;
+  uint32_t worker = 0;
+  double link_gbps = 0;
 };
 
 // A pending expect_imm_count, to cancel it.

@@ -407,7 +407,10 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("errors", &NicStats::errors)
       .def_ro("faults_injected", &NicStats::faults_injected)
       .def_ro("imms_duplicated", &NicStats::imms_duplicated)
-      .def_ro("imms_dropped", &NicStats::imms_dropped);
+      .def_ro("imms_dropped", &NicStats::imms_dropped)
+      .def_prop_ro("nic", [](const NicStats& n) { return to_py_str(n.nic); }, "the NIC's name")
+      .def_ro("worker", &NicStats::worker, "the worker (GPU) it belongs to")
+      .def_ro("link_gbps", &NicStats::link_gbps, "link speed, 0 where the provider does not say");
 
   nb::class_<ImmExpectation>(m, "ImmExpectation", "A pending expect_imm_count, to cancel it.")
       .def_ro("imm", &ImmExpectation::imm)

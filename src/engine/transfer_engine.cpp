@@ -646,13 +646,15 @@ PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
 std::vector<NicStats> EngineImpl::nic_stats() const {
   check_open();
   std::vector<NicStats> out;
-  for (auto& w : workers_)
-    for (size_t i = 0; i < w->domain_count(); i++) {
-      const AtomicNicStats& a = w->stats(i);
-      Domain::InjectedFaults f = w->injected_faults(i);
+  for (uint32_t w = 0; w < workers_.size(); w++)
+    for (size_t i = 0; i < workers_[w]->domain_count(); i++) {
+      const Worker& worker = *workers_[w];
+      const AtomicNicStats& a = worker.stats(i);
+      Domain::InjectedFaults f = worker.injected_faults(i);
+      const DomainCaps& caps = worker.caps(i);
       out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
                      a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
-                     f.duplicated_imms, a.imms_dropped.load()});
+                     f.duplicated_imms, a.imms_dropped.load(), caps.nic_name, w, caps.link_gbps});
     }
   return out;
 }

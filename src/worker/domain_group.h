@@ -58,6 +58,7 @@ class DomainGroup {
   const AtomicNicStats& stats(size_t d) const { return stats_[d]; }
   // The domains live as long as the group (until close()).
   Domain::InjectedFaults injected_faults(size_t d) const { return domains_[d]->injected_faults(); }
+  const DomainCaps& caps(size_t d) const { return domains_[d]->caps(); }
 
   // Which domain carries operation `op` of a transfer to `target`: SENDs NIC 0; a same-host GPU
   // peer the local domain (sharded writes keep their shard count there, so the receiver's

@@ -90,6 +90,7 @@ class Worker {
   const AtomicNicStats& stats(size_t domain) const { return domains_.stats(domain); }
   // The domains live as long as the worker.
   Domain::InjectedFaults injected_faults(size_t domain) const { return domains_.injected_faults(domain); }
+  const DomainCaps& caps(size_t domain) const { return domains_.caps(domain); }
 
   // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has
   // stopped taking requests (nothing submitted is ever silently lost).

@@ -134,6 +134,10 @@ TEST(MultiWorker, EveryRequestGoesOutItsSourcesWorkerAndLandsOnItsDestinationsWo
   // Per worker in order, each worker's NICs: both posted, each from its own sources.
   std::vector<NicStats> stats = a.nic_stats();
   ASSERT_EQ(stats.size(), 4u);
+  for (size_t i = 0; i < 4; i++) {
+    EXPECT_EQ(stats[i].worker, i / 2) << i;
+    EXPECT_FALSE(stats[i].nic.empty()) << "labelled by the NIC's name";
+  }
   EXPECT_GT(stats[0].writes_posted + stats[1].writes_posted, 64u) << "paged and group writes: worker 0";
   EXPECT_GE(stats[2].writes_posted + stats[3].writes_posted, single_imms + 2 + 2) << "single, scatter, barrier: worker 1";
   std::vector<NicStats> landed_stats = b.nic_stats();

@@ -40,6 +40,12 @@ class Client {
  public:
   Client(const Options& o, const std::string& server_hex)
       : o_(o), engine_(o.engine_config()), ctl_(engine_) {
+    // Without --link-gbps, the % column uses the link speed the NICs report (0 on loopback).
+    link_gbps_ = o.link_gbps;
+    if (link_gbps_ <= 0) {
+      std::vector<NicStats> nics = engine_.nic_stats();
+      for (size_t i = 0; i < engine_.nic_count(); i++) link_gbps_ += nics[i].link_gbps;
+    }
     ctl_.set_peer(NetAddr::from_hex(server_hex));
     if (o.timeout_ms) ctl_.set_reply_timeout(std::chrono::milliseconds(o.timeout_ms));
     auto w = split(ctl_.call("hello " + engine_.main_address().to_hex(), "descs"));
@@ -259,7 +265,7 @@ class Client {
   }
 
   void print(const Row& r) {
-    std::string link = o_.link_gbps > 0 && r.gbps > 0 ? fmt::format("{:.1f}", 100 * r.gbps / o_.link_gbps) : "-";
+    std::string link = link_gbps_ > 0 && r.gbps > 0 ? fmt::format("{:.1f}", 100 * r.gbps / link_gbps_) : "-";
     fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.3f} {:>7} {:>9.4f} {}\n", r.test,
                r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gbps, link, r.mops, r.verified);
     std::fflush(stdout);
@@ -270,7 +276,7 @@ class Client {
   void write_json() {
     std::ofstream out(o_.json);
     out << "{\n  \"provider\": \"" << o_.provider << "\",\n  \"nics\": " << engine_.nic_count()
-        << ",\n  \"link_gbps\": " << o_.link_gbps << ",\n  \"results\": [\n";
+        << ",\n  \"link_gbps\": " << link_gbps_ << ",\n  \"results\": [\n";
     for (size_t i = 0; i < rows_.size(); i++) {
       const Row& r = rows_[i];
       out << fmt::format(
@@ -288,6 +294,7 @@ class Client {
  private:
   const Options& o_;
   TransferEngine engine_;
+  double link_gbps_ = 0;  // --link-gbps, else the sum of the NICs' reported speeds
   Control ctl_;
   std::vector<MrDesc> descs_;
   std::vector<RemoteMr> remotes_;  // descs_, interned
