@@ -114,6 +114,12 @@ class TransferEngine(_Engine):
     provider's default; 1 to 4 entries (an empty list raises FabricError, as zero NICs is invalid).
     Usable as a context manager (close() on exit).
 
+    One engine for every GPU of the host: TransferEngine(topology=detect_topology()) (or with
+    gpus=[...] for some of them) starts one worker per GPU with the NICs and cores the topology
+    gave it; the other arguments configure the rest (and the NICs, where the host has none).
+    Regions go to their GPU's worker; expect_imm_count and the barriers take cuda_device= to name
+    the GPU whose worker counts or sends.
+
     Writes name their destination by a RemoteMr (add_remote(desc), once) or directly by an MrDesc,
     which the call interns (add_remote is idempotent, so repeated submits reuse one region); the
     submit_* calls take keyword arguments.

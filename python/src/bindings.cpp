@@ -236,6 +236,11 @@ class PyEngine {
   std::unique_ptr<TransferEngine> engine_;
 };
 
+// The device a barrier goes out from: that GPU's worker, else the first.
+Device gpu_or_host(std::optional<int> cuda_device) {
+  return cuda_device ? Device::cuda(*cuda_device) : Device::host();
+}
+
 // Parameter types as the generated stubs show them (nb::sig), where the binding takes a handle.
 #define FABRIC_DST "RemoteMr | MrDesc"
 #define FABRIC_ON_DONE \
@@ -499,7 +504,8 @@ NB_MODULE(_fabric_lib, m) {
               const std::string& poll, const std::string& callback_poll,
               double transfer_timeout_s, size_t max_in_flight_per_nic, size_t max_message_size,
               std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed,
-              std::optional<int> cuda_device, bool cuda_ipc) {
+              std::optional<int> cuda_device, bool cuda_ipc, const Topology* topology,
+              std::optional<std::vector<int>> gpus) {
              // An explicit empty list is an error, as in C++ (docs/api.md); leaving `nics` out
              // gives one NIC.
              if (nics.empty() || nics.size() > kMaxNics)
@@ -527,17 +533,25 @@ NB_MODULE(_fabric_lib, m) {
              c.reorder.seed = reorder_seed;
              c.cuda_device = cuda_device;
              c.cuda_ipc = cuda_ipc;
+             // With a topology: one worker per GPU (all, or `gpus`), their NICs and cores from it;
+             // the arguments above are the rest of the configuration (and the NICs where the host
+             // has no RDMA NIC).
+             if (topology) c = engine_config_for(*topology, c, gpus ? std::span<const int>(*gpus) : std::span<const int>{});
+             else if (gpus) throw Error(ErrorCode::kInvalidArgument, "Engine(gpus=...) needs topology=detect_topology()");
              new (self) PyEngine(std::move(c));
            },
            "provider"_a = "tcp;ofi_rxm", "nics"_a = std::vector<std::string>{"127.0.0.1"},
            "poll"_a = "adaptive", "callback_poll"_a = "adaptive", "transfer_timeout_s"_a = 30.0,
            "max_in_flight_per_nic"_a = 64, "max_message_size"_a = 16384,
            "worker_cpu"_a = nb::none(), "reorder"_a = false, "reorder_seed"_a = 1,
-           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false)
+           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false, "topology"_a = nb::none(),
+           "gpus"_a = nb::none())
       .def("close", &PyEngine::close, "Ends pending work with errors and joins the engine's threads.")
       .def_prop_ro("closed", &PyEngine::closed)
       .def("main_address", [](PyEngine& e) { return e.get().main_address(); })
       .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); })
+      .def_prop_ro("worker_count", [](PyEngine& e) { return e.get().worker_count(); },
+                   "workers (GPUs served): 1 unless built from a topology")
       .def("reg_mr",
            [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
@@ -580,17 +594,21 @@ NB_MODULE(_fabric_lib, m) {
            "length"_a, "count"_a, "on_recv"_a)
       .def("expect_imm_count",
            [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done,
-              std::optional<double> timeout_s) {
+              std::optional<double> timeout_s, std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
              OnDone d = make_on_done(on_done);
              ExpectOptions opts;
              if (timeout_s) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000));
+             if (cuda_device) opts.device = Device::cuda(*cuda_device);
              nb::gil_scoped_release release;
              return eng.expect_imm_count(imm, count, std::move(d), opts);
            },
            "imm"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(),
+           "cuda_device"_a = nb::none(),
            "Calls on_done once `imm` arrived `count` times; with timeout_s it ends with a timeout "
-           "error if not met by then. Returns an ImmExpectation for cancel_imm_expectation.")
+           "error if not met by then. cuda_device: the GPU whose regions the WRITEs land in (a "
+           "multi-GPU engine counts immediates per GPU). Returns an ImmExpectation for "
+           "cancel_imm_expectation.")
       .def("cancel_imm_expectation",
            [](PyEngine& e, const ImmExpectation& x) {
              TransferEngine& eng = e.get();
@@ -733,30 +751,35 @@ NB_MODULE(_fabric_lib, m) {
            "nic"_a = nb::none(),
            "One WRITE per member: slice i (a GroupSlice or (len, src_offset, dst_offset)) to member i.")
       .def("submit_barrier",
-           [](PyEngine& e, nb::iterable dsts, uint32_t imm, nb::handle on_done, std::optional<uint8_t> nic) {
+           [](PyEngine& e, nb::iterable dsts, uint32_t imm, nb::handle on_done, std::optional<uint8_t> nic,
+              std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
              std::vector<nb::object> keep;
              std::vector<DstRef> refs = dst_refs(dsts, "dsts", keep);
              OnDone done = make_on_done(on_done);
              nb::gil_scoped_release release;
              std::vector<RemoteMr> mrs = resolve_all(eng, refs);
-             eng.submit(Barrier{.dsts = mrs, .imm = imm, .nic = nic}, std::move(done));
+             eng.submit(Barrier{.dsts = mrs, .imm = imm, .nic = nic, .device = gpu_or_host(cuda_device)},
+                        std::move(done));
            },
            nb::sig("def submit_barrier(self, *, dsts: collections.abc.Iterable[" FABRIC_DST
-                   "], imm: int, on_done: " FABRIC_ON_DONE ", nic: int | None = None) -> None"),
+                   "], imm: int, on_done: " FABRIC_ON_DONE ", nic: int | None = None, cuda_device: int | None = None) -> None"),
            nb::kw_only(), "dsts"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
+           "cuda_device"_a = nb::none(),
            "One zero-byte WRITE carrying imm to each destination (RemoteMr or MrDesc).")
       .def("submit_group_barrier",
            [](PyEngine& e, const PeerGroupHandle& group, uint32_t imm, nb::handle on_done,
-              std::optional<uint8_t> nic) {
+              std::optional<uint8_t> nic, std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
              OnDone done = make_on_done(on_done);
              nb::gil_scoped_release release;
-             eng.submit(GroupBarrier{.group = group, .imm = imm, .nic = nic}, std::move(done));
+             eng.submit(GroupBarrier{.group = group, .imm = imm, .nic = nic, .device = gpu_or_host(cuda_device)},
+                        std::move(done));
            },
            nb::sig("def submit_group_barrier(self, *, group: PeerGroupHandle, imm: int, on_done: "
-                   FABRIC_ON_DONE ", nic: int | None = None) -> None"),
+                   FABRIC_ON_DONE ", nic: int | None = None, cuda_device: int | None = None) -> None"),
            nb::kw_only(), "group"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
+           "cuda_device"_a = nb::none(),
            "One zero-byte WRITE carrying imm to every member of the group.")
       .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); });
 }

@@ -89,3 +89,28 @@ def test_recorder_on_live_sys(tmp_path):
     rec = record_sysfs.record("/sys", all_pci=False)
     rec.fx.materialize(str(tmp_path))
     assert fl.detect_topology(str(tmp_path)).to_table() == fl.detect_topology().to_table()
+
+
+def test_engine_from_the_live_topology_serves_every_gpu_and_labels_its_nics():
+    t = fl.detect_topology()
+    gpus = len(t.gpus)
+    if gpus and not t.provider:
+        pytest.skip("GPUs without RDMA NICs: the workers would need CUDA (the GPU run covers it)")
+    if gpus:
+        pytest.skip("a host with GPUs: covered by the GPU run (tests/gpu/run.sh)")
+    e = fl.TransferEngine(topology=t, nics=["127.0.0.1"])
+    try:
+        assert e.worker_count == 1  # no GPU: one host worker
+        stats = e.nic_stats()
+        assert stats and stats[0].nic and stats[0].worker == 0
+        assert stats[0].link_gbps >= 0
+    finally:
+        e.close()
+
+
+def test_engine_from_a_topology_rejects_a_gpu_it_does_not_have():
+    t = fl.detect_topology()
+    with pytest.raises(fl.FabricError, match="no GPU 99"):
+        fl.TransferEngine(topology=t, gpus=[99])
+    with pytest.raises(fl.FabricError, match="needs topology"):
+        fl.TransferEngine(gpus=[0])
