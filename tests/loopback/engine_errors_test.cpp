@@ -14,18 +14,6 @@ namespace {
 const ProviderCase kTcp1{"tcp;ofi_rxm", 1, false};
 const ProviderCase kTcp2{"tcp;ofi_rxm", 2, false};
 
-template <class F>
-void expect_error(ErrorCode code, const std::string& fragment, F&& f) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected " << to_string(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
-        << "message '" << e.what() << "' lacks '" << fragment << "'";
-  }
-}
-
 TEST(EngineErrors, BadSubmissionsAreRejectedSynchronouslyAndLoseNothing) {
   TransferEngine a(config_for(kTcp1)), b(config_for(kTcp1)), wide(config_for(kTcp2));
   std::vector<uint8_t> src = random_bytes(1 << 16, 1), dst(1 << 16, 0), other(4096, 0);

@@ -30,17 +30,6 @@ ExpectOptions on_worker(int w) {
   return ExpectOptions{.timeout = std::chrono::seconds(60), .device = Device::host_for_worker(w)};
 }
 
-template <class F>
-void expect_error(ErrorCode code, const std::string& fragment, F&& f) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected " << to_string(code);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
-
 struct Flags {
   std::vector<std::unique_ptr<std::atomic<int>>> all;
   OnDone next() {

@@ -71,6 +71,19 @@ inline EngineConfig config_for(const ProviderCase& c) {
   return cfg;
 }
 
+// f() throws fabric::Error with `code` and a message containing `fragment`.
+template <class F>
+void expect_error(ErrorCode code, const std::string& fragment, F&& f) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected " << to_string(code);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
+        << "message '" << e.what() << "' lacks '" << fragment << "'";
+  }
+}
+
 inline bool wait_until(const std::function<bool()>& done,
                        std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
