@@ -64,7 +64,10 @@ std::vector<EngineConfig> split_workers(const EngineConfig& c) {
     const WorkerConfig& wc = workers[w];
     if (wc.nics.empty() || wc.nics.size() > kMaxNics)
       throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("worker {}: must list 1 to {} NICs, it lists {}", w, kMaxNics, wc.nics.size()));
+                  fmt::format("{} must list 1 to {} NICs, it lists {}",
+                              c.workers.empty() ? std::string("EngineConfig::nics")
+                                                : fmt::format("EngineConfig::workers[{}].nics", w),
+                              kMaxNics, wc.nics.size()));
     if (wc.nics.size() != workers[0].nics.size())
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("worker {} has {} NICs and worker 0 {}: every worker needs the same "
