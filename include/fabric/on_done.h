@@ -56,6 +56,31 @@ class OnDone {
     return std::move(*this);
   }
 
+  // Completes it here, on the calling thread (a callback runs right away): for operations built
+  // from several engine calls, such as a KV request, that report once when all of theirs ended.
+  void fire(const Status& status) {
+    switch (kind_) {
+      case Kind::kNone: break;
+      case Kind::kCallback:
+        if (callback_) callback_(status);
+        break;
+      case Kind::kFlag:
+        flag_->store(status.ok() ? kDoneSucceeded : kDoneFailed, std::memory_order_release);
+        flag_->notify_all();
+        break;
+      case Kind::kCounter:
+        if (status.ok()) {
+          done_->fetch_add(1, std::memory_order_release);
+          done_->notify_all();
+        } else if (failed_) {
+          failed_->fetch_add(1, std::memory_order_release);
+          failed_->notify_all();
+        }
+        break;
+    }
+    reset();
+  }
+
   // Back to none, letting go of a callback and what it kept alive (cheap when there is neither).
   void reset() {
     if (callback_) callback_ = nullptr;
