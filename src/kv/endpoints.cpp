@@ -328,7 +328,7 @@ void KvSender::begin(std::span<const uint8_t> admit, std::vector<uint32_t> src_p
   req->id = a.request;
   req->on_sent = std::move(on_sent);
   req->layer_posted.assign(s.layout.num_layers, false);
-  std::lock_guard l(s.mu);
+  std::unique_lock l(s.mu);
   auto g = s.groups.find(a.group);
   if (g == s.groups.end() || g->second.ranks.size() != g->second.size)
     throw Error(ErrorCode::kNotFound,
@@ -343,6 +343,7 @@ void KvSender::begin(std::span<const uint8_t> admit, std::vector<uint32_t> src_p
                          g->second.size, src_pages, a.pages);
   req->writes_left = uint64_t{s.layout.num_layers} * req->plan.size();
   if (req->writes_left == 0) {  // an empty prompt: nothing to send
+    l.unlock();  // on_sent may call back into this sender
     req->on_sent.fire(Status{});
     return;
   }
