@@ -95,6 +95,12 @@ bench-post: build
 	bench/post_vs_raw.sh $(BUILD)
 	bench/callgrind_post.sh $(BUILD)
 
+# KV-cache transfer, layer by layer against after prefill (one prefill and one decode rank, tcp and
+# shm on loopback); the last line of each run is `kv layers=... exposed_ms=... post_us_per_layer=...`.
+.PHONY: bench-kv
+bench-kv: build
+	for p in "tcp;ofi_rxm" shm; do $(BUILD)/bench/fabric-kv-bench --provider "$$p" --tokens 4096; done
+
 .PHONY: bench-multinic
 bench-multinic: build
 	bench/multinic.sh $(BUILD)
