@@ -128,7 +128,14 @@ int main(int argc, char** argv) {
   put("netaddr_fuzz", "bad-magic", set(a1, 0, 'X'));
   put("netaddr_fuzz", "bad-version-1", set(a1, 4, 1));
   put("netaddr_fuzz", "bad-provider-len-0", set(a1, 5, 0));
-  size_t nic_count_at = 6 + addrs[0].second.provider().size();
+  size_t worker_count_at = 6 + addrs[0].second.provider().size();
+  size_t nic_count_at = worker_count_at + 1;
+  put("netaddr_fuzz", "bad-worker-count-0", set(a1, worker_count_at, 0));
+  put("netaddr_fuzz", "bad-worker-count-9", set(a1, worker_count_at, 9));
+  const NetAddr two_workers("tcp;ofi_rxm", std::vector<std::vector<std::string>>{{"a0", "a1"}, {"b0", "b1"}},
+                            std::vector<std::string>{"", ""});
+  put("netaddr_fuzz", "valid-two-workers", two_workers.to_bytes());
+  put("mrdesc_fuzz", "valid-on-worker-1", MrDesc(two_workers, 0x1000, 4096, {{1, 0}, {2, 0}}, std::nullopt, 1).to_bytes());
   put("netaddr_fuzz", "bad-nic-count-0", set(a1, nic_count_at, 0));
   put("netaddr_fuzz", "bad-nic-count-5", set(a1, nic_count_at, 5));
   put("netaddr_fuzz", "bad-nic-len-0", set(set(a1, nic_count_at + 1, 0), nic_count_at + 2, 0));
@@ -157,7 +164,8 @@ int main(int argc, char** argv) {
   for (auto& [name, d] : descs) put("mrdesc_fuzz", "valid-" + name, d.to_bytes());
   Bytes d1 = descs[0].second.to_bytes();
   size_t after_owner = 9 + a1.size();  // magic, version, u32 owner length, owner
-  size_t key_count_at = after_owner + 16;
+  size_t key_count_at = after_owner + 1 + 16;  // worker, addr, len
+  put("mrdesc_fuzz", "bad-worker-1-of-1", set(d1, after_owner, 1));
   put("mrdesc_fuzz", "bad-truncated", cut(d1, d1.size() - 1));
   put("mrdesc_fuzz", "bad-trailing-byte", plus(d1, 0));
   put("mrdesc_fuzz", "bad-magic", set(d1, 2, 'X'));
@@ -166,7 +174,7 @@ int main(int argc, char** argv) {
   put("mrdesc_fuzz", "bad-key-count-2", set(d1, key_count_at, 2));
   put("mrdesc_fuzz", "bad-local-flag-2", set(d1, d1.size() - 1, 2));
   put("mrdesc_fuzz", "bad-no-key", cut(set(d1, key_count_at, 0), key_count_at + 2));
-  put("mrdesc_fuzz", "bad-addr-len-overflow", set(descs[4].second.to_bytes(), 9 + addrs[3].second.to_bytes().size() + 8, 11));
+  put("mrdesc_fuzz", "bad-addr-len-overflow", set(descs[4].second.to_bytes(), 9 + addrs[3].second.to_bytes().size() + 1 + 8, 11));
   Bytes local_no_endpoint = descs[0].second.to_bytes();  // has_local = 1 for an owner without one
   local_no_endpoint.back() = 1;
   for (int i = 0; i < 16; i++) local_no_endpoint.push_back(static_cast<uint8_t>(i));
