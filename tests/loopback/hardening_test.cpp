@@ -152,6 +152,10 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
   EngineConfig cfg = config_for(kTcp);
   cfg.max_in_flight_per_nic = 8;  // little room: every freed slot is contested
   cfg.record_post_timings = true;
+  // What this proves is the order, not a deadline: the small writes wait behind the large one by
+  // design, which under TSan on a loaded 2-core machine took over the default 60 s.
+  cfg.transfer_timeout = std::chrono::minutes(10);
+  constexpr auto kPatience = std::chrono::minutes(10);
   constexpr uint32_t kPages = 10000, kSmall = 20000;
   constexpr uint64_t kPage = 256;
   auto src = random_bytes(kPage * kPages, 4);  // buffers and counters outlive the engines
@@ -180,9 +184,9 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
              OnDone::counter(&small_done, &small_failed));
     sent++;
   }
-  ASSERT_TRUE(wait_until([&] { return ended(big); }));
+  ASSERT_TRUE(wait_until([&] { return ended(big); }, kPatience));
   EXPECT_EQ(big.load(), kDoneSucceeded);
-  EXPECT_TRUE(wait_until([&] { return small_done.load() + small_failed.load() == sent; }));
+  EXPECT_TRUE(wait_until([&] { return small_done.load() + small_failed.load() == sent; }, kPatience));
   EXPECT_EQ(small_failed.load(), 0u);
   std::vector<PostTiming> order = a.take_post_timings();
   size_t overtaken = 0;
@@ -195,7 +199,7 @@ TEST(Hardening, ALargePendingTransferIsNotOvertakenBySmallWritesSubmittedAfterIt
   EXPECT_EQ(overtaken, 0u) << "small writes submitted later were posted before the large transfer";
   std::atomic<int> landed{kDonePending};  // the receiver's word that every write landed
   b.expect_imm_count(kImm, kPages + sent, OnDone::flag(&landed));
-  ASSERT_TRUE(wait_until([&] { return ended(landed); }));
+  ASSERT_TRUE(wait_until([&] { return ended(landed); }, kPatience));
   EXPECT_EQ(dst, src);  // the small writes carry page 0's first bytes too
 }
 
