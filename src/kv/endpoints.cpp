@@ -136,21 +136,25 @@ Admit parse_admit(std::span<const uint8_t> bytes) {
   return a;
 }
 
-}  // namespace
-
-// ---- decode side ----
-
-struct KvReceiver::State {
+// What both endpoints hold: the engine, this rank's layout and memory, registered once.
+struct Endpoint {
   TransferEngine& engine;
   KvLayout layout;
   KvTensors tensors;
   KvRank rank;
   Registered regions;
   std::mutex mu;
-  std::set<uint64_t> in_flight;  // request tags
-
-  State(TransferEngine& e, KvLayout l, KvTensors t, KvRank r)
+  Endpoint(TransferEngine& e, KvLayout l, KvTensors t, KvRank r)
       : engine(e), layout(l), tensors(std::move(t)), rank(r), regions(e, layout, tensors) {}
+};
+
+}  // namespace
+
+// ---- decode side ----
+
+struct KvReceiver::State : Endpoint {
+  using Endpoint::Endpoint;
+  std::set<uint64_t> in_flight;  // request tags
 };
 
 KvReceiver::KvReceiver(TransferEngine& engine, KvLayout layout, KvTensors tensors, KvRank rank) {
@@ -254,12 +258,8 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
 
 // ---- prefill side ----
 
-struct KvSender::State {
-  TransferEngine& engine;
-  KvLayout layout;
-  KvTensors tensors;
-  KvRank rank;
-  Registered regions;
+struct KvSender::State : Endpoint {
+  using Endpoint::Endpoint;
   struct DecodeRank {
     KvLayout layout;
     std::vector<RemoteMr> k, v;
@@ -277,12 +277,8 @@ struct KvSender::State {
     std::atomic<bool> ended{false};
     OnDone on_sent;
   };
-  std::mutex mu;
   std::map<uint64_t, Group> groups;
   std::map<uint64_t, std::shared_ptr<Request>> requests;
-
-  State(TransferEngine& e, KvLayout l, KvTensors t, KvRank r)
-      : engine(e), layout(l), tensors(std::move(t)), rank(r), regions(e, layout, tensors) {}
 };
 
 KvSender::KvSender(TransferEngine& engine, KvLayout layout, KvTensors tensors, KvRank rank) {
