@@ -41,7 +41,10 @@ inline uint32_t layer_imm(uint64_t request, uint32_t layer) {
 }
 
 struct KvAdmit {
-  uint64_t request = 0;         // unique among this rank's requests in flight (24 bits are used)
+  // Unique among this rank's requests in flight (24 bits are used). A request that failed frees its
+  // id at once, but WRITEs its prefill ranks posted may still arrive: retry under a new id, never
+  // the failed one, or they would count toward the retry.
+  uint64_t request = 0;
   std::vector<uint32_t> pages;  // the decode pages, in prompt order (the same on every decode rank)
   uint32_t prefill_size = 1;    // TP size of the prefill group that writes it
   std::chrono::milliseconds timeout{30000};
