@@ -524,6 +524,8 @@ TEST(TopologyParse, Values) {
 // ---- the machine running the test ----
 
 TEST(TopologyLive, ThisMachine) {
+  if (!fs::exists("/sys/bus/pci/devices"))
+    GTEST_SKIP() << "no PCI bus in this /sys (a container without sysfs): the fixtures cover detection";
   Topology t;
   ASSERT_NO_THROW(t = detect_topology());
   std::cout << t.to_table();
