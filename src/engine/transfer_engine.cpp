@@ -46,10 +46,6 @@ constexpr uint32_t kMaxShards = 256;
                           offset, len, region, region_len));
 }
 
-}  // namespace
-
-namespace {
-
 // Each worker's own configuration: the engine's, with that worker's GPU, NICs and cores, and no
 // worker list (what the worker, its domains and its GPU signals read).
 std::vector<EngineConfig> split_workers(const EngineConfig& c) {
