@@ -37,6 +37,7 @@ from ._fabric_lib import (
     TopoNumaNode,
     Topology,
     detect_topology,
+    remove_shm_endpoints_of,
     single_write_imm_count,
 )
 
@@ -44,7 +45,7 @@ __all__ = [
     "DoneCounter", "DoneFlag", "FabricError", "GroupSlice", "ImmExpectation", "MrDesc", "MrHandle",
     "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr", "ScatterSlice",
     "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine", "detect_topology",
-    "single_write_imm_count",
+    "remove_shm_endpoints_of", "single_write_imm_count",
 ]
 
 # Wherever a destination is expected: an interned region, or a descriptor that the call interns

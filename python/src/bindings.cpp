@@ -489,6 +489,11 @@ NB_MODULE(_fabric_lib, m) {
                " NICs, provider='" + t.provider + "')";
       });
 
+  m.def("remove_shm_endpoints_of", &remove_shm_endpoints_of, "pid"_a,
+        "Removes the /dev/shm files that a killed process's shm endpoints left (fabric/shm_cleanup.h): "
+        "only fabric-lib's, only of a pid that no longer exists in this PID namespace. Returns how "
+        "many it removed. A supervisor calls it after reaping a dead worker.");
+
   m.def("detect_topology",
         [](const std::string& sysfs_root) {
           nb::gil_scoped_release release;

@@ -88,14 +88,14 @@ TEST(PeerChurn, AThousandPeersComeAndGoAndTheSurvivorHoldsNothingAfterThem) {
     if (c % 4 != 3) {  // leaves; the application tells the engine
       ch.send(c % 4 == 2 ? "exit" : "leave");
       if (c % 4 == 2) {
-        waitpid(child.pid, &status, 0);
+        status = tools::reap(child.pid);
         EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "cycle " << c;
       }
       survivor.remove_peer(dst.owner());  // its interned region goes with it
     } else {  // killed: once a write to it fails, the engine lets the peer go by itself
       ch.send("wait");
       kill(child.pid, SIGKILL);
-      waitpid(child.pid, &status, 0);
+      status = tools::reap(child.pid);
       // The first write after the kill may still be taken by the kernel's socket buffer (a local
       // success); a later one meets the reset connection, or never posts and times out.
       bool failed = false;
@@ -121,7 +121,7 @@ TEST(PeerChurn, AThousandPeersComeAndGoAndTheSurvivorHoldsNothingAfterThem) {
   }
   if (child.pid > 0) {
     kill(child.pid, SIGKILL);
-    waitpid(child.pid, nullptr, 0);
+    tools::reap(child.pid);
     close(child.fd);
   }
   size_t rss_end = rss_kib();

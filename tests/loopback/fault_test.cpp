@@ -270,8 +270,7 @@ TEST_P(Faults, APeerKilledAndRestartedAtANewAddressIsReachedAgain) {
         std::fflush(nullptr);
         _exit(rc);
       }
-      int status = 0;
-      waitpid(pid, &status, 0);
+      int status = tools::reap(pid);
       if (gen == 1 && !WIFSIGNALED(status)) return 1;
       if (gen == 2 && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) return 1;
     }

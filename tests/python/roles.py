@@ -155,3 +155,11 @@ def gated_sender(conn, desc, addr, gate_name, n):
             gate.close()
 
     _report(conn, run)
+
+
+def hold_shm_engine(conn):
+    """Opens a one-NIC shm engine, says so, and waits to be killed with it open."""
+    engine = fl.TransferEngine(provider="shm", nics=[""])
+    conn.send("ready")
+    time.sleep(600)
+    engine.close()

@@ -1,9 +1,13 @@
-"""Expectations that time out or are cancelled, removing peers, and the dropped-immediate counter."""
+"""Expectations that time out or are cancelled, removing peers, the dropped-immediate counter, and
+what a killed process's shm endpoints leave behind."""
+
+import os
 
 import numpy as np
 import pytest
 
 import fabric_lib as fl
+import roles
 from roles import wait_for
 
 
@@ -47,3 +51,20 @@ def test_removed_peers_are_forgotten_and_reachable_again():
             with pytest.raises(fl.FabricError, match="not found"):
                 a.submit_single_write(len=16, src=hs, dst=r, on_done=None)
         assert a.nic_stats()[0].imms_dropped == 0
+
+
+def test_a_killed_processs_shm_files_are_removed_once_it_is_gone(peer):
+    conn, p = peer(roles.hold_shm_engine)
+    assert conn.recv() == "ready"
+    prefix = f"fabric-{os.stat('/proc/self/ns/pid').st_ino}.{p.pid}-"
+
+    def files():
+        return [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+    assert len(files()) == 1, "one file per shm endpoint while the engine is open"
+    assert fl.remove_shm_endpoints_of(p.pid) == 0, "a live process's files are left alone"
+    p.kill()
+    p.join()
+    assert len(files()) == 1, "SIGKILL leaves the file behind"
+    assert fl.remove_shm_endpoints_of(p.pid) == 1
+    assert files() == []

@@ -16,7 +16,17 @@
 #include <string>
 #include <vector>
 
+#include "fabric/shm_cleanup.h"
+
 namespace fabric::tools {
+
+// waitpid, then removes what a killed child's shm endpoints left in /dev/shm. Returns the status.
+inline int reap(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  remove_shm_endpoints_of(static_cast<int>(pid));
+  return status;
+}
 
 // Length-prefixed messages over a stream socket.
 class Channel {
@@ -107,7 +117,7 @@ inline PairResult run_process_pair(const std::function<int(Channel&)>& parent,
     r.parent_rc = 1;
   }
   close(sv[0]);
-  waitpid(pid, &r.child_status, 0);
+  r.child_status = reap(pid);
   return r;
 }
 

@@ -334,8 +334,7 @@ int run_driver(const Options& o) {
       if (!peers[p].warm_rss && elapsed() >= seconds * warm_at) peers[p].warm_rss = r.rss_kib;
     }
     if (kill_now) {
-      int status = 0;
-      waitpid(peers[victim].pid, &status, 0);
+      tools::reap(peers[victim].pid);
       t.faults_of_dead += peers[victim].faults;
       close(peers[victim].ch->fd());
       engine.remove_remote(peers[victim].remote);
@@ -364,8 +363,7 @@ int run_driver(const Options& o) {
 
   for (auto& p : peers) {
     p.ch->send(std::string("bye"));
-    int status = 0;
-    waitpid(p.pid, &status, 0);
+    int status = tools::reap(p.pid);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
       std::fprintf(stderr, "soak: a peer exited abnormally (status %d)\n", status);
       t.lost++;

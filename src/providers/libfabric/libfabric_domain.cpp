@@ -22,6 +22,7 @@
 #include "providers/efa_sim/efa_sim.h"
 #include "providers/libfabric/fi_compat.h"
 #include "providers/libfabric/provider_attrs.h"
+#include "providers/libfabric/shm_names.h"
 #include "util/log.h"
 #ifdef FABRIC_WITH_CUDA
 #include "cuda/driver_api.h"
@@ -278,6 +279,11 @@ class LibfabricDomain final : public Domain {
     check("fi_ep_bind(cq)", fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV));
     check("fi_ep_bind(av)", fi_ep_bind(ep_, &av_->fid, 0));
     if (efa) set_efa_endpoint_options();
+    if (attrs_.prov_name == "shm") {
+      // Before fi_enable, which creates the endpoint's /dev/shm file (see shm_names.h for why).
+      const std::string shm_name = shm_names::next_endpoint_name();
+      check("fi_setname", fi_setname(&ep_->fid, const_cast<char*>(shm_name.c_str()), shm_name.size() + 1));
+    }
     check("fi_enable", fi_enable(ep_));
 
     char name[512];

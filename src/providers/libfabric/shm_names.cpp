@@ -1,0 +1,71 @@
+#include "providers/libfabric/shm_names.h"
+
+#include <dirent.h>
+#include <fmt/format.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "fabric/shm_cleanup.h"
+
+namespace fabric {
+namespace shm_names {
+namespace {
+
+// Drawn once per process; a forked child draws its own (the cache is keyed by the pid). Called when
+// an endpoint opens, never on a hot path.
+uint64_t process_tag() {
+  static std::mutex mu;
+  static int tag_pid = 0;
+  static uint64_t tag = 0;
+  std::lock_guard lock(mu);
+  const int pid = static_cast<int>(getpid());
+  if (tag_pid != pid) {
+    std::random_device rd;
+    tag = rd() | (uint64_t{rd()} << 32);
+    tag_pid = pid;
+  }
+  return tag;
+}
+
+}  // namespace
+
+std::string next_endpoint_name() {
+  static std::atomic<uint64_t> next{0};
+  return fmt::format("fi_shm://{}{:016x}-{}", file_prefix(static_cast<int>(getpid())),
+                     process_tag(), next.fetch_add(1));
+}
+
+// The PID namespace is part of the name: two containers that share /dev/shm but not their PID
+// namespaces have processes of equal pids, and removing one's leftovers must not touch the other's.
+std::string file_prefix(int pid) {
+  struct stat st {};
+  const uint64_t pid_ns = stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  return fmt::format("fabric-{}.{}-", pid_ns, pid);
+}
+
+}  // namespace shm_names
+
+size_t remove_shm_endpoints_of(int pid) {
+  if (pid <= 0) return 0;
+  if (kill(pid, 0) == 0 || errno != ESRCH) return 0;  // alive (or not ours to judge)
+  const std::string prefix = shm_names::file_prefix(pid);
+  std::vector<std::string> names;
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (dirent* e = readdir(dir))
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) names.emplace_back(e->d_name);
+    closedir(dir);
+  }
+  size_t removed = 0;
+  for (auto& n : names) removed += unlink(("/dev/shm/" + n).c_str()) == 0;
+  return removed;
+}
+
+}  // namespace fabric

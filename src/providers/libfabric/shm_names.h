@@ -1,0 +1,19 @@
+// Names of the shm provider's endpoints: one per endpoint, never reused, carrying the pid.
+#pragma once
+
+#include <string>
+
+namespace fabric::shm_names {
+
+// libfabric 1.17 names shm endpoints "<pid>:<uid>:<index>" and refuses (-FI_EBUSY) to create one
+// whose file exists while a process of the file's pid lives. A process killed with endpoints open
+// leaves its files; when its pid is later reused by a fabric-lib process, that process's own
+// endpoint names match the leftovers and the owner it sees alive is itself. Our names add a
+// random tag per process, so no leftover can match them.
+std::string next_endpoint_name();  // "fi_shm://fabric-<pid namespace>.<pid>-<tag>-<n>"
+
+// The /dev/shm file-name prefix of every endpoint `pid` (of this process's PID namespace)
+// created: "fabric-<pid namespace inode>.<pid>-".
+std::string file_prefix(int pid);
+
+}  // namespace fabric::shm_names
