@@ -89,7 +89,7 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
                        },
                        .on_done = OnDone::flag(&done)});
   std::atomic<int> sent{kDonePending};
-  tx.begin(msg, src, OnDone::flag(&sent));
+  tx.begin({.admit = msg, .src_pages = src, .on_sent = OnDone::flag(&sent)});
   std::vector<double> post_us;
   auto send_layer = [&](uint32_t layer) {
     auto t = Clock::now();

@@ -140,6 +140,10 @@ class TransferEngine {
   // How many arrivals of `imm` are counted and not yet consumed by an expectation (for tests and
   // diagnostics; answered by the worker, so it costs a round trip).
   uint64_t imm_count(uint32_t imm);
+  // Drops the arrivals of `imm` counted and not consumed (pending expectations stay, counting
+  // from zero); returns how many. For a tag whose sender gave up: its late immediates must not
+  // count toward the tag's next use (KvReceiver does this before it reuses a failed request's tag).
+  uint64_t discard_imm_count(uint32_t imm);
 
   // Interns a remote region: resolves its owner's addresses (address-vector insertion,
   // connection set-up starts) and copies its keys, once. Idempotent: the same descriptor gives

@@ -45,6 +45,7 @@ class EngineImpl {
   void remove_peer(const NetAddr& peer);
   size_t peer_count();
   uint64_t imm_count(uint32_t imm);
+  uint64_t discard_imm_count(uint32_t imm);
   RemoteMr add_remote(const MrDesc& desc);
   void remove_remote(RemoteMr remote);
   void submit(const SingleWrite& w, OnDone on_done);

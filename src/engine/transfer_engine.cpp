@@ -403,6 +403,13 @@ uint64_t EngineImpl::imm_count(uint32_t imm) {
   return n;
 }
 
+uint64_t EngineImpl::discard_imm_count(uint32_t imm) {
+  check_open();
+  uint64_t n = 0;
+  for (auto& w : workers_) n += w->call([&] { return w->discard_imm_count(imm); });
+  return n;
+}
+
 std::vector<PostTiming> EngineImpl::take_post_timings() {
   check_open();
   std::vector<PostTiming> out;
@@ -708,6 +715,7 @@ bool TransferEngine::cancel_imm_expectation(const ImmExpectation& e) {
 void TransferEngine::remove_peer(const NetAddr& peer) { impl_->remove_peer(peer); }
 size_t TransferEngine::peer_count() { return impl_->peer_count(); }
 uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm); }
+uint64_t TransferEngine::discard_imm_count(uint32_t imm) { return impl_->discard_imm_count(imm); }
 RemoteMr TransferEngine::add_remote(const MrDesc& desc) { return impl_->add_remote(desc); }
 void TransferEngine::remove_remote(RemoteMr remote) { impl_->remove_remote(remote); }
 void TransferEngine::submit(const SingleWrite& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }

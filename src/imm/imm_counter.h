@@ -70,6 +70,19 @@ class ImmCounter {
     auto it = entries_.find(imm);
     return it == entries_.end() ? 0 : it->second.count;
   }
+  // Drops the arrivals of `imm` counted and not consumed; returns how many. Pending expectations
+  // stay, and count from zero again.
+  uint64_t discard(uint32_t imm) {
+    auto it = entries_.find(imm);
+    if (it == entries_.end()) return 0;
+    Entry& e = it->second;
+    const uint64_t n = e.count;
+    bool was_stray = stray(e);
+    e.count = 0;
+    std::vector<Waiter> none;
+    settle(imm, e, was_stray, none);  // nothing can be met at zero: only the bookkeeping
+    return n;
+  }
   // Distinct immediates counted with no expectation waiting (bounded by max_stray).
   size_t strays() const { return strays_; }
 

@@ -144,6 +144,7 @@ class Worker {
   std::vector<RemoteMr> remove_peer(const NetAddr& peer);
   size_t peer_count() const { return peer_index_.size(); }
   uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
+  uint64_t discard_imm_count(uint32_t imm) { return imms_.discard(imm); }
   bool cancel_expectation(uint32_t imm, uint64_t id);
   // A pool of receive buffers: registered and posted here (as many as the provider takes now;
   // the rest as it frees room). Throws what registration throws.

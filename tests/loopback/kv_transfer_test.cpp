@@ -4,11 +4,13 @@
 // decode TP 1 (token-major, separate K/V) and TP 1 into TP 2 (head-major, interleaved K/V).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "fabric/kv_transfer.h"
 #include "test_support.h"
@@ -121,7 +123,7 @@ void run(uint32_t ptp, uint32_t dtp, PageOrder order, bool interleaved) {
     }
     for (uint32_t r = 0; r < ptp; r++) {
       sent.push_back(std::make_unique<std::atomic<int>>(kDonePending));
-      senders[r]->begin(msg, q.src, OnDone::flag(sent.back().get()));
+      senders[r]->begin({.admit = msg, .src_pages = q.src, .on_sent = OnDone::flag(sent.back().get())});
     }
   }
   // Layers as a model computes them: layer by layer, every request, every prefill rank.
@@ -164,35 +166,162 @@ TEST(KvTransfer, TwoPrefillRanksIntoOneDecodeRankTokenMajor) { run(2, 1, PageOrd
 TEST(KvTransfer, OnePrefillRankIntoTwoDecodeRanksTokenMajorInterleaved) { run(1, 2, PageOrder::kTokenMajor, true); }
 TEST(KvTransfer, OnePrefillRankIntoTwoDecodeRanksHeadMajor) { run(1, 2, PageOrder::kHeadMajor, false); }
 
-TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndFreesItsId) {
+TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLateWrites) {
+  const auto late_writes = std::chrono::milliseconds(1500);
   Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
-  KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
+  Rank p2(layout(1, PageOrder::kTokenMajor, false), false);
+  KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads}, {.late_writes = late_writes});
   KvSender tx(p.engine, p.l, p.tensors, {.group = 2, .tp = {1, 0}, .total_heads = kHeads});
+  KvSender retry_tx(p2.engine, p2.l, p2.tensors, {.group = 3, .tp = {1, 0}, .total_heads = kHeads});
   tx.add_decoder(rx.descriptor());
+  retry_tx.add_decoder(rx.descriptor());
   std::mutex mu;
   std::string why;
-  std::atomic<int> ended{kDonePending};
+  std::atomic<int> ended{kDonePending}, sent{kDonePending};
   auto msg = rx.admit({.request = 5,
                        .pages = {1, 2},
                        .prefill_size = 1,
                        .timeout = std::chrono::milliseconds(500),
-                       .on_layer = {},
                        .on_done = OnDone::callback([&](const Status& s) {
                          std::lock_guard l(mu);
                          why = s.message();
                          ended = s.ok() ? kDoneSucceeded : kDoneFailed;
                        })});
-  tx.begin(msg, {3, 4}, OnDone::none());
-  tx.layer_done(5, 0);  // layers 1 and 2 never come
+  tx.begin({.admit = msg, .src_pages = {3, 4}, .on_sent = OnDone::flag(&sent)});
+  tx.layer_done(5, 0);  // layers 1 and 2 do not come in time
   ASSERT_TRUE(wait_until([&] { return ended.load() != kDonePending; }, std::chrono::seconds(30)));
+  const auto failed_at = std::chrono::steady_clock::now();
   EXPECT_EQ(ended.load(), kDoneFailed);
   {
     std::lock_guard l(mu);
     EXPECT_NE(why.find("did not land"), std::string::npos) << why;
   }
-  EXPECT_NO_THROW(rx.admit({.request = 5, .pages = {1}, .prefill_size = 1, .timeout = std::chrono::seconds(1),
-                            .on_layer = {}, .on_done = OnDone::none()}))
-      << "the failed request's id is free again";
+  EXPECT_EQ(rx.in_flight(), 0u);
+  expect_error(ErrorCode::kInvalidArgument, "late WRITEs",
+               [&] { rx.admit({.request = 5, .pages = {1}, .prefill_size = 1}); });
+
+  // A late layer of the failed request lands and is counted with nobody waiting for it.
+  tx.layer_done(5, 1);
+  const uint64_t per_layer = layer_writes_into(p.l, kHeads, 1, {1, 0}, 2);
+  ASSERT_TRUE(wait_until([&] { return d.engine.imm_count(layer_imm(5, 1)) == per_layer; }));
+  EXPECT_TRUE(tx.cancel(5)) << "the prefill side ends it too";
+  ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
+  EXPECT_EQ(sent.load(), kDoneFailed);
+  expect_error(ErrorCode::kNotFound, "not begun", [&] { tx.layer_done(5, 2); });
+  EXPECT_FALSE(tx.cancel(5));
+
+  // Past the window the tag is taken again, and what the failed request left is not counted.
+  std::this_thread::sleep_until(failed_at + late_writes + std::chrono::milliseconds(100));
+  std::atomic<uint64_t> landed{0};
+  std::atomic<int> retried{kDonePending};
+  auto again = rx.admit({.request = 5, .pages = {7}, .prefill_size = 1, .timeout = std::chrono::seconds(60),
+                         .landed = &landed, .on_done = OnDone::flag(&retried)});
+  EXPECT_EQ(d.engine.imm_count(layer_imm(5, 1)), 0u) << "the late immediates were discarded";
+  retry_tx.begin({.admit = again, .src_pages = {0}});
+  retry_tx.layer_done(5, 0);
+  retry_tx.layer_done(5, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(retried.load(), kDonePending) << "layer 2 has not been sent: the stale layer-1 count must not finish it";
+  EXPECT_EQ(landed.load(), 2u);
+  retry_tx.layer_done(5, 2);
+  ASSERT_TRUE(wait_until([&] { return retried.load() != kDonePending; }));
+  EXPECT_EQ(retried.load(), kDoneSucceeded);
+  EXPECT_EQ(landed.load(), uint64_t{kLayers});
+}
+
+// Extras (a request's hidden state and logits) go last, from prefill TP rank 0 to every decode
+// rank, and the layers come from trigger steps as a CUDA graph would count them.
+TEST(KvTransfer, TriggerStepsSendEachLayerAndTheExtrasLast) {
+  constexpr uint32_t kSlots = 4, kExtraBytes = 320;
+  std::vector<std::unique_ptr<Rank>> prefill, decode;
+  std::vector<std::vector<uint8_t>> extras;
+  std::vector<std::unique_ptr<KvSender>> senders;
+  std::vector<std::unique_ptr<KvReceiver>> receivers;
+  for (uint32_t q = 0; q < 2; q++) {
+    decode.push_back(std::make_unique<Rank>(layout(2, PageOrder::kTokenMajor, false), false));
+    extras.emplace_back(kSlots * kExtraBytes, 0);
+    KvTensors t = decode[q]->tensors;
+    t.extras = extras.back().data();
+    t.extra_slots = kSlots;
+    t.extra_bytes = kExtraBytes;
+    receivers.push_back(std::make_unique<KvReceiver>(decode[q]->engine, decode[q]->l, t,
+                                                     KvRank{.group = 9, .tp = {2, q}, .total_heads = kHeads}));
+  }
+  for (uint32_t r = 0; r < 2; r++) {
+    prefill.push_back(std::make_unique<Rank>(layout(2, PageOrder::kTokenMajor, false), false));
+    extras.emplace_back(kSlots * kExtraBytes, 0);
+    for (uint64_t b = 0; b < kExtraBytes; b++) extras.back()[2 * kExtraBytes + b] = static_cast<uint8_t>(r * 100 + b % 97 + 1);
+    KvTensors t = prefill[r]->tensors;
+    t.extras = extras.back().data();
+    t.extra_slots = kSlots;
+    t.extra_bytes = kExtraBytes;
+    senders.push_back(std::make_unique<KvSender>(prefill[r]->engine, prefill[r]->l, t,
+                                                 KvRank{.group = 8, .tp = {2, r}, .total_heads = kHeads}));
+    for (auto& rc : receivers) senders[r]->add_decoder(rc->descriptor());
+  }
+  std::atomic<uint64_t> landed[2] = {0, 0};
+  std::atomic<int> done[2] = {kDonePending, kDonePending}, sent[2] = {kDonePending, kDonePending};
+  std::vector<uint8_t> msg;
+  for (uint32_t q = 0; q < 2; q++)
+    msg = receivers[q]->admit({.request = 21, .pages = {5, 6}, .prefill_size = 2, .extra_slot = 3,
+                               .timeout = std::chrono::seconds(60), .landed = &landed[q],
+                               .on_done = OnDone::flag(&done[q])});
+  for (uint32_t r = 0; r < 2; r++) {
+    senders[r]->begin({.admit = msg, .src_pages = {0, 1}, .extra_slot = 2, .on_sent = OnDone::flag(&sent[r])});
+    senders[r]->begin_forward({21});
+  }
+  // Layer 0, then layers 1 and 2 seen at once (the watcher coalesces): the extras are not yet computed.
+  for (auto& s : senders) s->trigger_reached(1);
+  for (auto& s : senders) s->trigger_reached(kLayers);
+  ASSERT_TRUE(wait_until([&] { return landed[0].load() == kLayers && landed[1].load() == kLayers; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(done[0].load(), kDonePending) << "the extras have not been sent";
+  EXPECT_EQ(std::count(extras[0].begin(), extras[0].end(), 0), static_cast<long>(extras[0].size()));
+  for (auto& s : senders) s->trigger_reached(kLayers + 1);
+  for (uint32_t q = 0; q < 2; q++) {
+    ASSERT_TRUE(wait_until([&] { return done[q].load() != kDonePending; }));
+    EXPECT_EQ(done[q].load(), kDoneSucceeded);
+    EXPECT_EQ(landed[q].load(), kLayers + 1u);
+    for (uint64_t b = 0; b < kSlots * kExtraBytes; b++) {
+      const uint8_t want = b / kExtraBytes == 3 ? static_cast<uint8_t>(b % kExtraBytes % 97 + 1) : 0;
+      ASSERT_EQ(extras[q][b], want) << "decode rank " << q << ", byte " << b << ": rank 0's slot 2 into slot 3";
+    }
+  }
+  for (uint32_t r = 0; r < 2; r++) {
+    ASSERT_TRUE(wait_until([&] { return sent[r].load() != kDonePending; }));
+    EXPECT_EQ(sent[r].load(), kDoneSucceeded);
+    EXPECT_EQ(senders[r]->in_flight(), 0u);
+  }
+  EXPECT_EQ(receivers[0]->in_flight(), 0u);
+}
+
+TEST(KvTransfer, RemovingADecodeGroupCancelsItsRequestsAndLeavesNoPeer) {
+  Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
+  KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
+  KvSender tx(p.engine, p.l, p.tensors, {.group = 2, .tp = {1, 0}, .total_heads = kHeads});
+  tx.add_decoder(rx.descriptor());
+  std::atomic<int> sent{kDonePending};
+  std::mutex mu;
+  std::string why;
+  auto msg = rx.admit({.request = 3, .pages = {0, 1}, .prefill_size = 1, .timeout = std::chrono::seconds(2)});
+  tx.begin({.admit = msg, .src_pages = {0, 1}, .on_sent = OnDone::callback([&](const Status& s) {
+              std::lock_guard l(mu);
+              why = s.message();
+              sent = s.ok() ? kDoneSucceeded : kDoneFailed;
+            })});
+  tx.layer_done(3, 0);
+  ASSERT_TRUE(wait_until([&] { return p.engine.peer_count() == 1; }));
+  EXPECT_TRUE(tx.remove_decoder(1));
+  ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
+  {
+    std::lock_guard l(mu);
+    EXPECT_NE(why.find("decode group 1 was removed"), std::string::npos) << why;
+  }
+  EXPECT_TRUE(wait_until([&] { return p.engine.peer_count() == 0; })) << "the decoder's peer went with it";
+  EXPECT_EQ(tx.in_flight(), 0u);
+  EXPECT_FALSE(tx.remove_decoder(1));
+  expect_error(ErrorCode::kNotFound, "never added", [&] { tx.begin({.admit = msg, .src_pages = {0, 1}}); });
+  expect_error(ErrorCode::kNotFound, "not begun", [&] { tx.layer_done(3, 1); });
 }
 
 TEST(KvTransfer, BadCallsAreRejectedWithAClearError) {
@@ -207,9 +336,9 @@ TEST(KvTransfer, BadCallsAreRejectedWithAClearError) {
   expect_error(ErrorCode::kInvalidArgument, "already in flight", [&] {
     rx.admit({.request = 2, .pages = {0}, .prefill_size = 1, .timeout = {}, .on_layer = {}, .on_done = {}});
   });
-  expect_error(ErrorCode::kNotFound, "never added", [&] { tx.begin(msg, {0}, OnDone::none()); });
+  expect_error(ErrorCode::kNotFound, "never added", [&] { tx.begin({.admit = msg, .src_pages = {0}}); });
   tx.add_decoder(rx.descriptor());
-  tx.begin(msg, {0}, OnDone::none());
+  tx.begin({.admit = msg, .src_pages = {0}});
   tx.layer_done(2, 0);
   expect_error(ErrorCode::kInvalidArgument, "already sent", [&] { tx.layer_done(2, 0); });
   expect_error(ErrorCode::kOutOfBounds, "layer 9", [&] { tx.layer_done(2, 9); });
@@ -217,6 +346,14 @@ TEST(KvTransfer, BadCallsAreRejectedWithAClearError) {
   Rank other(layout(1, PageOrder::kHeadMajor, false), false);
   KvReceiver wrong(other.engine, other.l, other.tensors, {.group = 4, .tp = {1, 0}, .total_heads = kHeads});
   expect_error(ErrorCode::kInvalidArgument, "page order", [&] { tx.add_decoder(wrong.descriptor()); });
+  expect_error(ErrorCode::kInvalidArgument, "extra slot 0 of 0", [&] {
+    rx.admit({.request = 6, .pages = {0}, .prefill_size = 1, .extra_slot = 0});
+  });
+  expect_error(ErrorCode::kInvalidArgument, "extras need", [&] {
+    KvTensors t = d.tensors;
+    t.extra_slots = 2;
+    KvReceiver bad(d.engine, d.l, t, {.group = 5, .tp = {1, 0}, .total_heads = kHeads});
+  });
   expect_error(ErrorCode::kMalformed, "KV descriptor", [&] {
     std::vector<uint8_t> junk{1, 2, 3};
     tx.add_decoder(junk);

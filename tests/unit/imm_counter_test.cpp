@@ -23,6 +23,25 @@ TEST(ImmCounter, EarlyArrivalsCountTowardLaterExpectation) {
   EXPECT_EQ(c.count(7), 0u);
 }
 
+TEST(ImmCounter, DiscardDropsWhatIsCountedAndKeepsTheWaiting) {
+  Counter c(/*max_stray=*/1);
+  std::vector<int> met;
+  for (int i = 0; i < 3; i++) c.arrive(4, met);
+  EXPECT_EQ(c.strays(), 1u);
+  EXPECT_EQ(c.discard(4), 3u);
+  EXPECT_EQ(c.count(4), 0u);
+  EXPECT_EQ(c.strays(), 0u) << "a discarded stray frees its place";
+  EXPECT_TRUE(c.arrive(5, met)) << "so another immediate may be counted";
+  EXPECT_EQ(c.discard(99), 0u);
+  c.expect(6, 2, static_cast<uint64_t>(1), 1, met);
+  c.arrive(6, met);
+  EXPECT_EQ(c.discard(6), 1u);
+  c.arrive(6, met);
+  EXPECT_TRUE(met.empty()) << "the expectation counts from zero again";
+  c.arrive(6, met);
+  EXPECT_EQ(met, std::vector<int>{1});
+}
+
 TEST(ImmCounter, ExpectationMetOnTheExactArrival) {
   Counter c;
   std::vector<int> met;

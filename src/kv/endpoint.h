@@ -1,0 +1,44 @@
+// What KvReceiver and KvSender share: the checks of a rank's layout and memory, and its K, V and
+// extras regions, registered once for the endpoint's life.
+#pragma once
+
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "fabric/kv_transfer.h"
+#include "kv/wire.h"
+
+namespace fabric::kv {
+
+// Throws kInvalidArgument naming what is wrong.
+void check_layout(const KvLayout& l, const KvTensors& t, const KvRank& rank);
+
+struct Registered {
+  TransferEngine& engine;
+  std::vector<MrHandle> k, v;
+  std::vector<MrDesc> k_desc, v_desc;
+  std::optional<MrHandle> extras;
+  std::optional<MrDesc> extras_desc;
+  Registered(TransferEngine& e, const KvLayout& l, const KvTensors& t);
+  ~Registered();
+  Registered(const Registered&) = delete;
+  Registered& operator=(const Registered&) = delete;
+
+ private:
+  void release();
+};
+
+struct Endpoint {
+  TransferEngine& engine;
+  KvLayout layout;
+  KvTensors tensors;
+  KvRank rank;
+  Registered regions;
+  mutable std::mutex mu;
+  Endpoint(TransferEngine& e, KvLayout l, KvTensors t, KvRank r)
+      : engine(e), layout(l), tensors(std::move(t)), rank(r), regions(e, layout, tensors) {}
+  wire::Descriptor descriptor() const;
+};
+
+}  // namespace fabric::kv

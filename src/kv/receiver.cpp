@@ -1,0 +1,155 @@
+// KvReceiver: a decode rank admits requests into the pages its caller allocated and counts each
+// layer's (and the extras') immediates, whatever their order.
+#include <fmt/format.h>
+
+#include <map>
+#include <set>
+
+#include "kv/endpoint.h"
+
+namespace fabric::kv {
+
+using Clock = std::chrono::steady_clock;
+
+struct KvReceiver::State : Endpoint {
+  State(TransferEngine& e, KvLayout l, KvTensors t, KvRank r, KvReceiverOptions o)
+      : Endpoint(e, l, std::move(t), r), options(o) {}
+  KvReceiverOptions options;
+  std::set<uint64_t> in_flight;                // request tags
+  std::map<uint64_t, Clock::time_point> retired;  // failed tags, until their late WRITEs can no longer land
+
+  // Takes `tag` for a new request, or throws. A retired tag whose window has passed is taken after
+  // its late immediates are discarded.
+  void take_tag(uint64_t request, uint64_t tag, bool extras) {
+    bool discard = false;
+    {
+      std::lock_guard l(mu);
+      if (in_flight.count(tag))
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("KvReceiver::admit: request {} (tag {}) is already in flight", request, tag));
+      auto r = retired.find(tag);
+      if (r != retired.end()) {
+        const auto now = Clock::now();
+        if (now < r->second)
+          throw Error(ErrorCode::kInvalidArgument,
+                      fmt::format("KvReceiver::admit: request tag {} failed and may still receive its late WRITEs "
+                                  "for {} ms: admit the request under another id",
+                                  tag, std::chrono::duration_cast<std::chrono::milliseconds>(r->second - now).count()));
+        retired.erase(r);
+        discard = true;
+      }
+      in_flight.insert(tag);
+    }
+    if (discard) {
+      for (uint32_t layer = 0; layer < layout.num_layers; layer++) engine.discard_imm_count(layer_imm(tag, layer));
+      if (extras) engine.discard_imm_count(layer_imm(tag, kExtrasLayer));
+    }
+  }
+};
+
+KvReceiver::KvReceiver(TransferEngine& engine, KvLayout layout, KvTensors tensors, KvRank rank,
+                       KvReceiverOptions options) {
+  check_layout(layout, tensors, rank);
+  state_ = std::make_shared<State>(engine, layout, std::move(tensors), rank, options);
+}
+
+KvReceiver::~KvReceiver() = default;
+
+std::vector<uint8_t> KvReceiver::descriptor() const { return wire::encode(state_->descriptor()); }
+
+size_t KvReceiver::in_flight() const {
+  std::lock_guard l(state_->mu);
+  return state_->in_flight.size();
+}
+
+std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
+  State& s = *state_;
+  for (uint32_t p : a.pages)
+    if (p >= s.layout.num_pages)
+      throw Error(ErrorCode::kOutOfBounds, fmt::format("KvReceiver::admit: page {} of {}", p, s.layout.num_pages));
+  if (a.prefill_size == 0 || s.rank.total_heads % a.prefill_size != 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("KvReceiver::admit: {} heads do not split over a prefill TP of {}",
+                            s.rank.total_heads, a.prefill_size));
+  if (a.extra_slot && *a.extra_slot >= s.tensors.extra_slots)
+    throw Error(s.tensors.extra_slots ? ErrorCode::kOutOfBounds : ErrorCode::kInvalidArgument,
+                fmt::format("KvReceiver::admit: extra slot {} of {}", *a.extra_slot, s.tensors.extra_slots));
+  const uint64_t tag = a.request & 0xFFFFFF;
+  const bool extras = a.extra_slot.has_value();
+  s.take_tag(a.request, tag, extras);
+
+  KvLayout prefill = s.layout;
+  prefill.kv_heads = s.rank.total_heads / a.prefill_size;
+  prefill.page_stride = 0;  // the counts depend only on the page order and the TP sizes
+  const uint64_t per_layer =
+      layer_writes_into(prefill, s.rank.total_heads, a.prefill_size, s.rank.tp, static_cast<uint32_t>(a.pages.size()));
+
+  // One expectation per layer (and one for the extras); the first failure ends the request and
+  // cancels the rest.
+  struct Request {
+    std::atomic<uint32_t> left;
+    std::atomic<bool> ended{false};
+    std::vector<ImmExpectation> expectations;
+    std::mutex mu;  // expectations, while they are being armed
+    std::function<void(uint32_t)> on_layer;
+    std::atomic<uint64_t>* landed;
+    OnDone on_done;
+    explicit Request(uint32_t n) : left(n) {}
+  };
+  const uint32_t steps = s.layout.num_layers + (extras ? 1 : 0);
+  auto req = std::make_shared<Request>(steps);
+  req->on_layer = std::move(a.on_layer);
+  req->landed = a.landed;
+  req->on_done = std::move(a.on_done);
+  std::weak_ptr<State> weak = state_;
+  const auto late_writes = s.options.late_writes;
+  auto finish = [weak, req, tag, late_writes](const Status& status) {
+    if (req->ended.exchange(true)) return;
+    if (auto st = weak.lock()) {
+      if (!status.ok()) {
+        std::lock_guard l(req->mu);
+        for (const ImmExpectation& e : req->expectations) st->engine.cancel_imm_expectation(e);
+      }
+      std::lock_guard l(st->mu);
+      st->in_flight.erase(tag);
+      if (!status.ok()) st->retired[tag] = Clock::now() + late_writes;
+    }
+    req->on_done.fire(status);
+  };
+  auto step_landed = [req, finish](uint32_t layer) {
+    return OnDone::callback([req, finish, layer](const Status& st) {
+      if (!st.ok()) {
+        finish(Status(st.code(), layer == kExtrasLayer
+                                     ? fmt::format("KV request: the extras did not land: {}", st.message())
+                                     : fmt::format("KV request: layer {} did not land: {}", layer, st.message())));
+        return;
+      }
+      if (req->landed) req->landed->fetch_add(1, std::memory_order_release);
+      if (layer != kExtrasLayer && req->on_layer && !req->ended.load()) req->on_layer(layer);
+      if (req->left.fetch_sub(1) == 1) finish(Status{});
+    });
+  };
+  const ExpectOptions opts{.timeout = a.timeout, .device = s.tensors.device};
+  try {
+    std::lock_guard armed(req->mu);
+    for (uint32_t layer = 0; layer < s.layout.num_layers; layer++)
+      req->expectations.push_back(
+          s.engine.expect_imm_count(layer_imm(a.request, layer), per_layer, step_landed(layer), opts));
+    if (extras)  // one page from prefill rank 0
+      req->expectations.push_back(
+          s.engine.expect_imm_count(layer_imm(a.request, kExtrasLayer), 1, step_landed(kExtrasLayer), opts));
+  } catch (...) {  // the engine refused (shut down): nothing of the request stays armed
+    req->ended = true;
+    for (const ImmExpectation& e : req->expectations) s.engine.cancel_imm_expectation(e);
+    std::lock_guard l(s.mu);
+    s.in_flight.erase(tag);
+    throw;
+  }
+  return wire::encode(wire::Admit{.group = s.rank.group,
+                                  .request = a.request,
+                                  .prefill_size = a.prefill_size,
+                                  .extra_slot = a.extra_slot,
+                                  .pages = std::move(a.pages)});
+}
+
+}  // namespace fabric::kv
