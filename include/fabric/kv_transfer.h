@@ -70,6 +70,15 @@ struct KvAdmit {
   OnDone on_done{};  // every layer and the extras landed, or the first error (a timeout names the layer)
 };
 
+// What an admit message says, for a prefill scheduler that picks its source pages before begin.
+struct KvAdmitInfo {
+  uint64_t group = 0, request = 0;
+  uint32_t prefill_size = 0;
+  std::optional<uint32_t> extra_slot{};
+  std::vector<uint32_t> pages{};
+};
+KvAdmitInfo read_admit(std::span<const uint8_t> admit);  // throws kMalformed
+
 struct KvReceiverOptions {
   // How long a failed request's tag stays retired: the longest a prefill rank may still write it
   // (its engine's transfer timeout, with margin).

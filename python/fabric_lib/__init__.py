@@ -15,11 +15,13 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
+from . import _fabric_lib as _c
 from ._fabric_lib import (
     DoneCounter,
     DoneFlag,
     Engine as _Engine,
     FabricError,
+    GpuCounter,
     GroupSlice,
     ImmExpectation,
     MrDesc,
@@ -36,16 +38,19 @@ from ._fabric_lib import (
     TopoNic,
     TopoNumaNode,
     Topology,
+    UvmWatcher,
     detect_topology,
+    gpu_stream_wait,
     remove_shm_endpoints_of,
     single_write_imm_count,
 )
 
 __all__ = [
-    "DoneCounter", "DoneFlag", "FabricError", "GroupSlice", "ImmExpectation", "MrDesc", "MrHandle",
-    "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr", "ScatterSlice",
-    "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine", "detect_topology",
-    "remove_shm_endpoints_of", "single_write_imm_count",
+    "DoneCounter", "DoneFlag", "FabricError", "GpuCounter", "GroupSlice", "ImmExpectation", "MrDesc",
+    "MrHandle", "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr",
+    "ScatterSlice", "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine",
+    "UvmWatcher", "detect_topology", "gpu_stream_wait", "remove_shm_endpoints_of",
+    "single_write_imm_count",
 ]
 
 # Wherever a destination is expected: an interned region, or a descriptor that the call interns
@@ -154,6 +159,25 @@ class TransferEngine(_Engine):
     def dereg_mr(self, handle: MrHandle) -> None:
         super().dereg_mr(handle)
         self._registered.pop(handle, None)
+
+    # ---- GPU signals (CUDA builds, an engine with cuda_device) ----
+
+    def alloc_uvm_watcher(self, callback: Any, cuda_device: Optional[int] = None) -> UvmWatcher:
+        """A word of pinned, device-mapped memory: kernels (also in CUDA graphs) write it at
+        watcher.device_ptr; callback(old, new) runs on the engine's watcher thread, under the GIL,
+        on every change it sees (fast changes may coalesce)."""
+        return _c.alloc_uvm_watcher(self, callback, cuda_device)
+
+    def free_uvm_watcher(self, watcher: UvmWatcher) -> None:
+        _c.free_uvm_watcher(self, watcher)
+
+    def alloc_gpu_counter(self, cuda_device: Optional[int] = None) -> GpuCounter:
+        """A completion counter: pass it as on_done (it counts successes) or as a KV request's
+        `landed`; kernels wait on counter.device_ptr, streams with gpu_stream_wait."""
+        return _c.alloc_gpu_counter(self, cuda_device)
+
+    def free_gpu_counter(self, counter: GpuCounter) -> None:
+        _c.free_gpu_counter(self, counter)
 
     # ---- asyncio ----
 

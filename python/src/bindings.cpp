@@ -20,90 +20,15 @@
 
 #include "fabric/fabric.h"
 #include "fabric/topology.h"
+#include "py_support.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 using namespace fabric;
+using namespace fabric::py;
 
 namespace {
 
-// A Python object captured by the engine. Its reference is dropped with the GIL held: by the
-// callback that used it (OnDone callables fire once), or here, taking the GIL, by whoever destroys
-// the capture (a rejected submit's caller; the closing thread for receive callbacks). Never by the
-// worker: it only moves callables to the callback thread and never destroys a non-empty one.
-struct PyRef {
-  nb::object obj;
-  explicit PyRef(nb::object o) : obj(std::move(o)) {}
-  ~PyRef() {
-    if (!obj.is_valid() || !Py_IsInitialized()) return;
-    nb::gil_scoped_acquire gil;
-    obj = nb::object();
-  }
-};
-
-// Completion state set by the worker itself. The atomics live in C++-allocated storage shared with
-// the engine through OnDone::keep_alive, so the worker's drop of its reference is a plain C++
-// release. (Keeping the Python object alive instead, through nanobind's shared_ptr caster, makes
-// the worker take the GIL to drop it: every completion would wait for whichever Python thread
-// holds the GIL, stalling every NIC.)
-struct DoneFlag {
-  std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(kDonePending);
-};
-struct DoneCounter {
-  struct Counts {
-    std::atomic<uint64_t> done{0}, failed{0};
-  };
-  std::shared_ptr<Counts> counts = std::make_shared<Counts>();
-};
-
-// A str for text that may not be UTF-8 (provider messages): undecodable bytes become \xNN escapes,
-// so reading a message never raises UnicodeDecodeError.
-nb::str to_py_str(std::string_view s) {
-  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
-  if (!o) throw nb::python_error();
-  return nb::steal<nb::str>(o);
-}
-
-// Waits with the GIL released; returns false on timeout (None: wait forever).
-template <class Pred>
-bool wait_released(Pred done, std::optional<double> timeout_s) {
-  nb::gil_scoped_release release;
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(timeout_s.value_or(1e9)));
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  return true;
-}
-
-// None, a DoneFlag, a DoneCounter, or a callable taking a Status.
-OnDone make_on_done(nb::handle on_done) {
-  if (on_done.is_none()) return OnDone::none();
-  if (nb::isinstance<DoneFlag>(on_done)) {
-    std::shared_ptr<std::atomic<int>> state = nb::cast<DoneFlag&>(on_done).state;
-    OnDone d = OnDone::flag(state.get());
-    return std::move(d).keep_alive(std::move(state));
-  }
-  if (nb::isinstance<DoneCounter>(on_done)) {
-    std::shared_ptr<DoneCounter::Counts> c = nb::cast<DoneCounter&>(on_done).counts;
-    OnDone d = OnDone::counter(&c->done, &c->failed);
-    return std::move(d).keep_alive(std::move(c));
-  }
-  if (!PyCallable_Check(on_done.ptr()))
-    throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
-  auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
-  return OnDone::callback([ref](const Status& status) {
-    nb::gil_scoped_acquire gil;
-    try {
-      ref->obj(status);
-    } catch (nb::python_error& e) {
-      e.discard_as_unraisable("in a fabric_lib completion callback");
-    }
-    ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
-  });
-}
 
 // Pages as Python holds them: the object owns its indices (fabric::Pages is a view, read during
 // submit only), and lends a fabric::Pages over them at submit time.
@@ -207,34 +132,6 @@ std::span<const uint8_t> as_span(const nb::bytes& b) {
   return {reinterpret_cast<const uint8_t*>(b.c_str()), b.size()};
 }
 
-// The engine as Python sees it: closable, and never destroyed while holding the GIL (its threads
-// may need the GIL to finish running callbacks).
-class PyEngine {
- public:
-  explicit PyEngine(EngineConfig config) {
-    nb::gil_scoped_release release;
-    engine_ = std::make_unique<TransferEngine>(std::move(config));
-  }
-  ~PyEngine() { close(); }
-
-  void close() {
-    if (!engine_) return;
-    if (PyGILState_Check()) {
-      nb::gil_scoped_release release;
-      engine_.reset();
-    } else {
-      engine_.reset();
-    }
-  }
-  TransferEngine& get() {
-    if (!engine_) throw Error(ErrorCode::kShutdown, "the engine is closed");
-    return *engine_;
-  }
-  bool closed() const { return !engine_; }
-
- private:
-  std::unique_ptr<TransferEngine> engine_;
-};
 
 // The device a barrier goes out from: that GPU's worker, else the first.
 Device gpu_or_host(std::optional<int> cuda_device) {
@@ -786,5 +683,15 @@ NB_MODULE(_fabric_lib, m) {
            nb::kw_only(), "group"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
            "cuda_device"_a = nb::none(),
            "One zero-byte WRITE carrying imm to every member of the group.")
-      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); });
+      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); })
+      .def("discard_imm_count",
+           [](PyEngine& e, uint32_t imm) {
+             TransferEngine& eng = e.get();
+             nb::gil_scoped_release release;
+             return eng.discard_imm_count(imm);
+           },
+           "imm"_a, "Drops the arrivals of imm counted and not consumed; returns how many.");
+
+  bind_gpu_signals(m);
+  bind_kv(m);
 }

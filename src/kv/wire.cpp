@@ -122,3 +122,13 @@ Admit parse_admit(std::span<const uint8_t> bytes) {
 }
 
 }  // namespace fabric::kv::wire
+
+namespace fabric::kv {
+
+KvAdmitInfo read_admit(std::span<const uint8_t> admit) {
+  wire::Admit a = wire::parse_admit(admit);
+  return {.group = a.group, .request = a.request, .prefill_size = a.prefill_size, .extra_slot = a.extra_slot,
+          .pages = std::move(a.pages)};
+}
+
+}  // namespace fabric::kv

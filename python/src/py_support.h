@@ -1,0 +1,145 @@
+// What the binding files share: Python objects captured by the engine, completion objects, and the
+// engine as Python holds it.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "fabric/fabric.h"
+
+namespace fabric::py {
+
+namespace nb = nanobind;
+
+// Something built on an engine that must be released before the engine closes.
+struct Closable {
+  virtual ~Closable() = default;
+  virtual void close() = 0;
+};
+
+// A Python object captured by the engine. Its reference is dropped with the GIL held: by the
+// callback that used it (OnDone callables fire once), or here, taking the GIL, by whoever destroys
+// the capture (a rejected submit's caller; the closing thread for receive callbacks). Never by the
+// worker: it only moves callables to the callback thread and never destroys a non-empty one.
+struct PyRef {
+  nb::object obj;
+  explicit PyRef(nb::object o) : obj(std::move(o)) {}
+  ~PyRef() {
+    if (!obj.is_valid() || !Py_IsInitialized()) return;
+    nb::gil_scoped_acquire gil;
+    obj = nb::object();
+  }
+};
+
+// Completion state set by the worker itself. The atomics live in C++-allocated storage shared with
+// the engine through OnDone::keep_alive, so the worker's drop of its reference is a plain C++
+// release. (Keeping the Python object alive instead, through nanobind's shared_ptr caster, makes
+// the worker take the GIL to drop it: every completion would wait for whichever Python thread
+// holds the GIL, stalling every NIC.)
+struct DoneFlag {
+  std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(kDonePending);
+};
+struct DoneCounter {
+  struct Counts {
+    std::atomic<uint64_t> done{0}, failed{0};
+  };
+  std::shared_ptr<Counts> counts = std::make_shared<Counts>();
+};
+
+// A str for text that may not be UTF-8 (provider messages): undecodable bytes become \xNN escapes,
+// so reading a message never raises UnicodeDecodeError.
+inline nb::str to_py_str(std::string_view s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (!o) throw nb::python_error();
+  return nb::steal<nb::str>(o);
+}
+
+// Waits with the GIL released; returns false on timeout (None: wait forever).
+template <class Pred>
+inline bool wait_released(Pred done, std::optional<double> timeout_s) {
+  nb::gil_scoped_release release;
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(timeout_s.value_or(1e9)));
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return true;
+}
+
+// None, a DoneFlag, a DoneCounter, a GpuCounter (counts successes), or a callable taking a Status.
+inline OnDone make_on_done(nb::handle on_done) {
+  if (on_done.is_none()) return OnDone::none();
+  if (nb::isinstance<DoneFlag>(on_done)) {
+    std::shared_ptr<std::atomic<int>> state = nb::cast<DoneFlag&>(on_done).state;
+    OnDone d = OnDone::flag(state.get());
+    return std::move(d).keep_alive(std::move(state));
+  }
+  if (nb::isinstance<DoneCounter>(on_done)) {
+    std::shared_ptr<DoneCounter::Counts> c = nb::cast<DoneCounter&>(on_done).counts;
+    OnDone d = OnDone::counter(&c->done, &c->failed);
+    return std::move(d).keep_alive(std::move(c));
+  }
+  if (nb::isinstance<GpuCounter>(on_done)) return OnDone::counter(nb::cast<const GpuCounter&>(on_done).host);
+  if (!PyCallable_Check(on_done.ptr()))
+    throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
+  auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
+  return OnDone::callback([ref](const Status& status) {
+    nb::gil_scoped_acquire gil;
+    try {
+      ref->obj(status);
+    } catch (nb::python_error& e) {
+      e.discard_as_unraisable("in a fabric_lib completion callback");
+    }
+    ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
+  });
+}
+
+// The engine as Python sees it: closable, and never destroyed while holding the GIL (its threads
+// may need the GIL to finish running callbacks).
+class PyEngine {
+ public:
+  explicit PyEngine(EngineConfig config) {
+    nb::gil_scoped_release release;
+    engine_ = std::make_unique<TransferEngine>(std::move(config));
+  }
+  ~PyEngine() { close(); }
+
+  // Objects built on the engine (KV endpoints) that must go before it: closed first, in reverse.
+  void add_dependent(std::weak_ptr<Closable> d) { dependents_.push_back(std::move(d)); }
+
+  void close() {
+    if (!engine_) return;
+    for (auto it = dependents_.rbegin(); it != dependents_.rend(); ++it)
+      if (auto d = it->lock()) d->close();
+    dependents_.clear();
+    if (PyGILState_Check()) {
+      nb::gil_scoped_release release;
+      engine_.reset();
+    } else {
+      engine_.reset();
+    }
+  }
+  TransferEngine& get() {
+    if (!engine_) throw Error(ErrorCode::kShutdown, "the engine is closed");
+    return *engine_;
+  }
+  bool closed() const { return !engine_; }
+
+ private:
+  std::unique_ptr<TransferEngine> engine_;
+  std::vector<std::weak_ptr<Closable>> dependents_;
+};
+
+void bind_kv(nb::module_& m);  // kv_bindings.cpp
+void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp
+
+}  // namespace fabric::py
