@@ -2,6 +2,8 @@
 BUILD ?= build
 DEB_PACKAGES := cmake ninja-build g++ pkg-config libfabric-dev libfabric-bin libfmt-dev \
                 libcli11-dev libgtest-dev googletest libibverbs-dev ibverbs-providers
+# Only the Python tests need these (tests/python/conftest.py's etcd_endpoint fixture runs etcd).
+PY_TEST_PACKAGES := etcd-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps build demo test test-python clean format
@@ -62,6 +64,9 @@ bench-rxe: build
 
 # The Python package, built and installed the way a user does it (pip install .), then pytest.
 test-python: deps
+	@dpkg -s $(PY_TEST_PACKAGES) >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(PY_TEST_PACKAGES); }
 	python3 -m pip install --quiet ".[test]"
 	python3 -m pytest -v tests/python
 

@@ -29,3 +29,83 @@ def peer():
         if p.is_alive():
             p.kill()
             pytest.fail("a peer process did not finish")
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _find_etcd():
+    """The etcd binary (Debian package etcd-server), installed once if missing and we are root."""
+    import shutil
+    import subprocess
+
+    if shutil.which("etcd") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        install = ["apt-get", "install", "-y", "-qq", "etcd-server"]
+        # A fresh image has no package lists yet: update once, only when the plain install fails.
+        if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
+            subprocess.run(install, env=env, capture_output=True, timeout=600)
+    return shutil.which("etcd")
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoint(tmp_path_factory):
+    """A private etcd on loopback (free ports, its own data dir); yields its client URL,
+    e.g. "http://127.0.0.1:40123". Skips when no etcd binary can be had."""
+    import platform
+    import subprocess
+    import time
+    import urllib.request
+
+    etcd = _find_etcd()
+    if etcd is None:
+        pytest.skip("no etcd binary (Debian package etcd-server; `make test-python` installs it)")
+    env = dict(os.environ)
+    if platform.machine() in ("aarch64", "arm64"):
+        env["ETCD_UNSUPPORTED_ARCH"] = "arm64"  # etcd 3.4 refuses to start on arm64 without it
+    for attempt in range(3):  # a free port can be taken by someone else before etcd binds it
+        client, peer_port = _free_port(), _free_port()
+        data = tmp_path_factory.mktemp("etcd")
+        url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer_port}"
+        log = open(data / "etcd.log", "wb")
+        proc = subprocess.Popen(
+            [etcd, "--name", "fabric-test", "--data-dir", str(data / "data"),
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"fabric-test={peer_url}", "--initial-cluster-state", "new"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 20
+        healthy = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if b'"true"' in r.read():
+                        healthy = True
+                        break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        if healthy:
+            break
+        proc.kill()
+        proc.wait()
+        log.close()
+        tail = (data / "etcd.log").read_text(errors="replace")[-2000:]
+        if attempt == 2:
+            pytest.fail(f"etcd did not become healthy on {url} within 20 s; log tail:\n{tail}")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
