@@ -8,7 +8,8 @@
 //   end of prefill: the same request sent only after the last layer (every layer_done at once),
 //     from the first layer_done to complete;
 //   post: CPU time of one layer_done (K and V paged writes of all the layer's pages).
-// Every byte of the decode rank's pages is checked after each mode.
+// Every byte of the decode rank's pages is checked after each mode. With --cuda-device (CUDA
+// builds) both caches are in that GPU's memory and the layers go through cuda_ipc.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -17,9 +18,13 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "fabric/kv_transfer.h"
+#ifdef FABRIC_KV_BENCH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 using namespace fabric;
 using namespace fabric::kv;
@@ -35,6 +40,7 @@ struct Options {
   uint32_t head_dim = 128;
   double compute_us = 1000;
   bool busy = false;
+  int cuda_device = -1;  // -1: host memory
 };
 
 double us_since(Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); }
@@ -45,16 +51,60 @@ void spin_for(double us) {
   }
 }
 
+// One rank's cache: per layer K then V, in host memory or on a GPU.
 struct Side {
   TransferEngine engine;
-  std::vector<std::vector<uint8_t>> mem;  // per layer: K then V
+  int gpu;
+  std::vector<std::vector<uint8_t>> mem;  // host: per layer K then V
+  std::vector<void*> gpu_mem;             // GPU: the same, one allocation per layer
   KvTensors tensors;
-  Side(const EngineConfig& c, const KvLayout& l) : engine(c) {
+  uint64_t layer_bytes;
+  Side(const EngineConfig& c, const KvLayout& l, int gpu_) : engine(c), gpu(gpu_), layer_bytes(2 * l.tensor_bytes()) {
     for (uint32_t i = 0; i < l.num_layers; i++) {
-      mem.emplace_back(2 * l.tensor_bytes(), 0);
-      tensors.k.push_back(mem.back().data());
-      tensors.v.push_back(mem.back().data() + l.tensor_bytes());
+      uint8_t* base = nullptr;
+      if (gpu < 0) {
+        mem.emplace_back(layer_bytes, 0);
+        base = mem.back().data();
+      } else {
+#ifdef FABRIC_KV_BENCH_CUDA
+        void* p = nullptr;
+        if (cudaSetDevice(gpu) != cudaSuccess || cudaMalloc(&p, layer_bytes) != cudaSuccess)
+          throw std::runtime_error("cudaMalloc failed");
+        gpu_mem.push_back(p);
+        base = static_cast<uint8_t*>(p);
+#endif
+      }
+      tensors.k.push_back(base);
+      tensors.v.push_back(base + l.tensor_bytes());
     }
+    if (gpu >= 0) tensors.device = Device::cuda(gpu);
+  }
+  ~Side() {
+#ifdef FABRIC_KV_BENCH_CUDA
+    for (void* p : gpu_mem) cudaFree(p);
+#endif
+  }
+  void set(uint32_t layer, uint8_t fill_seed) {
+    std::vector<uint8_t> bytes(layer_bytes);
+    for (uint64_t b = 0; b < layer_bytes; b++) bytes[b] = static_cast<uint8_t>(b * 31 + layer * 7 + fill_seed);
+    put(layer, bytes);
+  }
+  void put(uint32_t layer, const std::vector<uint8_t>& bytes) {
+    if (gpu < 0) {
+      mem[layer] = bytes;
+      return;
+    }
+#ifdef FABRIC_KV_BENCH_CUDA
+    cudaMemcpy(gpu_mem[layer], bytes.data(), layer_bytes, cudaMemcpyDefault);
+#endif
+  }
+  std::vector<uint8_t> get(uint32_t layer) const {
+    if (gpu < 0) return mem[layer];
+    std::vector<uint8_t> out(layer_bytes);
+#ifdef FABRIC_KV_BENCH_CUDA
+    cudaMemcpy(out.data(), gpu_mem[layer], layer_bytes, cudaMemcpyDefault);
+#endif
+    return out;
   }
 };
 
@@ -71,10 +121,11 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
     src[i] = i;
     dst[i] = pages - 1 - i;  // a different page order on the decode side
   }
-  for (auto& m : decode.mem) std::fill(m.begin(), m.end(), 0);
-  for (uint32_t layer = 0; layer < l.num_layers; layer++)
-    for (size_t b = 0; b < prefill.mem[layer].size(); b++)
-      prefill.mem[layer][b] = static_cast<uint8_t>(1 + (request * 7 + layer * 13 + b) % 251);
+  const std::vector<uint8_t> zeros(decode.layer_bytes, 0);
+  for (uint32_t layer = 0; layer < l.num_layers; layer++) {
+    decode.put(layer, zeros);
+    prefill.set(layer, static_cast<uint8_t>(request));
+  }
 
   std::mutex mu;
   std::vector<Clock::time_point> sent_at(l.num_layers), landed_at(l.num_layers);
@@ -125,11 +176,13 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
   std::sort(post_us.begin(), post_us.end());
   r.post_us = post_us[post_us.size() / 2];
   r.verified = done.load() == kDoneSucceeded && sent.load() == kDoneSucceeded;
-  for (uint32_t layer = 0; layer < l.num_layers && r.verified; layer++)
+  for (uint32_t layer = 0; layer < l.num_layers && r.verified; layer++) {
+    const std::vector<uint8_t> got = decode.get(layer), sent_bytes = prefill.get(layer);
     for (uint64_t tensor : {uint64_t{0}, l.tensor_bytes()})
       for (uint32_t i = 0; i < pages; i++)
-        r.verified &= std::memcmp(decode.mem[layer].data() + tensor + dst[i] * l.page_bytes(),
-                                  prefill.mem[layer].data() + tensor + src[i] * l.page_bytes(), l.page_bytes()) == 0;
+        r.verified &= std::memcmp(got.data() + tensor + dst[i] * l.page_bytes(),
+                                  sent_bytes.data() + tensor + src[i] * l.page_bytes(), l.page_bytes()) == 0;
+  }
   return r;
 }
 
@@ -145,6 +198,9 @@ int main(int argc, char** argv) {
   app.add_option("--head-dim", o.head_dim, "bytes per token = head_dim x 2 (one KV head, bf16)")->check(CLI::Range(1, 4096));
   app.add_option("--compute-us", o.compute_us, "simulated compute per layer");
   app.add_flag("--busy", o.busy, "busy-poll the workers (a core each)");
+#ifdef FABRIC_KV_BENCH_CUDA
+  app.add_option("--cuda-device", o.cuda_device, "caches on this GPU, layers through cuda_ipc");
+#endif
   CLI11_PARSE(app, argc, argv);
 
   const uint32_t pages = (o.tokens + o.page_tokens - 1) / o.page_tokens;
@@ -155,8 +211,12 @@ int main(int argc, char** argv) {
   c.nics = {o.provider == "shm" ? NicConfig{} : NicConfig{"", "127.0.0.1"}};
   c.worker_poll = o.busy ? PollMode::kBusy : PollMode::kAdaptive;
   c.transfer_timeout = std::chrono::seconds(120);
+  if (o.cuda_device >= 0) {
+    c.cuda_device = o.cuda_device;
+    c.cuda_ipc = true;
+  }
   try {
-    Side prefill(c, l), decode(c, l);
+    Side prefill(c, l, o.cuda_device), decode(c, l, o.cuda_device);
     KvReceiver rx(decode.engine, l, decode.tensors, {.group = 1, .tp = {1, 0}, .total_heads = 1});
     KvSender tx(prefill.engine, l, prefill.tensors, {.group = 2, .tp = {1, 0}, .total_heads = 1});
     tx.add_decoder(rx.descriptor());
@@ -164,9 +224,10 @@ int main(int argc, char** argv) {
     Result by_layer = run_mode(o, l, prefill, decode, tx, rx, 2, true);
     Result at_end = run_mode(o, l, prefill, decode, tx, rx, 3, false);
     const double mib = 2.0 * pages * l.page_bytes() / 1048576.0;
-    fmt::print("fabric-kv-bench: {} ({} polling), {} layers, {} tokens = {} pages of {} KiB per tensor, "
+    fmt::print("fabric-kv-bench: {}{} ({} polling), {} layers, {} tokens = {} pages of {} KiB per tensor, "
                "K+V {:.1f} MiB per layer, compute {:.0f} us per layer\n",
-               o.provider, o.busy ? "busy" : "adaptive", l.num_layers, o.tokens, pages, l.page_bytes() / 1024, mib,
+               o.provider, o.cuda_device >= 0 ? fmt::format(" + cuda_ipc, GPU {}", o.cuda_device) : "",
+               o.busy ? "busy" : "adaptive", l.num_layers, o.tokens, pages, l.page_bytes() / 1024, mib,
                o.compute_us);
     fmt::print("layer by layer: per-layer transfer p50 {:.3f} ms, max {:.3f} ms; exposed after the last layer "
                "{:.3f} ms; post {:.1f} us per layer; verified {}\n",

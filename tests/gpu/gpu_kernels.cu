@@ -89,6 +89,29 @@ __global__ void wait_then_sum(const volatile uint64_t* counter, uint64_t target,
 
 __global__ void sum(const uint8_t* data, uint64_t len, unsigned long long* out) { sum_words(data, len, out); }
 
+__global__ void spin_ns(uint64_t ns) {
+  uint64_t t0 = global_ns();
+  while (global_ns() - t0 < ns) {
+  }
+}
+
+__global__ void fill_kv_pages(uint8_t* base, uint64_t page_bytes, const uint32_t* pages, uint32_t n,
+                              const uint64_t* seed, uint32_t layer, uint32_t value) {
+  const uint64_t total = uint64_t{n} * page_bytes;
+  const uint64_t s = *seed;
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < total; i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint64_t page = i / page_bytes, b = i % page_bytes;
+    base[uint64_t{pages[page]} * page_bytes + b] = kv_byte(s, layer, value, static_cast<uint32_t>(page), b);
+  }
+}
+
+// The only writer of the word, one thread in stream order: a plain increment, made visible to the
+// host after every earlier kernel's writes (kernel boundary, then a system fence).
+__global__ void signal_next(uint64_t* word) {
+  __threadfence_system();
+  store_system(word, *reinterpret_cast<volatile uint64_t*>(word) + 1);
+}
+
 }  // namespace
 
 cudaError_t launch_bump(uint64_t* word, uint64_t n, uint64_t gap_ns, cudaStream_t stream) {
@@ -113,6 +136,22 @@ cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t targ
                                  cudaStream_t stream) {
   wait_then_sum<<<64, 256, 0, stream>>>(counter, target, data, len,
                                         reinterpret_cast<unsigned long long*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_spin_ns(uint64_t ns, cudaStream_t stream) {
+  spin_ns<<<1, 1, 0, stream>>>(ns);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_fill_kv_pages(uint8_t* base, uint64_t page_bytes, const uint32_t* pages, uint32_t n,
+                                 const uint64_t* seed, uint32_t layer, bool value, cudaStream_t stream) {
+  fill_kv_pages<<<132, 256, 0, stream>>>(base, page_bytes, pages, n, seed, layer, value);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_signal_next(uint64_t* word, cudaStream_t stream) {
+  signal_next<<<1, 1, 0, stream>>>(word);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,18 @@ cudaError_t launch_ping_pong_signal(uint64_t* word, const volatile uint64_t* ack
 cudaError_t launch_wait_then_sum(const volatile uint64_t* counter, uint64_t target,
                                  const uint8_t* data, uint64_t len, uint64_t* sum,
                                  cudaStream_t stream);
+// A "model" for the KV tests, captured in a CUDA graph: a layer is launch_spin_ns (its compute),
+// launch_fill_kv_pages for its K and V pages (byte b of prompt page i = kv_byte(*seed, layer,
+// value, i, b), written to page pages[i] of base), then launch_signal_next (the KvSender trigger:
+// word + 1, after the pages are visible). *seed and pages[] are read when the graph runs.
+__host__ __device__ inline uint8_t kv_byte(uint64_t seed, uint32_t layer, uint32_t value, uint32_t page, uint64_t b) {
+  return static_cast<uint8_t>((seed * 7 + layer * 13 + value * 29 + page * 17 + b) % 251 + 1);
+}
+cudaError_t launch_spin_ns(uint64_t ns, cudaStream_t stream);
+cudaError_t launch_fill_kv_pages(uint8_t* base, uint64_t page_bytes, const uint32_t* pages, uint32_t n,
+                                 const uint64_t* seed, uint32_t layer, bool value, cudaStream_t stream);
+cudaError_t launch_signal_next(uint64_t* word, cudaStream_t stream);
+
 // The same sum without waiting (queued behind a stream wait).
 cudaError_t launch_sum(const uint8_t* data, uint64_t len, uint64_t* sum, cudaStream_t stream);
 

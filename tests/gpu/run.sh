@@ -2,8 +2,10 @@
 # The GPU run, in one call on the lent GPU machine (it has CUDA and cmake but no libfabric headers
 # and no network): unpack the Debian packages that tests/gpu/fetch_deps.sh put in .gpudeps/, build
 # with CUDA for Hopper, run the GPU tests, the cuda_ipc benchmark, the posting benchmark against a
-# raw libfabric loop (bench/post_vs_raw.sh), then the CPU suite. Results go to $OUT (or
-# ./gpu-results). Exits non-zero on any failure.
+# raw libfabric loop (bench/post_vs_raw.sh), the KV-cache benchmark on the GPU, the Python package's
+# GPU tests (built there with pip, no network), then the CPU suite. Results go to $OUT (or
+# ./gpu-results; at most 8 files). Exits non-zero on any failure.
+# FABRIC_GPU_RECORD_SYSFS=1: also record this machine's sysfs as a topology fixture.
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -45,15 +47,17 @@ if [ -n "$QUICK" ]; then
 fi
 # This machine's topology: the table, and its sysfs recorded as a fixture (tests/topology/fixtures).
 { $BUILD/tools/fabric-bench/fabric-bench topo; nproc; } > "$OUT/topo.txt" 2>&1 || status=1
-python3 tests/topology/record_sysfs.py -o "$OUT/lent-h200.sysfs" --machine lent-h200 \
-  --note "recorded on the lent nvidia-h200 machine by tests/gpu/run.sh" >> "$OUT/topo.txt" 2>&1 || status=1
+if [ -n "${FABRIC_GPU_RECORD_SYSFS:-}" ]; then
+  python3 tests/topology/record_sysfs.py -o "$OUT/lent-h200.sysfs" --machine lent-h200 \
+    --note "recorded on the lent nvidia-h200 machine by tests/gpu/run.sh" >> "$OUT/topo.txt" 2>&1 || status=1
+fi
 cat "$OUT/topo.txt"
 ctest --test-dir $BUILD -L gpu -V --timeout 300 > /tmp/gpu_tests.log 2>&1 || status=1
 grep -E "tests passed|Failed|\*\*\*|remove_peer:|batch across|owner:" /tmp/gpu_tests.log || true
 # The same GPU tests on a one-GPU engine built from the detected topology (gpu_support.h).
 FABRIC_GPU_FROM_TOPOLOGY=1 ctest --test-dir $BUILD -L gpu --timeout 300 > /tmp/gpu_tests_topo.log 2>&1 || status=1
 echo "from the topology:"; grep -E "tests passed|Failed|\*\*\*" /tmp/gpu_tests_topo.log || true
-$BUILD/tests/cuda_ipc_bench --json "$OUT/cuda_ipc_bench.json" 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
+$BUILD/tests/cuda_ipc_bench --json /tmp/cuda_ipc_bench.json 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
 # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
 bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
 grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
@@ -61,6 +65,20 @@ grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
 for p in shm "tcp;ofi_rxm"; do $BUILD/bench/multi-worker-post --provider "$p" --workers 2; done \
   >> "$OUT/post.txt" 2>&1 || status=1
 grep -E "^workers=|^ratio workers" "$OUT/post.txt" || true
+# KV-cache transfer with both caches on the GPU (cuda_ipc): the Qwen3-235B-like shard at 4K and
+# 16K tokens, with the reference's ~9.9 ms of compute per layer at 16K and a short 1 ms.
+for args in "--tokens 4096 --compute-us 1000" "--tokens 16384 --compute-us 9900" "--tokens 16384 --compute-us 1000" \
+            "--tokens 16384 --compute-us 1000 --busy"; do
+  # shellcheck disable=SC2086
+  $BUILD/bench/fabric-kv-bench --cuda-device 0 $args
+done > "$OUT/kv.txt" 2>&1 || status=1
+grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
+# The Python package built as a user builds it (no network here: no build isolation), then its GPU
+# tests: watchers and counters from Python, KV layers triggered by torch kernels.
+{ python3 -m pip install --quiet --no-build-isolation -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+    -C cmake.define.FABRIC_VERBS=OFF -C build-dir=/tmp/pybuild . &&
+  python3 -m pytest -s -v tests/gpu/test_python_gpu.py; } > "$OUT/python_gpu.txt" 2>&1 || status=1
+grep -E "python-watcher|passed|failed|error" "$OUT/python_gpu.txt" | tail -5 || true
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
 grep -E "tests passed|Failed|\*\*\*" "$OUT/cpu_tests.log" || true
