@@ -66,10 +66,18 @@ def test_a_gpu_counter_counts_completions_and_a_stream_waits_on_it():
         counter = b.alloc_gpu_counter()
         b.expect_imm_count(7, 1, counter)  # counts one success
         stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            dst.to(torch.int64).sum()  # warm the allocator: no cudaMalloc (an implicit sync) later
+        stream.synchronize()
+        # A stream blocked on the counter must never meet an implicit device sync before the
+        # write lands (that sync would wait for it forever): the write comes from another thread.
+        writer = threading.Thread(target=lambda: (time.sleep(0.05), a.submit_single_write(
+            len=1 << 20, src=hs, dst=dd, imm=7, num_shards=1)))
         fl.gpu_stream_wait(stream.cuda_stream, counter, 1)
         with torch.cuda.stream(stream):
             total = dst.to(torch.int64).sum()  # queued behind the wait
-        a.submit_single_write(len=1 << 20, src=hs, dst=dd, imm=7, num_shards=1)
+        writer.start()
+        writer.join(30)
         stream.synchronize()
         assert counter.value == 1
         assert int(total) == int(src.to(torch.int64).sum())
