@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# fabric-kv-bench against the same KV-cache workload through NVIDIA NIXL (bench/kv_nixl.py), side by
+# side, at --tokens 4096 and 16384, the same --compute-us for both.
+#
+# Transports, so that each row compares like with like:
+#   tcp: ours on "tcp;ofi_rxm" over 127.0.0.1, NIXL with UCX_TLS=tcp UCX_NET_DEVICES=lo (without
+#        UCX_NET_DEVICES, UCX splits the puts across lo and eth0, two sockets to this same host);
+#   shm: NIXL with UCX's defaults, where UCX picks cma (process_vm_writev, a kernel copy between
+#        the processes' memory) for the puts and tcp/lo for the notifications (its shared-memory
+#        transports lack the peer failure detection that NIXL's default error mode asks for); so
+#        ours runs on "shm" for that row. kv_nixl.py's header says what UCX chose; it is shown.
+# Polling: ours as fabric-kv-bench defaults (adaptive workers; FABRIC_ARGS=--busy for busy ones);
+# NIXL as kv_nixl.py defaults: no progress thread, the prefill thread polls both agents all through
+# each layer's compute wait (its best case here; NIXL_ARGS="--prog-thread 1" or "--poll layer").
+# "+p" is exposed + layers x post, and "+p o/n" its ratio: over cma UCX copies the data inside
+# transfer() and over tcp writes what the socket takes there, on the prefill thread, which delays
+# the next layer; ours posts in microseconds. So NIXL's exposed time alone flatters it: read +p
+# for what TTFT pays. Every run verifies every byte; a failed run reads "failed", exit status 1.
+# Ends with, per T (ratios ours/NIXL: below 1 is ours lower):
+#   kv-vs-nixl tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>       (tcp row)
+#   kv-vs-nixl-shm tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>   (shm row)
+# Usage: bench/kv_compare.sh BUILD_DIR [COMPUTE_US]   (env: TRIALS=1, medians of that many runs;
+#        PYTHON=python3; FABRIC_ARGS, NIXL_ARGS: extra arguments for one side)
+set -euo pipefail
+build=${1:?usage: bench/kv_compare.sh BUILD_DIR [COMPUTE_US]}
+compute=${2:-1000}
+trials=${TRIALS:-1}
+py=${PYTHON:-python3}
+kv=$build/bench/fabric-kv-bench
+[[ -x $kv ]] || { echo "kv_compare: no $kv (build the fabric-kv-bench target)" >&2; exit 1; }
+kv=$(cd "$(dirname "$kv")" && pwd)/fabric-kv-bench
+cd "$(dirname "$0")/.."  # the repository root, for bench/kv_nixl.py
+
+# NIXL from PyPI when missing. --no-deps: nixl-cu13 requires torch, which host memory never
+# touches (nixl_cu13 imports it only if the caller already has); numpy is all kv_nixl.py needs.
+# 1.5.1 is the version kv_nixl.py was written against (NIXL_PIP to change it).
+if ! "$py" -c 'import nixl_cu13, numpy' 2>/dev/null; then
+  echo "kv_compare: installing ${NIXL_PIP:-nixl-cu13==1.5.1} with pip" >&2
+  "$py" -m pip install --quiet --disable-pip-version-check numpy
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps "${NIXL_PIP:-nixl-cu13==1.5.1}"
+  "$py" -c 'import nixl_cu13' || { echo "kv_compare: nixl_cu13 still does not import" >&2; exit 1; }
+fi
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
+# One run: prints "exposed_ms end_of_prefill_ms post_us_per_layer layers" from its last line, or
+# "failed" (with the run's output on stderr).
+run() {
+  local line
+  if "$@" >"$log" 2>&1 && line=$(grep -E '^(kv|nixl) layers=' "$log" | tail -n 1) && [[ -n $line ]]; then
+    sed -E 's/.* layers=([0-9]+) .* exposed_ms=([0-9.]+) end_of_prefill_ms=([0-9.]+) post_us_per_layer=([0-9.]+).*/\2 \3 \4 \1/' <<<"$line"
+  else
+    { echo "kv_compare: FAILED: $*"; tail -n 8 "$log"; } >&2
+    echo failed
+  fi
+}
+median() { printf '%s\n' "$@" | sort -g | sed -n "$(((${#} + 1) / 2))p"; }
+# TRIALS runs of one command: prints the medians of each field ("failed" if any run failed).
+trial() {
+  local e=() f=() p=() n r
+  for ((i = 0; i < trials; i++)); do
+    r=$(run "$@")
+    [[ $r == failed ]] && { echo failed; return; }
+    read -r a b c n <<<"$r"
+    e+=("$a") f+=("$b") p+=("$c")
+  done
+  echo "$(median "${e[@]}") $(median "${f[@]}") $(median "${p[@]}") $n"
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "failed" || b == "failed" || b == 0) print "failed"; else printf "%.3f", a / b }'; }
+posts() { awk -v e="$1" -v p="$2" -v n="$3" 'BEGIN { printf "%.3f", e + n * p / 1000 }'; }
+
+echo "kv_compare: fabric-kv-bench ($kv${FABRIC_ARGS:+ $FABRIC_ARGS}; adaptive polling unless that says --busy) against"
+echo "  bench/kv_nixl.py (NIXL UCX backend, one process, two agents; ${NIXL_ARGS:-its defaults: no progress thread, polled during compute}),"
+echo "  compute $compute us per layer, $trials trial(s) each (medians); ms unless marked us"
+printf '%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n' tokens row "nixl transport (UCX's choice)" \
+  "ours exp" "nixl exp" "ours eop" "nixl eop" "ours us" "nixl us" "ours +p" "nixl +p" "+p o/n"
+summary=()
+for T in 4096 16384; do
+  for row in tcp shm; do
+    if [[ $row == tcp ]]; then provider="tcp;ofi_rxm" env=(env UCX_TLS=tcp UCX_NET_DEVICES=lo)
+    else provider=shm env=(env -u UCX_TLS -u UCX_NET_DEVICES); fi
+    # shellcheck disable=SC2086  # the extra arguments are word lists
+    ours=$(trial "$kv" --provider "$provider" --tokens "$T" --compute-us "$compute" ${FABRIC_ARGS:-})
+    # shellcheck disable=SC2086
+    theirs=$(trial "${env[@]}" "$py" bench/kv_nixl.py --tokens "$T" --compute-us "$compute" ${NIXL_ARGS:-})
+    transport=$(sed -n 's/^nixl-kv-bench: NIXL [^ ]* UCX backend ([^:]*: \([^)]*\)).*/\1/p' "$log" | head -n 1 |
+                sed 's/put over /put /; s/notifications over /notif /')
+    [[ $ours == failed || $theirs == failed ]] && status=1
+    read -r oe of op on <<<"$ours"
+    read -r ne nf np nn <<<"$theirs"
+    [[ $ours == failed ]] && of=failed op=failed on=0
+    [[ $theirs == failed ]] && nf=failed np=failed nn=0
+    op_total=failed np_total=failed
+    if [[ $ours != failed ]]; then op_total=$(posts "$oe" "$op" "$on"); fi
+    if [[ $theirs != failed ]]; then np_total=$(posts "$ne" "$np" "$nn"); fi
+    printf '%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n' "$T" "$row" "${transport:-unknown}" \
+      "$oe" "$ne" "$of" "$nf" "$op" "$np" "$op_total" "$np_total" "$(ratio "$op_total" "$np_total")"
+    name="kv-vs-nixl"
+    if [[ $row == shm ]]; then name="kv-vs-nixl-shm"; fi
+    summary+=("$name tokens=$T exposed_ratio=$(ratio "$oe" "$ne") post_ratio=$(ratio "$op" "$np")")
+  done
+done
+echo "rows: tcp = ours tcp;ofi_rxm (loopback TCP) vs NIXL UCX_TLS=tcp UCX_NET_DEVICES=lo;" \
+  "shm = ours shm vs NIXL with UCX's default choice (transport column)"
+echo "exp: exposed after the last layer; eop: end of prefill (all sent after the last layer);" \
+  "us: post per layer; +p: exposed + layers x post (what TTFT pays), o/n: ours/NIXL"
+printf '%s\n' "${summary[@]}"
+exit $status
