@@ -106,6 +106,16 @@ bench-post: build
 bench-kv: build
 	for p in "tcp;ofi_rxm" shm; do $(BUILD)/bench/fabric-kv-bench --provider "$$p" --tokens 4096; done
 
+# A prefill and a decode process that find each other in etcd (started on loopback) and move KV
+# pages layer by layer; prints each request's per-layer timeline and checks every byte.
+.PHONY: example-kv
+example-kv: deps
+	@dpkg -s $(PY_TEST_PACKAGES) >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(PY_TEST_PACKAGES); }
+	python3 -m pip install --quiet .
+	python3 examples/kv_transfer/run.py
+
 .PHONY: bench-multinic
 bench-multinic: build
 	bench/multinic.sh $(BUILD)
