@@ -20,7 +20,7 @@
 #   kv-vs-nixl tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>       (tcp row)
 #   kv-vs-nixl-shm tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>   (shm row)
 # Usage: bench/kv_compare.sh BUILD_DIR [COMPUTE_US]   (env: TRIALS=1, medians of that many runs;
-#        PYTHON=python3; FABRIC_ARGS, NIXL_ARGS: extra arguments for one side)
+#        SEND_AT; PYTHON=python3; FABRIC_ARGS, NIXL_ARGS: extra arguments for one side)
 set -euo pipefail
 build=${1:?usage: bench/kv_compare.sh BUILD_DIR [COMPUTE_US]}
 compute=${2:-1000}
@@ -39,6 +39,20 @@ if ! "$py" -c 'import nixl_cu13, numpy' 2>/dev/null; then
   "$py" -m pip install --quiet --disable-pip-version-check numpy
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps "${NIXL_PIP:-nixl-cu13==1.5.1}"
   "$py" -c 'import nixl_cu13' || { echo "kv_compare: nixl_cu13 still does not import" >&2; exit 1; }
+fi
+
+# Where a layer's K and V go out: fabric-kv-bench's --send-at (0.5 by default: after attention,
+# the MLP follows), exposed timed from the end of the compute; kv_nixl.py does the same. SEND_AT
+# sets it for both. A fabric-kv-bench from before --send-at sends at the end of each layer and
+# times exposed from the last post: NIXL then runs --send-at 1 (timed from the end of the compute,
+# after its last post returned, which post times of a millisecond or two make a little kinder).
+ours_send=() nixl_send=()
+if "$kv" --help 2>&1 | grep -q -- --send-at; then
+  if [[ -n ${SEND_AT:-} ]]; then ours_send=(--send-at "$SEND_AT") nixl_send=(--send-at "$SEND_AT"); fi
+  send_note="K and V sent at ${SEND_AT:-0.5} of each layer's compute, exposed from the end of the compute (both)"
+else
+  nixl_send=(--send-at 1)
+  send_note="this fabric-kv-bench has no --send-at (sends after each layer, exposed from its last post); NIXL runs --send-at 1"
 fi
 
 log=$(mktemp)
@@ -67,12 +81,17 @@ trial() {
   done
   echo "$(median "${e[@]}") $(median "${f[@]}") $(median "${p[@]}") $n"
 }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "failed" || b == "failed" || b == 0) print "failed"; else printf "%.3f", a / b }'; }
+# a/b; exposed can be 0 (everything landed before the compute ended): 0/0 reads 1, x/0 inf.
+ratio() {
+  awk -v a="$1" -v b="$2" 'BEGIN { if (a == "failed" || b == "failed") print "failed"
+                                   else if (b == 0) print (a == 0 ? "1.000" : "inf")
+                                   else printf "%.3f", a / b }'
+}
 posts() { awk -v e="$1" -v p="$2" -v n="$3" 'BEGIN { printf "%.3f", e + n * p / 1000 }'; }
 
 echo "kv_compare: fabric-kv-bench ($kv${FABRIC_ARGS:+ $FABRIC_ARGS}; adaptive polling unless that says --busy) against"
 echo "  bench/kv_nixl.py (NIXL UCX backend, one process, two agents; ${NIXL_ARGS:-its defaults: no progress thread, polled during compute}),"
-echo "  compute $compute us per layer, $trials trial(s) each (medians); ms unless marked us"
+echo "  compute $compute us per layer, $trials trial(s) each (medians); ms unless marked us; $send_note"
 printf '%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n' tokens row "nixl transport (UCX's choice)" \
   "ours exp" "nixl exp" "ours eop" "nixl eop" "ours us" "nixl us" "ours +p" "nixl +p" "+p o/n"
 summary=()
@@ -81,9 +100,10 @@ for T in 4096 16384; do
     if [[ $row == tcp ]]; then provider="tcp;ofi_rxm" env=(env UCX_TLS=tcp UCX_NET_DEVICES=lo)
     else provider=shm env=(env -u UCX_TLS -u UCX_NET_DEVICES); fi
     # shellcheck disable=SC2086  # the extra arguments are word lists
-    ours=$(trial "$kv" --provider "$provider" --tokens "$T" --compute-us "$compute" ${FABRIC_ARGS:-})
+    ours=$(trial "$kv" --provider "$provider" --tokens "$T" --compute-us "$compute" "${ours_send[@]}" ${FABRIC_ARGS:-})
     # shellcheck disable=SC2086
-    theirs=$(trial "${env[@]}" "$py" bench/kv_nixl.py --tokens "$T" --compute-us "$compute" ${NIXL_ARGS:-})
+    theirs=$(trial "${env[@]}" "$py" bench/kv_nixl.py --tokens "$T" --compute-us "$compute" "${nixl_send[@]}" \
+             ${NIXL_ARGS:-})
     transport=$(sed -n 's/^nixl-kv-bench: NIXL [^ ]* UCX backend ([^:]*: \([^)]*\)).*/\1/p' "$log" | head -n 1 |
                 sed 's/put over /put /; s/notifications over /notif /')
     [[ $ours == failed || $theirs == failed ]] && status=1
@@ -103,7 +123,7 @@ for T in 4096 16384; do
 done
 echo "rows: tcp = ours tcp;ofi_rxm (loopback TCP) vs NIXL UCX_TLS=tcp UCX_NET_DEVICES=lo;" \
   "shm = ours shm vs NIXL with UCX's default choice (transport column)"
-echo "exp: exposed after the last layer; eop: end of prefill (all sent after the last layer);" \
+echo "exp: exposed after the compute; eop: end of prefill (all sent after the last layer);" \
   "us: post per layer; +p: exposed + layers x post (what TTFT pays), o/n: ours/NIXL"
 printf '%s\n' "${summary[@]}"
 exit $status

@@ -5,15 +5,16 @@ driven from one Python thread; a Qwen3-235B-like shard by default (94 layers, 32
 tokens: 1 KV head x 128 x bf16 per token), one request of --tokens. Per layer, one K and one V
 tensor of `pages` pages; the decode side puts source page i at page pages-1-i.
 
-"Compute" is a busy wait of --compute-us per layer. Layer by layer: the moment a layer's compute
-ends, its K and V pages go as ONE prepared NIXL WRITE (descriptor lists and the 94 transfer
-handles are prepared once, before timing; each carries a notification naming its layer). After
-prefill: the same 94 transfers, all posted after the last layer's compute. Reported, as
-kv_bench does:
+"Compute" is a busy wait of --compute-us per layer. Layer by layer: --send-at of the way through
+a layer's compute (after its attention; its MLP follows), its K and V pages go as ONE prepared
+NIXL WRITE (descriptor lists and the 94 transfer handles are prepared once, before timing; each
+carries a notification naming its layer). After prefill: the same 94 transfers, all posted after
+the last layer's compute. Reported, as kv_bench does:
   per-layer transfer: post to the decode agent holding that layer's notification (p50, max),
     and post to check_xfer_state saying DONE on the prefill agent;
-  exposed: the last post to every layer's notification on the decode agent (what TTFT pays);
-  end of prefill: after-prefill mode, the first post to every notification;
+  exposed: the end of the compute to every layer's notification on the decode agent (what TTFT
+    pays; 0 if all had come before);
+  end of prefill: after-prefill mode, the end of the compute to every notification;
   post: CPU time of one transfer() call (p50, microseconds).
 Every byte of the decode pages is checked after each mode. Ends with one line:
   nixl layers=<n> pages_per_layer=<n> exposed_ms=<x> end_of_prefill_ms=<y> post_us_per_layer=<z>
@@ -27,7 +28,7 @@ side must keep calling check_xfer_state. A second Python thread would fight the 
 posting order, and the decode agent's notifications. With --poll compute (the default) it polls all
 through each layer's compute wait: NIXL's best case, as if the model's thread had time to spare,
 and the decode side sees each notification at once. With --poll layer the wait is a pure busy wait,
-as kv_bench's, and NIXL is polled once after it (and continuously after the last layer); decode-
+as kv_bench's, and NIXL is polled once after each part of it (and continuously after the last layer); decode-
 side times are then seen at layer boundaries only. Without a progress thread (--prog-thread 0, the
 default, as NIXL's nixlbench runs by default) those polls are what move UCX. With 1, each agent
 also has NIXL's progress thread, and those spin: the Python API sets its delay to 0, which the UCX
@@ -48,7 +49,8 @@ header. UCX's own warnings and errors from that file are copied to stderr. UCX_T
 which NIXL's default error mode ("peer") requires, and the backend then does not start.
 
 Usage: python3 bench/kv_nixl.py [--layers 94] [--tokens 4096] [--page-tokens 128] [--head-dim 128]
-                                [--compute-us 1000] [--prog-thread 0|1] [--poll compute|layer]
+                                [--compute-us 1000] [--send-at 0.5] [--prog-thread 0|1]
+                                [--poll compute|layer]
                                 [--param KEY=VALUE]...
 """
 import argparse
@@ -71,14 +73,17 @@ def parse_args():
     p.add_argument("--page-tokens", type=int, default=128)
     p.add_argument("--head-dim", type=int, default=128, help="bytes per token = head_dim x 2 (one KV head, bf16)")
     p.add_argument("--compute-us", type=float, default=1000, help="simulated compute per layer")
+    p.add_argument("--send-at", type=float, default=0.5,
+                   help="where in a layer's compute its K and V are ready (after attention; the MLP follows)")
     p.add_argument("--prog-thread", type=int, default=0, choices=(0, 1),
                    help="NIXL's progress thread in both agents (1), or none: the polls progress UCX (0)")
     p.add_argument("--poll", choices=("compute", "layer"), default="compute",
                    help="poll NIXL throughout each layer's compute wait (compute), or once after it (layer)")
     p.add_argument("--param", action="append", default=[], help="UCX backend init parameter KEY=VALUE")
     a = p.parse_args()
-    if not (1 <= a.layers <= 255 and a.tokens >= 1 and a.page_tokens >= 1 and a.head_dim >= 1):
-        p.error("--layers 1..255, and --tokens, --page-tokens, --head-dim at least 1")
+    if not (1 <= a.layers <= 255 and a.tokens >= 1 and a.page_tokens >= 1 and a.head_dim >= 1
+            and 0 <= a.send_at <= 1):
+        p.error("--layers 1..255, --send-at 0..1, and --tokens, --page-tokens, --head-dim at least 1")
     a.pages = -(-a.tokens // a.page_tokens)
     a.page_bytes = a.page_tokens * 1 * a.head_dim * 2  # one KV head, bf16
     return a
@@ -222,18 +227,24 @@ class Bench:
                 failed.append(f"layer {layer}: transfer ERR")
             pending.append(layer)
 
-        t_start = now()
-        for layer in range(L):
-            end = now() + a.compute_us * 1e-6
+        def compute(us):
+            end = now() + us * 1e-6
             if a.poll == "compute":
-                while now() < end:  # the layer's "compute", polling NIXL all the while
+                while now() < end:  # "compute", polling NIXL all the while
                     poll()
             else:
                 while now() < end:  # a pure busy wait, as kv_bench's; NIXL is polled after it
                     pass
                 poll()
+
+        before_send = a.compute_us * a.send_at  # attention; the MLP takes the rest
+        t_start = now()
+        for layer in range(L):
+            compute(before_send)
             if layer_by_layer:
                 post(layer)
+            compute(a.compute_us - before_send)
+        compute_end = now()
         if not layer_by_layer:
             for layer in range(L):
                 post(layer)
@@ -242,14 +253,13 @@ class Bench:
             poll()
         if pending or None in landed:
             failed.append(f"{len(pending)} transfers not DONE, {landed.count(None)} notifications missing")
-        start = posted[-1] if layer_by_layer else posted[0]
         r = dict(failed=failed)
         if not failed:
             lat = sorted((landed[i] - posted[i]) * 1e3 for i in range(L))
             dlat = sorted((done[i] - posted[i]) * 1e3 for i in range(L))
             r.update(layer_p50_ms=lat[L // 2], layer_max_ms=lat[-1], done_p50_ms=dlat[L // 2],
-                     done_max_ms=dlat[-1], complete_ms=(max(landed) - start) * 1e3,
-                     all_done_ms=(max(done) - start) * 1e3, post_us=sorted(post_us)[L // 2],
+                     done_max_ms=dlat[-1], complete_ms=max(0.0, max(landed) - compute_end) * 1e3,
+                     all_done_ms=max(0.0, max(done) - compute_end) * 1e3, post_us=sorted(post_us)[L // 2],
                      # What the request pays over its bare compute, post calls included (kv_bench's
                      # post is microseconds, so there this is about the exposed time).
                      overhead_ms=(max(landed) - t_start) * 1e3 - L * a.compute_us * 1e-3)
@@ -299,7 +309,8 @@ def main():
     print(f"nixl-kv-bench: NIXL {version} UCX backend ({env}: {transport}), progress thread "
           f"{'on' if a.prog_thread else 'off'}, polled {when} each layer's compute, one process, two agents, "
           f"{a.layers} layers, {a.tokens} tokens = {a.pages} pages of {a.page_bytes // 1024} KiB per tensor, "
-          f"K+V {mib:.1f} MiB per layer, compute {a.compute_us:.0f} us per layer")
+          f"K+V {mib:.1f} MiB per layer, compute {a.compute_us:.0f} us per layer (K and V ready at "
+          f"{100 * a.send_at:.0f}% of it)")
     print(f"setup: agents {s['agents'] * 1e3:.1f} ms, register {s['register'] * 1e3:.1f} ms, metadata+connect "
           f"{s['connect'] * 1e3:.1f} ms, prep_xfer_dlist x{2 * a.layers} {s['dlists'] * 1e3:.1f} ms, "
           f"make_prepped_xfer x{a.layers} {s['xfers'] * 1e3:.1f} ms; check_xfer_state p50 "
@@ -314,10 +325,10 @@ def main():
     r = by_layer
     print(f"layer by layer: per-layer transfer p50 {r['layer_p50_ms']:.3f} ms, max {r['layer_max_ms']:.3f} ms "
           f"(to the notification; to DONE on the prefill agent p50 {r['done_p50_ms']:.3f} ms, max "
-          f"{r['done_max_ms']:.3f} ms); exposed after the last layer {r['complete_ms']:.3f} ms (all DONE "
+          f"{r['done_max_ms']:.3f} ms); exposed after the compute {r['complete_ms']:.3f} ms (all DONE "
           f"{r['all_done_ms']:.3f} ms); post {r['post_us']:.1f} us per layer; first compute to complete "
           f"{r['overhead_ms']:.3f} ms more than {a.layers} x compute; verified OK")
-    print(f"after prefill: all layers sent at the end, complete {at_end['complete_ms']:.3f} ms after the first "
+    print(f"after prefill: all layers sent at the end, complete {at_end['complete_ms']:.3f} ms after the compute "
           f"(all DONE {at_end['all_done_ms']:.3f} ms); post {at_end['post_us']:.1f} us per layer; verified OK")
     print(f"nixl layers={a.layers} pages_per_layer={2 * a.pages} exposed_ms={r['complete_ms']:.3f} "
           f"end_of_prefill_ms={at_end['complete_ms']:.3f} post_us_per_layer={r['post_us']:.1f}")
