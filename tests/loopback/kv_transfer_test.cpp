@@ -220,9 +220,9 @@ TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLat
   retry_tx.begin({.admit = again, .src_pages = {0}});
   retry_tx.layer_done(5, 0);
   retry_tx.layer_done(5, 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(wait_until([&] { return landed.load() == 2; })) << "layers 0 and 1 of the retry";
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_EQ(retried.load(), kDonePending) << "layer 2 has not been sent: the stale layer-1 count must not finish it";
-  EXPECT_EQ(landed.load(), 2u);
   retry_tx.layer_done(5, 2);
   ASSERT_TRUE(wait_until([&] { return retried.load() != kDonePending; }));
   EXPECT_EQ(retried.load(), kDoneSucceeded);
