@@ -114,6 +114,7 @@ Admit parse_admit(std::span<const uint8_t> bytes) {
   if (has_extra > 1) r.fail("has-extra flag " + std::to_string(has_extra));
   uint32_t slot = r.u32("extra slot");
   if (has_extra) a.extra_slot = slot;
+  else if (slot != 0) r.fail("an extra slot without the has-extra flag");
   uint32_t n = r.u32("page count");
   if (uint64_t{n} * 4 > r.remaining()) r.fail("page count exceeds the input");
   for (uint32_t i = 0; i < n; i++) a.pages.push_back(r.u32("page"));

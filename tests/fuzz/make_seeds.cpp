@@ -12,6 +12,7 @@
 
 #include "fabric/error.h"
 #include "fabric/types.h"
+#include "kv/wire.h"
 #include "providers/verbs/verbs_wire.h"
 
 namespace fs = std::filesystem;
@@ -30,6 +31,10 @@ bool accepts(const std::string& target, std::span<const uint8_t> b) {
       {"mrdesc_fuzz", [](auto b) { MrDesc::from_bytes(b); }},
       {"verbs_address_fuzz", [](auto b) { verbs::VerbsAddress::from_bytes(b); }},
       {"verbs_msg_fuzz", [](auto b) { verbs::HandshakeMsg::from_bytes(b); }},
+      {"kv_wire_fuzz", [](auto b) {
+         if (b.size() >= 4 && b[3] == 'V') kv::wire::parse_descriptor(b);
+         else kv::wire::parse_admit(b);
+       }},
       {"hex_fuzz", [](auto b) {
          std::string_view s(reinterpret_cast<const char*>(b.data()), b.size());
          try {
@@ -261,5 +266,43 @@ int main(int argc, char** argv) {
   put("verbs_handshake_fuzz", "dead-peer-times-out", Bytes{0, 20, 60, 25, tick(63), tick(63), tick(63), tick(63)});
   put("verbs_handshake_fuzz", "forged-flags", Bytes{0, 20, 100, 125, kForge | 0x13, kForge | 0x01, tick(10), kDeliver0});
   put("verbs_handshake_fuzz", "zero-timings", Bytes{1, 0, 0, 0, tick(0), kDeliver0, tick(0)});
+
+  // --- KV descriptor and admit message
+  {
+    using namespace fabric::kv;
+    const NetAddr owner("tcp;ofi_rxm", {"fi_sockaddr_in://10.0.0.9:40009"});
+    wire::Descriptor d;
+    d.rank = {.group = 7, .tp = {2, 1}, .total_heads = 8};
+    d.layout = {.num_layers = 2, .num_pages = 64, .page_tokens = 16, .kv_heads = 4, .head_dim = 128,
+                .dtype_bytes = 2, .order = PageOrder::kTokenMajor, .page_stride = 0};
+    for (uint64_t i = 0; i < 2; i++) {
+      d.k.push_back(MrDesc(owner, 0x100000 * (2 * i + 1), 1 << 20, {{1 + i, 0}}));
+      d.v.push_back(MrDesc(owner, 0x100000 * (2 * i + 2), 1 << 20, {{5 + i, 0}}));
+    }
+    Bytes plain = wire::encode(d);
+    put("kv_wire_fuzz", "valid-descriptor", plain);
+    d.extra_slots = 4;
+    d.extra_bytes = 8192;
+    d.extras = MrDesc(owner, 0x900000, 4 * 8192, {{9, 0}});
+    put("kv_wire_fuzz", "valid-descriptor-extras", wire::encode(d));
+    put("kv_wire_fuzz", "bad-descriptor-truncated", cut(plain, plain.size() - 1));
+    put("kv_wire_fuzz", "bad-descriptor-trailing", plus(plain, 0));
+    put("kv_wire_fuzz", "bad-descriptor-version", set(plain, 4, 1));
+    const size_t layers_at = 4 + 1 + 8 + 4 + 4 + 4;
+    put("kv_wire_fuzz", "bad-descriptor-layers-0", set(plain, layers_at, 0));
+    put("kv_wire_fuzz", "bad-descriptor-tp-rank", set(plain, 4 + 1 + 8 + 4, 2));
+    wire::Admit a{.group = 7, .request = 42, .prefill_size = 2, .extra_slot = std::nullopt, .pages = {3, 1, 4, 1, 5}};
+    Bytes admit = wire::encode(a);
+    put("kv_wire_fuzz", "valid-admit", admit);
+    a.extra_slot = 3;
+    put("kv_wire_fuzz", "valid-admit-extras", wire::encode(a));
+    a.pages.clear();
+    put("kv_wire_fuzz", "valid-admit-empty", wire::encode(a));
+    const size_t flag_at = 4 + 1 + 8 + 8 + 4;
+    put("kv_wire_fuzz", "bad-admit-flag-2", set(admit, flag_at, 2));
+    put("kv_wire_fuzz", "bad-admit-slot-without-flag", set(admit, flag_at + 1, 1));
+    put("kv_wire_fuzz", "bad-admit-page-count", set(admit, flag_at + 5, 9));
+    put("kv_wire_fuzz", "bad-admit-trailing", plus(admit, 0));
+  }
   return g_wrong ? 1 : 0;
 }
