@@ -4,9 +4,11 @@
 // request of --tokens. "Compute" is a busy wait of --compute-us per layer on the application
 // thread; the layer's pages are sent the moment it ends (KvSender::layer_done). Reported:
 //   per-layer transfer: layer_done to the decode rank counting that layer (p50, max);
-//   exposed: the last layer_done to the request complete on the decode rank (what TTFT pays);
+//   exposed: the end of the prefill compute to the request complete on the decode rank (what TTFT
+//     pays). A layer's K and V go out --send-at of the way through its compute (after attention),
+//     so the last layer's transfer overlaps that layer's MLP;
 //   end of prefill: the same request sent only after the last layer (every layer_done at once),
-//     from the first layer_done to complete;
+//     from the end of the compute to complete;
 //   post: CPU time of one layer_done (K and V paged writes of all the layer's pages).
 // Every byte of the decode rank's pages is checked after each mode. With --cuda-device (CUDA
 // builds) both caches are in that GPU's memory and the layers go through cuda_ipc.
@@ -39,6 +41,7 @@ struct Options {
   uint32_t page_tokens = 128;
   uint32_t head_dim = 128;
   double compute_us = 1000;
+  double send_at = 0.5;
   bool busy = false;
   int cuda_device = -1;  // -1: host memory
 };
@@ -130,6 +133,7 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
   std::mutex mu;
   std::vector<Clock::time_point> sent_at(l.num_layers), landed_at(l.num_layers);
   std::atomic<int> done{kDonePending};
+  Clock::time_point done_at{};
   auto msg = rx.admit({.request = request,
                        .pages = dst,
                        .prefill_size = 1,
@@ -138,7 +142,14 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
                          std::lock_guard g(mu);
                          landed_at[layer] = Clock::now();
                        },
-                       .on_done = OnDone::flag(&done)});
+                       .on_done = OnDone::callback([&](const Status& st) {
+                         {
+                           std::lock_guard g(mu);
+                           done_at = Clock::now();
+                         }
+                         done = st.ok() ? kDoneSucceeded : kDoneFailed;
+                         done.notify_all();
+                       })});
   std::atomic<int> sent{kDonePending};
   tx.begin({.admit = msg, .src_pages = src, .on_sent = OnDone::flag(&sent)});
   std::vector<double> post_us;
@@ -151,15 +162,22 @@ Result run_mode(const Options& o, const KvLayout& l, Side& prefill, Side& decode
     tx.layer_done(request, layer);
     post_us.push_back(us_since(t));
   };
+  // A layer's K and V are ready after its attention (--send-at of its compute); its MLP follows.
+  const double before_send = o.compute_us * o.send_at, after_send = o.compute_us - before_send;
   for (uint32_t layer = 0; layer < l.num_layers; layer++) {
-    spin_for(o.compute_us);
+    spin_for(before_send);
     if (layer_by_layer) send_layer(layer);
+    spin_for(after_send);
   }
+  const Clock::time_point compute_end = Clock::now();
   if (!layer_by_layer)
     for (uint32_t layer = 0; layer < l.num_layers; layer++) send_layer(layer);
-  Clock::time_point last_sent = sent_at[l.num_layers - 1], first_sent = sent_at[0];
   done.wait(kDonePending);
-  const double complete_ms = std::chrono::duration<double, std::milli>(Clock::now() - (layer_by_layer ? last_sent : first_sent)).count();
+  double complete_ms;
+  {
+    std::lock_guard g(mu);  // 0 when the request had landed before the compute ended
+    complete_ms = std::max(0.0, std::chrono::duration<double, std::milli>(done_at - compute_end).count());
+  }
   sent.wait(kDonePending);
 
   Result r;
@@ -197,6 +215,8 @@ int main(int argc, char** argv) {
   app.add_option("--page-tokens", o.page_tokens)->check(CLI::Range(1, 4096));
   app.add_option("--head-dim", o.head_dim, "bytes per token = head_dim x 2 (one KV head, bf16)")->check(CLI::Range(1, 4096));
   app.add_option("--compute-us", o.compute_us, "simulated compute per layer");
+  app.add_option("--send-at", o.send_at, "where in a layer's compute its K and V are ready (after attention; the MLP follows)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--busy", o.busy, "busy-poll the workers (a core each)");
 #ifdef FABRIC_KV_BENCH_CUDA
   app.add_option("--cuda-device", o.cuda_device, "caches on this GPU, layers through cuda_ipc");
@@ -225,15 +245,15 @@ int main(int argc, char** argv) {
     Result at_end = run_mode(o, l, prefill, decode, tx, rx, 3, false);
     const double mib = 2.0 * pages * l.page_bytes() / 1048576.0;
     fmt::print("fabric-kv-bench: {}{} ({} polling), {} layers, {} tokens = {} pages of {} KiB per tensor, "
-               "K+V {:.1f} MiB per layer, compute {:.0f} us per layer\n",
+               "K+V {:.1f} MiB per layer, compute {:.0f} us per layer (K and V ready at {:.0f}% of it)\n",
                o.provider, o.cuda_device >= 0 ? fmt::format(" + cuda_ipc, GPU {}", o.cuda_device) : "",
                o.busy ? "busy" : "adaptive", l.num_layers, o.tokens, pages, l.page_bytes() / 1024, mib,
-               o.compute_us);
-    fmt::print("layer by layer: per-layer transfer p50 {:.3f} ms, max {:.3f} ms; exposed after the last layer "
+               o.compute_us, 100 * o.send_at);
+    fmt::print("layer by layer: per-layer transfer p50 {:.3f} ms, max {:.3f} ms; exposed after the compute "
                "{:.3f} ms; post {:.1f} us per layer; verified {}\n",
                by_layer.layer_p50_ms, by_layer.layer_max_ms, by_layer.complete_after_last_ms, by_layer.post_us,
                by_layer.verified ? "OK" : "FAILED");
-    fmt::print("after prefill: all layers sent at the end, complete {:.3f} ms after the first; verified {}\n",
+    fmt::print("after prefill: all layers sent at the end, complete {:.3f} ms after the compute; verified {}\n",
                at_end.complete_after_last_ms, at_end.verified ? "OK" : "FAILED");
     fmt::print("kv layers={} pages_per_layer={} exposed_ms={:.3f} end_of_prefill_ms={:.3f} post_us_per_layer={:.1f}\n",
                l.num_layers, 2 * pages, by_layer.complete_after_last_ms, at_end.complete_after_last_ms, by_layer.post_us);
