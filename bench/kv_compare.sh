@@ -12,10 +12,12 @@
 # Polling: ours as fabric-kv-bench defaults (adaptive workers; FABRIC_ARGS=--busy for busy ones);
 # NIXL as kv_nixl.py defaults: no progress thread, the prefill thread polls both agents all through
 # each layer's compute wait (its best case here; NIXL_ARGS="--prog-thread 1" or "--poll layer").
-# "+p" is exposed + layers x post, and "+p o/n" its ratio: over cma UCX copies the data inside
-# transfer() and over tcp writes what the socket takes there, on the prefill thread, which delays
-# the next layer; ours posts in microseconds. So NIXL's exposed time alone flatters it: read +p
-# for what TTFT pays. Every run verifies every byte; a failed run reads "failed", exit status 1.
+# "tt+" is what TTFT pays: from the first layer's compute to everything landed, less layers x
+# compute. NIXL's exposed time alone flatters it: UCX copies the data inside transfer() over cma,
+# and over tcp writes to the socket there and inside check_xfer_state, all on the prefill thread,
+# which stretches the compute itself (a poll can run well past a layer's deadline); kv_nixl.py
+# measures tt+. Ours posts in microseconds and its application thread only spins, so its tt+ is
+# exposed + layers x post. Every run verifies every byte; a failed run reads "failed", exit 1.
 # Ends with, per T (ratios ours/NIXL: below 1 is ours lower):
 #   kv-vs-nixl tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>       (tcp row)
 #   kv-vs-nixl-shm tokens=<T> exposed_ratio=<fabric/nixl> post_ratio=<fabric/nixl>   (shm row)
@@ -58,28 +60,32 @@ fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-# One run: prints "exposed_ms end_of_prefill_ms post_us_per_layer layers" from its last line, or
-# "failed" (with the run's output on stderr).
+# One run: prints "exposed_ms end_of_prefill_ms post_us_per_layer ttft_extra_ms" from its output,
+# or "failed" (with the run's output on stderr). ttft_extra: from the first layer's compute to
+# everything landed, less layers x compute. kv_nixl.py measures it ("first compute to complete");
+# for fabric-kv-bench it is exposed + layers x post (its application thread only spins and posts).
 run() {
-  local line
+  local line extra
   if "$@" >"$log" 2>&1 && line=$(grep -E '^(kv|nixl) layers=' "$log" | tail -n 1) && [[ -n $line ]]; then
-    sed -E 's/.* layers=([0-9]+) .* exposed_ms=([0-9.]+) end_of_prefill_ms=([0-9.]+) post_us_per_layer=([0-9.]+).*/\2 \3 \4 \1/' <<<"$line"
+    extra=$(sed -n 's/.*first compute to complete \([0-9.-]*\) ms more than.*/\1/p' "$log" | head -n 1)
+    sed -E 's/.* layers=([0-9]+) .* exposed_ms=([0-9.]+) end_of_prefill_ms=([0-9.]+) post_us_per_layer=([0-9.]+).*/\2 \3 \4 \1/' \
+      <<<"$line" | awk -v x="$extra" '{ printf "%s %s %s %s\n", $1, $2, $3, x != "" ? x : sprintf("%.3f", $1 + $4 * $3 / 1000) }'
   else
     { echo "kv_compare: FAILED: $*"; tail -n 8 "$log"; } >&2
     echo failed
   fi
 }
 median() { printf '%s\n' "$@" | sort -g | sed -n "$(((${#} + 1) / 2))p"; }
-# TRIALS runs of one command: prints the medians of each field ("failed" if any run failed).
+# TRIALS runs of one command: prints the median of each field ("failed" if any run failed).
 trial() {
-  local e=() f=() p=() n r
+  local e=() f=() p=() x=() r a b c d
   for ((i = 0; i < trials; i++)); do
     r=$(run "$@")
     [[ $r == failed ]] && { echo failed; return; }
-    read -r a b c n <<<"$r"
-    e+=("$a") f+=("$b") p+=("$c")
+    read -r a b c d <<<"$r"
+    e+=("$a") f+=("$b") p+=("$c") x+=("$d")
   done
-  echo "$(median "${e[@]}") $(median "${f[@]}") $(median "${p[@]}") $n"
+  echo "$(median "${e[@]}") $(median "${f[@]}") $(median "${p[@]}") $(median "${x[@]}")"
 }
 # a/b; exposed can be 0 (everything landed before the compute ended): 0/0 reads 1, x/0 inf.
 ratio() {
@@ -87,13 +93,14 @@ ratio() {
                                    else if (b == 0) print (a == 0 ? "1.000" : "inf")
                                    else printf "%.3f", a / b }'
 }
-posts() { awk -v e="$1" -v p="$2" -v n="$3" 'BEGIN { printf "%.3f", e + n * p / 1000 }'; }
 
 echo "kv_compare: fabric-kv-bench ($kv${FABRIC_ARGS:+ $FABRIC_ARGS}; adaptive polling unless that says --busy) against"
 echo "  bench/kv_nixl.py (NIXL UCX backend, one process, two agents; ${NIXL_ARGS:-its defaults: no progress thread, polled during compute}),"
 echo "  compute $compute us per layer, $trials trial(s) each (medians); ms unless marked us; $send_note"
-printf '%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n' tokens row "nixl transport (UCX's choice)" \
-  "ours exp" "nixl exp" "ours eop" "nixl eop" "ours us" "nixl us" "ours +p" "nixl +p" "+p o/n"
+fmt='%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n'
+# shellcheck disable=SC2059  # the format is ours
+printf "$fmt" tokens row "nixl transport (UCX's choice)" "ours exp" "nixl exp" "ours eop" "nixl eop" \
+  "ours us" "nixl us" "ours tt+" "nixl tt+" "tt+ o/n"
 summary=()
 for T in 4096 16384; do
   for row in tcp shm; do
@@ -107,15 +114,13 @@ for T in 4096 16384; do
     transport=$(sed -n 's/^nixl-kv-bench: NIXL [^ ]* UCX backend ([^:]*: \([^)]*\)).*/\1/p' "$log" | head -n 1 |
                 sed 's/put over /put /; s/notifications over /notif /')
     [[ $ours == failed || $theirs == failed ]] && status=1
-    read -r oe of op on <<<"$ours"
-    read -r ne nf np nn <<<"$theirs"
-    [[ $ours == failed ]] && of=failed op=failed on=0
-    [[ $theirs == failed ]] && nf=failed np=failed nn=0
-    op_total=failed np_total=failed
-    if [[ $ours != failed ]]; then op_total=$(posts "$oe" "$op" "$on"); fi
-    if [[ $theirs != failed ]]; then np_total=$(posts "$ne" "$np" "$nn"); fi
-    printf '%-6s %-4s %-30s %9s %9s %9s %9s %9s %9s %9s %9s %8s\n' "$T" "$row" "${transport:-unknown}" \
-      "$oe" "$ne" "$of" "$nf" "$op" "$np" "$op_total" "$np_total" "$(ratio "$op_total" "$np_total")"
+    read -r oe of op ox <<<"$ours"
+    read -r ne nf np nx <<<"$theirs"
+    [[ $ours == failed ]] && of=failed op=failed ox=failed
+    [[ $theirs == failed ]] && nf=failed np=failed nx=failed
+    # shellcheck disable=SC2059
+    printf "$fmt" "$T" "$row" "${transport:-unknown}" "$oe" "$ne" "$of" "$nf" "$op" "$np" "$ox" "$nx" \
+      "$(ratio "$ox" "$nx")"
     name="kv-vs-nixl"
     if [[ $row == shm ]]; then name="kv-vs-nixl-shm"; fi
     summary+=("$name tokens=$T exposed_ratio=$(ratio "$oe" "$ne") post_ratio=$(ratio "$op" "$np")")
@@ -123,7 +128,7 @@ for T in 4096 16384; do
 done
 echo "rows: tcp = ours tcp;ofi_rxm (loopback TCP) vs NIXL UCX_TLS=tcp UCX_NET_DEVICES=lo;" \
   "shm = ours shm vs NIXL with UCX's default choice (transport column)"
-echo "exp: exposed after the compute; eop: end of prefill (all sent after the last layer);" \
-  "us: post per layer; +p: exposed + layers x post (what TTFT pays), o/n: ours/NIXL"
+echo "exp: exposed after the compute; eop: end of prefill (all sent after the last layer); us: post per layer;" \
+  "tt+: what TTFT pays, first compute to all landed less layers x compute (ours: exp + layers x post); o/n: ours/NIXL"
 printf '%s\n' "${summary[@]}"
 exit $status

@@ -21,24 +21,30 @@ Every byte of the decode pages is checked after each mode. Ends with one line:
 
 Why one process and one thread: NIXL's UCX backend sends a transfer's notification from inside
 transfer() when the data is done by the time it returns (cma: UCX copies it there), and otherwise
-only from the check_xfer_state call that first finds it done (seen here over tcp: with the progress
-thread on, the data lands, but no notification comes until the prefill side checks), so the prefill
-side must keep calling check_xfer_state. A second Python thread would fight the busy-waiting
-"compute" for the GIL, so the prefill thread polls both agents itself: the prefill transfers in
-posting order, and the decode agent's notifications. With --poll compute (the default) it polls all
-through each layer's compute wait: NIXL's best case, as if the model's thread had time to spare,
-and the decode side sees each notification at once. With --poll layer the wait is a pure busy wait,
-as kv_bench's, and NIXL is polled once after each part of it (and continuously after the last layer); decode-
-side times are then seen at layer boundaries only. Without a progress thread (--prog-thread 0, the
-default, as NIXL's nixlbench runs by default) those polls are what move UCX. With 1, each agent
-also has NIXL's progress thread, and those spin: the Python API sets its delay to 0, which the UCX
-backend turns into poll() with a zero timeout (two idle agents took 1.1 to 1.9 cores here), so on a
-2-core machine they fight the busy-waiting prefill thread (exposed 5-16 ms against 1.5-2 ms over
-tcp at 4096 tokens).
-Note that UCX moves much of the data inside transfer() itself (over cma the whole copy, over tcp
-what the socket takes), on the prefill thread: hence "first compute to complete", which counts
-the post calls too. Two agents in one process is what kv_bench does with two engines; UCX treats
-them as two peers on the host (cma or tcp, not its in-process "self" transport: see the header).
+only from the check_xfer_state call that first finds it done (seen here over tcp: with the
+progress thread on, the data lands, but no notification comes until the prefill side checks), so
+the prefill side must keep calling check_xfer_state. A second Python thread would fight the
+busy-waiting "compute" for the GIL, so the prefill thread polls both agents itself: the prefill
+transfers in posting order, and the decode agent's notifications.
+
+With --poll compute (the default) it polls all through each layer's compute wait, so the decode
+side sees each notification at once; a poll that moves data (over tcp one check_xfer_state call
+took 0.2 to 0.6 ms at 16384 tokens) runs past the wait's end and stretches the compute. That was
+still NIXL's best here, by the time to everything landed. With --poll layer the wait is a pure busy
+wait, as kv_bench's, and NIXL is polled once after each part of it (and continuously after the
+last layer); decode-side times are then seen at those points only.
+
+Without a progress thread (--prog-thread 0, the default, as NIXL's nixlbench runs by default) those
+polls are what move UCX. With 1, each agent also has NIXL's progress thread, and those spin: the
+Python API sets its delay to 0, which the UCX backend turns into poll() with a zero timeout (two
+idle agents took 1.1 to 1.9 cores here), so on a 2-core machine they fight the busy-waiting prefill
+thread (over tcp at 4096 tokens, sending at the end of each layer: exposed 5-16 ms against 1.5-2).
+
+UCX moves much of the data inside transfer() itself (over cma the whole copy, over tcp what the
+socket takes), on the prefill thread; hence "first compute to complete ... more than layers x
+compute", which counts the post calls and the stretched compute too: what TTFT pays. Two agents in
+one process is what kv_bench does with two engines; UCX treats them as two peers on the host (cma
+or tcp, not its in-process "self" transport: see the header).
 
 The transport is UCX's choice under UCX_TLS / UCX_NET_DEVICES (bench/kv_compare.sh runs it with
 UCX_TLS=tcp UCX_NET_DEVICES=lo, and with UCX's defaults). To say what UCX chose, UCX_PROTO_INFO=y
