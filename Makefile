@@ -106,6 +106,12 @@ bench-post: build
 bench-kv: build
 	for p in "tcp;ofi_rxm" shm; do $(BUILD)/bench/fabric-kv-bench --provider "$$p" --tokens 4096; done
 
+# The same KV workload through NIXL (nixl-cu13 from PyPI, UCX, host memory) side by side at 4K and
+# 16K tokens; ends with `kv-vs-nixl tokens=... exposed_ratio=... post_ratio=...` lines.
+.PHONY: bench-kv-compare
+bench-kv-compare: build
+	bench/kv_compare.sh $(BUILD)
+
 # A prefill and a decode process that find each other in etcd (started on loopback) and move KV
 # pages layer by layer; prints each request's per-layer timeline and checks every byte.
 .PHONY: example-kv
