@@ -20,12 +20,7 @@ template <class T>
 struct KvHolder : Closable {
   std::unique_ptr<T> obj;
   void close() override {
-    if (PyGILState_Check()) {
-      nb::gil_scoped_release release;
-      obj.reset();
-    } else {
-      obj.reset();
-    }
+    without_gil([&] { obj.reset(); });
   }
   T& get() {
     if (!obj) throw Error(ErrorCode::kShutdown, "the engine of this KV endpoint is closed");

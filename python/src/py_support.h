@@ -18,6 +18,18 @@ namespace fabric::py {
 
 namespace nb = nanobind;
 
+// Runs f without the GIL: released if this thread holds it (destructors that join engine threads,
+// which may need the GIL to finish a callback), as is otherwise.
+template <class F>
+void without_gil(F&& f) {
+  if (PyGILState_Check()) {
+    nb::gil_scoped_release release;
+    f();
+  } else {
+    f();
+  }
+}
+
 // Something built on an engine that must be released before the engine closes.
 struct Closable {
   virtual ~Closable() = default;
@@ -121,12 +133,7 @@ class PyEngine {
     for (auto it = dependents_.rbegin(); it != dependents_.rend(); ++it)
       if (auto d = it->lock()) d->close();
     dependents_.clear();
-    if (PyGILState_Check()) {
-      nb::gil_scoped_release release;
-      engine_.reset();
-    } else {
-      engine_.reset();
-    }
+    without_gil([&] { engine_.reset(); });
   }
   TransferEngine& get() {
     if (!engine_) throw Error(ErrorCode::kShutdown, "the engine is closed");
