@@ -56,8 +56,9 @@ inline uint32_t layer_imm(uint64_t request, uint32_t layer) {
 struct KvAdmit {
   // Unique among this rank's requests in flight; 24 bits are used (the tag). A request that failed
   // keeps its tag for KvReceiverOptions::late_writes (its prefill ranks' WRITEs may still land):
-  // admitting the tag again before then throws kInvalidArgument; after, the late immediates are
-  // discarded first. Schedulers that number requests in order never meet this.
+  // admitting the tag again before then throws kInvalidArgument; the first admit (of any id) after
+  // the window discards its late immediates. Schedulers that number requests in order never meet
+  // this.
   uint64_t request = 0;
   std::vector<uint32_t> pages{};  // the decode pages, in prompt order (the same on every decode rank)
   uint32_t prefill_size = 1;    // TP size of the prefill group that writes it

@@ -17,33 +17,44 @@ struct KvReceiver::State : Endpoint {
   KvReceiverOptions options;
   std::set<uint64_t> in_flight;                // request tags
   std::map<uint64_t, Clock::time_point> retired;  // failed tags, until their late WRITEs can no longer land
+  std::set<uint64_t> discarding;                  // expired retired tags whose counts are being dropped
 
-  // Takes `tag` for a new request, or throws. A retired tag whose window has passed is taken after
-  // its late immediates are discarded.
-  void take_tag(uint64_t request, uint64_t tag, bool extras) {
-    bool discard = false;
+  // Takes `tag` for a new request, or throws. Retired tags whose window has passed (this one or
+  // any other) have their late immediates discarded first, so none counts toward a later request
+  // and the engine's table of unclaimed immediates does not fill with them.
+  void take_tag(uint64_t request, uint64_t tag) {
+    std::vector<uint64_t> expired;
     {
       std::lock_guard l(mu);
       if (in_flight.count(tag))
         throw Error(ErrorCode::kInvalidArgument,
                     fmt::format("KvReceiver::admit: request {} (tag {}) is already in flight", request, tag));
+      const auto now = Clock::now();
       auto r = retired.find(tag);
-      if (r != retired.end()) {
-        const auto now = Clock::now();
-        if (now < r->second)
-          throw Error(ErrorCode::kInvalidArgument,
-                      fmt::format("KvReceiver::admit: request tag {} failed and may still receive its late WRITEs "
-                                  "for {} ms: admit the request under another id",
-                                  tag, std::chrono::duration_cast<std::chrono::milliseconds>(r->second - now).count()));
-        retired.erase(r);
-        discard = true;
+      if (discarding.count(tag) || (r != retired.end() && now < r->second))
+        throw Error(ErrorCode::kInvalidArgument,
+                    fmt::format("KvReceiver::admit: request tag {} failed and may still receive its late WRITEs "
+                                "for {} ms: admit the request under another id",
+                                tag, r != retired.end() ? std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                              r->second - now).count() : 0));
+      for (auto it = retired.begin(); it != retired.end();) {
+        if (it->second > now) {
+          ++it;
+          continue;
+        }
+        expired.push_back(it->first);
+        discarding.insert(it->first);  // until its counts are gone: not admitted meanwhile
+        it = retired.erase(it);
       }
       in_flight.insert(tag);
     }
-    if (discard) {
-      for (uint32_t layer = 0; layer < layout.num_layers; layer++) engine.discard_imm_count(layer_imm(tag, layer));
-      if (extras) engine.discard_imm_count(layer_imm(tag, kExtrasLayer));
+    // Without the lock: each discard is a round trip to the engine's worker.
+    for (uint64_t t : expired) {
+      for (uint32_t layer = 0; layer < layout.num_layers; layer++) engine.discard_imm_count(layer_imm(t, layer));
+      engine.discard_imm_count(layer_imm(t, kExtrasLayer));
     }
+    std::lock_guard l(mu);
+    for (uint64_t t : expired) discarding.erase(t);
   }
 };
 
@@ -76,7 +87,7 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
                 fmt::format("KvReceiver::admit: extra slot {} of {}", *a.extra_slot, s.tensors.extra_slots));
   const uint64_t tag = a.request & 0xFFFFFF;
   const bool extras = a.extra_slot.has_value();
-  s.take_tag(a.request, tag, extras);
+  s.take_tag(a.request, tag);
 
   KvLayout prefill = s.layout;
   prefill.kv_heads = s.rank.total_heads / a.prefill_size;
