@@ -73,31 +73,54 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
     });
   }
 
-  void post_layer(const std::shared_ptr<Request>& req, uint32_t layer) {
-    OnDone done = write_done(req);
-    for (const LayerWrite& w : req->plan) {
-      const DecodeRank& dst = req->group->ranks.at(w.decode_rank);
-      engine.submit(PagedWrites{.page_len = w.run_bytes,
-                                .src = (w.value ? regions.v : regions.k)[layer],
-                                .src_pages = {.indices = w.src_index, .stride = w.src_stride, .offset = w.src_offset},
-                                .dst = (w.value ? dst.v : dst.k)[layer],
-                                .dst_pages = {.indices = w.dst_index, .stride = w.dst_stride, .offset = w.dst_offset},
-                                .imm = layer_imm(req->id, layer)},
-                    done);
+  // Ends a request at once with `status` (a write that could not even be submitted: the writes
+  // not posted would never report).
+  void fail(const std::shared_ptr<Request>& req, Status status) {
+    if (req->ended.exchange(true)) return;
+    {
+      std::lock_guard l(mu);
+      requests.erase(req->id);
     }
+    req->on_sent.fire(status);
+  }
+
+  // Submits the writes; a refusal (the decode rank's regions went stale when the engine let a
+  // failed peer go, or the engine is closing) fails the request.
+  template <class EachWrite>
+  void submit_all(const std::shared_ptr<Request>& req, EachWrite each) {
+    OnDone done = write_done(req);
+    try {
+      each([&](const PagedWrites& w) { engine.submit(w, done); });
+    } catch (const Error& e) {
+      fail(req, Status(e.code(), fmt::format("KV request {}: a write was refused: {}", req->id, e.what())));
+    }
+  }
+
+  void post_layer(const std::shared_ptr<Request>& req, uint32_t layer) {
+    submit_all(req, [&](auto&& submit) {
+      for (const LayerWrite& w : req->plan) {
+        const DecodeRank& dst = req->group->ranks.at(w.decode_rank);
+        submit(PagedWrites{.page_len = w.run_bytes,
+                           .src = (w.value ? regions.v : regions.k)[layer],
+                           .src_pages = {.indices = w.src_index, .stride = w.src_stride, .offset = w.src_offset},
+                           .dst = (w.value ? dst.v : dst.k)[layer],
+                           .dst_pages = {.indices = w.dst_index, .stride = w.dst_stride, .offset = w.dst_offset},
+                           .imm = layer_imm(req->id, layer)});
+      }
+    });
   }
 
   // One page per decode rank, from TP rank 0.
   void post_extras(const std::shared_ptr<Request>& req) {
-    OnDone done = write_done(req);
-    for (const auto& [rank, dst] : req->group->ranks)
-      engine.submit(PagedWrites{.page_len = tensors.extra_bytes,
-                                .src = *regions.extras,
-                                .src_pages = {.indices = std::span(&req->src_extra, 1), .stride = tensors.extra_bytes},
-                                .dst = *dst.extras,
-                                .dst_pages = {.indices = std::span(&req->dst_extra, 1), .stride = dst.extra_bytes},
-                                .imm = layer_imm(req->id, kExtrasLayer)},
-                    done);
+    submit_all(req, [&](auto&& submit) {
+      for (const auto& [rank, dst] : req->group->ranks)
+        submit(PagedWrites{.page_len = tensors.extra_bytes,
+                           .src = *regions.extras,
+                           .src_pages = {.indices = std::span(&req->src_extra, 1), .stride = tensors.extra_bytes},
+                           .dst = *dst.extras,
+                           .dst_pages = {.indices = std::span(&req->dst_extra, 1), .stride = dst.extra_bytes},
+                           .imm = layer_imm(req->id, kExtrasLayer)});
+    });
   }
 
   void layer_done(uint64_t request, uint32_t layer) {

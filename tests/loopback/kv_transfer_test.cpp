@@ -325,6 +325,36 @@ TEST(KvTransfer, RemovingADecodeGroupCancelsItsRequestsAndLeavesNoPeer) {
   expect_error(ErrorCode::kNotFound, "not begun", [&] { tx.layer_done(3, 1); });
 }
 
+// The engine lets a peer go by itself (or the application removes it) while a request to it is
+// under way: its regions turn stale, the next layer's writes are refused, and the request ends
+// with that error instead of waiting for writes that were never posted.
+TEST(KvTransfer, ARequestWhoseDecodeRankWasLetGoEndsAtItsNextLayer) {
+  Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
+  KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
+  KvSender tx(p.engine, p.l, p.tensors, {.group = 2, .tp = {1, 0}, .total_heads = kHeads});
+  tx.add_decoder(rx.descriptor());
+  std::atomic<int> sent{kDonePending};
+  std::mutex mu;
+  std::string why;
+  auto msg = rx.admit({.request = 4, .pages = {0, 1}, .prefill_size = 1, .timeout = std::chrono::seconds(2)});
+  tx.begin({.admit = msg, .src_pages = {2, 3}, .on_sent = OnDone::callback([&](const Status& s) {
+              std::lock_guard l(mu);
+              why = s.message();
+              sent = s.ok() ? kDoneSucceeded : kDoneFailed;
+            })});
+  ASSERT_EQ(p.engine.peer_count(), 1u) << "add_decoder resolved the decode rank";
+  p.engine.remove_peer(d.engine.main_address());  // nothing in flight to it: no other outcome
+  EXPECT_NO_THROW(tx.layer_done(4, 0)) << "the refusal is reported through on_sent";
+  ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
+  EXPECT_EQ(sent.load(), kDoneFailed);
+  {
+    std::lock_guard l(mu);
+    EXPECT_NE(why.find("was refused"), std::string::npos) << why;
+  }
+  EXPECT_EQ(tx.in_flight(), 0u);
+  expect_error(ErrorCode::kNotFound, "not begun", [&] { tx.layer_done(4, 1); });
+}
+
 TEST(KvTransfer, BadCallsAreRejectedWithAClearError) {
   Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
   KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
