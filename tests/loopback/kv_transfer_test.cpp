@@ -57,6 +57,29 @@ struct Rank {
   uint8_t* tensor(uint32_t layer, bool v) { return static_cast<uint8_t*>(v ? tensors.v[layer] : tensors.k[layer]); }
 };
 
+// How an operation ended, and its message. Declare it before the engines whose callbacks set it.
+struct Outcome {
+  std::mutex mu;
+  std::string why;
+  std::atomic<int> state{kDonePending};
+  OnDone on_done() {
+    return OnDone::callback([this](const Status& st) {
+      {
+        std::lock_guard l(mu);
+        why = st.message();
+      }
+      state = st.ok() ? kDoneSucceeded : kDoneFailed;
+    });
+  }
+  bool ended(std::chrono::seconds timeout = std::chrono::seconds(30)) {
+    return wait_until([&] { return state.load() != kDonePending; }, timeout);
+  }
+  std::string message() {
+    std::lock_guard l(mu);
+    return why;
+  }
+};
+
 void run(uint32_t ptp, uint32_t dtp, PageOrder order, bool interleaved) {
   SCOPED_TRACE(::testing::Message() << "prefill TP " << ptp << " -> decode TP " << dtp);
   std::vector<std::unique_ptr<Rank>> prefill, decode;
@@ -168,6 +191,7 @@ TEST(KvTransfer, OnePrefillRankIntoTwoDecodeRanksHeadMajor) { run(1, 2, PageOrde
 
 TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLateWrites) {
   const auto late_writes = std::chrono::milliseconds(1500);
+  Outcome ended;
   Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
   Rank p2(layout(1, PageOrder::kTokenMajor, false), false);
   KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads}, {.late_writes = late_writes});
@@ -175,27 +199,15 @@ TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLat
   KvSender retry_tx(p2.engine, p2.l, p2.tensors, {.group = 3, .tp = {1, 0}, .total_heads = kHeads});
   tx.add_decoder(rx.descriptor());
   retry_tx.add_decoder(rx.descriptor());
-  std::mutex mu;
-  std::string why;
-  std::atomic<int> ended{kDonePending}, sent{kDonePending};
-  auto msg = rx.admit({.request = 5,
-                       .pages = {1, 2},
-                       .prefill_size = 1,
-                       .timeout = std::chrono::milliseconds(500),
-                       .on_done = OnDone::callback([&](const Status& s) {
-                         std::lock_guard l(mu);
-                         why = s.message();
-                         ended = s.ok() ? kDoneSucceeded : kDoneFailed;
-                       })});
+  std::atomic<int> sent{kDonePending};
+  auto msg = rx.admit({.request = 5, .pages = {1, 2}, .prefill_size = 1,
+                       .timeout = std::chrono::milliseconds(500), .on_done = ended.on_done()});
   tx.begin({.admit = msg, .src_pages = {3, 4}, .on_sent = OnDone::flag(&sent)});
   tx.layer_done(5, 0);  // layers 1 and 2 do not come in time
-  ASSERT_TRUE(wait_until([&] { return ended.load() != kDonePending; }, std::chrono::seconds(30)));
+  ASSERT_TRUE(ended.ended());
   const auto failed_at = std::chrono::steady_clock::now();
-  EXPECT_EQ(ended.load(), kDoneFailed);
-  {
-    std::lock_guard l(mu);
-    EXPECT_NE(why.find("did not land"), std::string::npos) << why;
-  }
+  EXPECT_EQ(ended.state.load(), kDoneFailed);
+  EXPECT_NE(ended.message().find("did not land"), std::string::npos) << ended.message();
   EXPECT_EQ(rx.in_flight(), 0u);
   expect_error(ErrorCode::kInvalidArgument, "late WRITEs",
                [&] { rx.admit({.request = 5, .pages = {1}, .prefill_size = 1}); });
@@ -297,27 +309,18 @@ TEST(KvTransfer, TriggerStepsSendEachLayerAndTheExtrasLast) {
 }
 
 TEST(KvTransfer, RemovingADecodeGroupCancelsItsRequestsAndLeavesNoPeer) {
+  Outcome sent;
   Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
   KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
   KvSender tx(p.engine, p.l, p.tensors, {.group = 2, .tp = {1, 0}, .total_heads = kHeads});
   tx.add_decoder(rx.descriptor());
-  std::atomic<int> sent{kDonePending};
-  std::mutex mu;
-  std::string why;
   auto msg = rx.admit({.request = 3, .pages = {0, 1}, .prefill_size = 1, .timeout = std::chrono::seconds(2)});
-  tx.begin({.admit = msg, .src_pages = {0, 1}, .on_sent = OnDone::callback([&](const Status& s) {
-              std::lock_guard l(mu);
-              why = s.message();
-              sent = s.ok() ? kDoneSucceeded : kDoneFailed;
-            })});
+  tx.begin({.admit = msg, .src_pages = {0, 1}, .on_sent = sent.on_done()});
   tx.layer_done(3, 0);
   ASSERT_TRUE(wait_until([&] { return p.engine.peer_count() == 1; }));
   EXPECT_TRUE(tx.remove_decoder(1));
-  ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
-  {
-    std::lock_guard l(mu);
-    EXPECT_NE(why.find("decode group 1 was removed"), std::string::npos) << why;
-  }
+  ASSERT_TRUE(sent.ended());
+  EXPECT_NE(sent.message().find("decode group 1 was removed"), std::string::npos) << sent.message();
   EXPECT_TRUE(wait_until([&] { return p.engine.peer_count() == 0; })) << "the decoder's peer went with it";
   EXPECT_EQ(tx.in_flight(), 0u);
   EXPECT_FALSE(tx.remove_decoder(1));
@@ -329,28 +332,19 @@ TEST(KvTransfer, RemovingADecodeGroupCancelsItsRequestsAndLeavesNoPeer) {
 // under way: its regions turn stale, the next layer's writes are refused, and the request ends
 // with that error instead of waiting for writes that were never posted.
 TEST(KvTransfer, ARequestWhoseDecodeRankWasLetGoEndsAtItsNextLayer) {
+  Outcome sent;
   Rank d(layout(1, PageOrder::kTokenMajor, false), false), p(layout(1, PageOrder::kTokenMajor, false), false);
   KvReceiver rx(d.engine, d.l, d.tensors, {.group = 1, .tp = {1, 0}, .total_heads = kHeads});
   KvSender tx(p.engine, p.l, p.tensors, {.group = 2, .tp = {1, 0}, .total_heads = kHeads});
   tx.add_decoder(rx.descriptor());
-  std::atomic<int> sent{kDonePending};
-  std::mutex mu;
-  std::string why;
   auto msg = rx.admit({.request = 4, .pages = {0, 1}, .prefill_size = 1, .timeout = std::chrono::seconds(2)});
-  tx.begin({.admit = msg, .src_pages = {2, 3}, .on_sent = OnDone::callback([&](const Status& s) {
-              std::lock_guard l(mu);
-              why = s.message();
-              sent = s.ok() ? kDoneSucceeded : kDoneFailed;
-            })});
+  tx.begin({.admit = msg, .src_pages = {2, 3}, .on_sent = sent.on_done()});
   ASSERT_EQ(p.engine.peer_count(), 1u) << "add_decoder resolved the decode rank";
   p.engine.remove_peer(d.engine.main_address());  // nothing in flight to it: no other outcome
   EXPECT_NO_THROW(tx.layer_done(4, 0)) << "the refusal is reported through on_sent";
-  ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
-  EXPECT_EQ(sent.load(), kDoneFailed);
-  {
-    std::lock_guard l(mu);
-    EXPECT_NE(why.find("was refused"), std::string::npos) << why;
-  }
+  ASSERT_TRUE(sent.ended());
+  EXPECT_EQ(sent.state.load(), kDoneFailed);
+  EXPECT_NE(sent.message().find("was refused"), std::string::npos) << sent.message();
   EXPECT_EQ(tx.in_flight(), 0u);
   expect_error(ErrorCode::kNotFound, "not begun", [&] { tx.layer_done(4, 1); });
 }
