@@ -59,29 +59,27 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
     return it->second;
   }
 
+  // How every request ends, once: it leaves the table of `s` (none when the sender is gone) and
+  // its on_sent fires. False when it had ended already.
+  static bool end(State* s, const std::shared_ptr<Request>& req, const Status& status) {
+    if (req->ended.exchange(true)) return false;
+    if (s) {
+      std::lock_guard l(s->mu);
+      auto it = s->requests.find(req->id);
+      if (it != s->requests.end() && it->second == req) s->requests.erase(it);
+    }
+    req->on_sent.fire(status);
+    return true;
+  }
+
   // Every write of a request reports here; the last one (or the first error) ends it.
   OnDone write_done(const std::shared_ptr<Request>& req) {
     std::weak_ptr<State> weak = weak_from_this();
     return OnDone::callback([weak, req](const Status& st) {
       const bool last = req->writes_left.fetch_sub(1) == 1;
-      if ((st.ok() && !last) || req->ended.exchange(true)) return;
-      if (auto s = weak.lock()) {
-        std::lock_guard l(s->mu);
-        s->requests.erase(req->id);
-      }
-      req->on_sent.fire(st);
+      if (st.ok() && !last) return;
+      end(weak.lock().get(), req, st);
     });
-  }
-
-  // Ends a request at once with `status` (a write that could not even be submitted: the writes
-  // not posted would never report).
-  void fail(const std::shared_ptr<Request>& req, Status status) {
-    if (req->ended.exchange(true)) return;
-    {
-      std::lock_guard l(mu);
-      requests.erase(req->id);
-    }
-    req->on_sent.fire(status);
   }
 
   // Submits the writes; a refusal (the decode rank's regions went stale when the engine let a
@@ -92,7 +90,8 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
     try {
       each([&](const PagedWrites& w) { engine.submit(w, done); });
     } catch (const Error& e) {
-      fail(req, Status(e.code(), fmt::format("KV request {}: a write was refused: {}", req->id, e.what())));
+      // The writes not posted would never report: the request ends now.
+      end(this, req, Status(e.code(), fmt::format("KV request {}: a write was refused: {}", req->id, e.what())));
     }
   }
 
@@ -237,26 +236,21 @@ void KvSender::add_decoder(std::span<const uint8_t> descriptor) {
 bool KvSender::remove_decoder(uint64_t group) {
   State& s = *state_;
   std::shared_ptr<const Group> g;
-  std::vector<std::shared_ptr<Request>> cancelled;
+  std::vector<std::shared_ptr<Request>> of_group;
   {
     std::lock_guard l(s.mu);
     auto it = s.groups.find(group);
     if (it == s.groups.end()) return false;
     g = it->second;
     s.groups.erase(it);
-    for (auto r = s.requests.begin(); r != s.requests.end();) {
-      if (r->second->group->id == group && !r->second->ended.exchange(true)) {
-        cancelled.push_back(r->second);
-        r = s.requests.erase(r);
-      } else {
-        ++r;
-      }
-    }
+    for (const auto& [id, r] : s.requests)
+      if (r->group->id == group) of_group.push_back(r);
   }
+  // Ended first, so that the writes the peers' removal cancels do not speak for them.
+  for (auto& r : of_group)
+    State::end(&s, r, Status(ErrorCode::kCancelled, fmt::format("KV request {}: decode group {} was removed", r->id, group)));
   // The peers go with their regions; what is still in flight to them ends with kCancelled.
   for (const auto& [rank, dst] : g->ranks) s.engine.remove_peer(dst.owner);
-  for (auto& r : cancelled)
-    r->on_sent.fire(Status(ErrorCode::kCancelled, fmt::format("KV request {}: decode group {} was removed", r->id, group)));
   return true;
 }
 
@@ -314,12 +308,10 @@ bool KvSender::cancel(uint64_t request) {
   {
     std::lock_guard l(s.mu);
     auto it = s.requests.find(request);
-    if (it == s.requests.end() || it->second->ended.exchange(true)) return false;
+    if (it == s.requests.end()) return false;
     req = it->second;
-    s.requests.erase(it);
   }
-  req->on_sent.fire(Status(ErrorCode::kCancelled, fmt::format("KV request {} was cancelled", request)));
-  return true;
+  return State::end(&s, req, Status(ErrorCode::kCancelled, fmt::format("KV request {} was cancelled", request)));
 }
 
 void KvSender::layer_done(uint64_t request, uint32_t layer) { state_->layer_done(request, layer); }

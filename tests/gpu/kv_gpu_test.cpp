@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "fabric/kv_transfer.h"
+#include "../loopback/test_support.h"  // wait_until
 #include "gpu_kernels.h"
 #include "gpu_support.h"
 #include "process_pair.h"
@@ -18,22 +19,13 @@ namespace fabric::gpu_test {
 namespace {
 
 using namespace fabric::kv;
+using testing::wait_until;
 using tools::Channel;
 
 constexpr uint32_t kLayers = 6, kPages = 64, kPromptPages = 24, kHeads = 2;
 constexpr uint32_t kExtraSlots = 4, kExtraBytes = 4096;
 constexpr uint64_t kComputeNs = 200'000;  // per layer
 constexpr uint64_t kRequests[] = {1, 2, 3};
-
-template <class Pred>
-bool wait_until(Pred pred, std::chrono::seconds timeout = std::chrono::seconds(60)) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  return true;
-}
 
 KvLayout layout() {
   return KvLayout{.num_layers = kLayers, .num_pages = kPages, .page_tokens = 16, .kv_heads = kHeads,
