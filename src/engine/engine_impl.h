@@ -66,14 +66,14 @@ class EngineImpl {
   // The worker serving memory of `device` (host memory: the first). Throws kInvalidArgument for a
   // GPU no worker serves.
   uint32_t worker_index(Device device, const char* what) const;
-  Worker& worker_of(const RegionSlot& src) const { return *workers_[src.worker]; }
+  Worker& worker_of(const SourceView& src) const { return *workers_[src.worker]; }
   void remove_remote_locked(RemoteMr r);  // control_mu_ held
-  const RegionSlot& source(const MrHandle& h) const;
+  SourceView source(const MrHandle& h) const;
   void check_peer(const NetAddr& peer, const char* what) const;
   RemoteView remote(const RemoteMr& r, const char* what) const;
   const PeerGroup& group(const PeerGroupHandle& g, const char* what) const;
   bool reachable_locally(const MrDesc& dst) const;
-  void check_route(const RegionSlot& src, bool dst_local, const char* what) const;
+  void check_route(const SourceView& src, bool dst_local, const char* what) const;
   TransferRequest make_request(TransferKind kind, OnDone on_done, std::optional<uint32_t> imm,
                                std::optional<uint8_t> nic, const char* what) const;
   void submit_request(Worker& w, TransferRequest&& r);  // gives its buffer back if w refuses it

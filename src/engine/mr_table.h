@@ -2,7 +2,9 @@
 // (registration runs there, it owns the domains; the engine's control mutex orders them), read
 // lock-free by application threads to validate handles and bounds at submit time.
 // A slot's generation is odd while the region is registered; handles carry the generation, so a
-// stale handle never matches a later registration of the same slot.
+// stale handle never matches a later registration of the same slot. What submitting threads read
+// (SourceView) is read as a seqlock: the generation before and after, so a slot deregistered and
+// registered again meanwhile is reported as stale, never half-read.
 #pragma once
 
 #include <array>
@@ -20,14 +22,24 @@ namespace fabric {
 
 struct RegionSlot {
   std::atomic<uint32_t> generation{0};
+  // Read by any thread (see SourceView); stored with release while the slot is not live, so a
+  // reader that sees a new value also sees the generation that made its handle stale.
+  std::atomic<uint64_t> len{0};
+  std::atomic<bool> on_nics{true};  // false: GPU memory the NICs cannot reach (cuda_ipc peers only)
+  std::atomic<uint32_t> worker{0};  // the worker whose domains registered it (and that posts its writes)
+  // The registering worker's thread only.
   uint8_t* ptr = nullptr;
-  uint64_t len = 0;
   Device device;
-  bool on_nics = true;  // false: GPU memory the NICs cannot reach (cuda_ipc peers only)
-  uint32_t worker = 0;  // the worker whose domains registered it (and that posts its writes)
   std::array<DomainRegion, kMaxDomains> per_nic{};  // NICs, then the local domain
   // Worker thread only: WRITEs posted from this region and not completed (dereg_mr waits for 0).
   mutable uint32_t writes_in_flight = 0;
+};
+
+// What a submitting thread may read of a live slot.
+struct SourceView {
+  uint64_t len = 0;
+  bool on_nics = true;
+  uint32_t worker = 0;
 };
 
 class MrTable {
@@ -40,11 +52,22 @@ class MrTable {
   RegionSlot& slot(uint32_t s) { return slots_[s]; }
   size_t capacity() const { return slots_.size(); }
 
-  // Any thread: the live slot of a handle, or null.
+  // The registering worker's thread: the live slot of a handle, or null.
   const RegionSlot* find(const MrHandle& h) const {
     if (h.slot >= slots_.size() || (h.generation & 1) == 0) return nullptr;
     const RegionSlot& s = slots_[h.slot];
     return s.generation.load(std::memory_order_acquire) == h.generation ? &s : nullptr;
+  }
+
+  // Any thread: what a live handle names, or nullopt for an unknown or stale one.
+  std::optional<SourceView> view(const MrHandle& h) const {
+    const RegionSlot* s = find(h);
+    if (!s) return std::nullopt;
+    SourceView v{s->len.load(std::memory_order_relaxed), s->on_nics.load(std::memory_order_relaxed),
+                 s->worker.load(std::memory_order_relaxed)};
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (s->generation.load(std::memory_order_relaxed) != h.generation) return std::nullopt;
+    return v;
   }
 
  private:

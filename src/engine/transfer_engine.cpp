@@ -191,10 +191,12 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
       log::info("reg_mr: {}; the region is reachable through cuda_ipc only", reg.nic_refusal);
     slot.per_nic = reg.regions;
     slot.ptr = static_cast<uint8_t*>(ptr);
-    slot.len = len;
     slot.device = device;
-    slot.on_nics = reg.on_nics;
-    slot.worker = w;
+    // Release: a submitting thread that reads these also sees the slot's last deregistration
+    // (MrTable::view checks the generation again after reading them).
+    slot.len.store(len, std::memory_order_release);
+    slot.on_nics.store(reg.on_nics, std::memory_order_release);
+    slot.worker.store(w, std::memory_order_release);
     uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
     std::vector<RemoteKey> keys;
     if (reg.on_nics)
@@ -210,9 +212,8 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
 void EngineImpl::dereg_mr(MrHandle handle) {
   check_open();
   std::lock_guard lock(control_mu_);
-  source(handle);  // throws for an unknown or stale handle
+  Worker& worker = worker_of(source(handle));  // throws for an unknown or stale handle
   RegionSlot* slot = &mrs_.slot(handle.slot);
-  Worker& worker = *workers_[slot->worker];
   // One step on the worker: the handle turns stale (no transfer taken from now on reads the
   // region, and one being posted stops at its next WRITE), and the transfers reading it fail,
   // each reported once. The slot is not reused until the end, so nothing can read another
@@ -237,8 +238,8 @@ void EngineImpl::dereg_mr(MrHandle handle) {
   });
 }
 
-const RegionSlot& EngineImpl::source(const MrHandle& h) const {
-  const RegionSlot* s = mrs_.find(h);
+SourceView EngineImpl::source(const MrHandle& h) const {
+  std::optional<SourceView> s = mrs_.view(h);
   if (!s)
     throw Error(ErrorCode::kNotFound,
                 fmt::format("unknown or deregistered MrHandle (slot {}, generation {}): use the "
@@ -275,7 +276,7 @@ const PeerGroup& EngineImpl::group(const PeerGroupHandle& h, const char* what) c
   return *g;
 }
 
-void EngineImpl::check_route(const RegionSlot& src, bool dst_local, const char* what) const {
+void EngineImpl::check_route(const SourceView& src, bool dst_local, const char* what) const {
   if (!src.on_nics && !dst_local)
     throw Error(ErrorCode::kUnsupported,
                 fmt::format("{}: the source is GPU memory that this engine's NICs cannot read, and "
@@ -460,8 +461,9 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
     remotes_.return_slot(*s);
     throw;
   }
-  slot.len.store(desc.len(), std::memory_order_relaxed);
-  slot.local.store(slot.target(0).local, std::memory_order_relaxed);  // every worker shares one host
+  // Release, as in reg_mr: a reader that sees these also sees the slot's last removal.
+  slot.len.store(desc.len(), std::memory_order_release);
+  slot.local.store(slot.target(0).local, std::memory_order_release);  // every worker shares one host
   uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
   RemoteMr r{*s, gen};
   remote_index_.emplace(std::move(key), r);
@@ -488,7 +490,7 @@ void EngineImpl::remove_remote_locked(RemoteMr r) {
 void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
   constexpr const char* what = "submit(SingleWrite)";
   check_open();
-  const RegionSlot& s = source(w.src.mr);
+  const SourceView s = source(w.src.mr);
   if (!in_bounds(w.src.offset, w.len, s.len))
     out_of_bounds(what, {}, "source", w.src.offset, w.len, "the registered region", s.len);
   RemoteView d = remote(w.dst.mr, what);
@@ -511,7 +513,7 @@ void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
 void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
   constexpr const char* what = "submit(PagedWrites)";
   check_open();
-  const RegionSlot& s = source(w.src);
+  const SourceView s = source(w.src);
   RemoteView d = remote(w.dst, what);
   if (w.page_len == 0) throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: page_len must be > 0", what));
   if (w.src_pages.indices.size() != w.dst_pages.indices.size())
@@ -551,7 +553,7 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
 void EngineImpl::submit(const Scatter& w, OnDone on_done) {
   constexpr const char* what = "submit(Scatter)";
   check_open();
-  const RegionSlot& s = source(w.src);
+  const SourceView s = source(w.src);
   if (w.slices.size() > UINT32_MAX)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many slices", what));
   for (size_t i = 0; i < w.slices.size(); i++) {
@@ -574,7 +576,7 @@ void EngineImpl::submit(const Scatter& w, OnDone on_done) {
 void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
   constexpr const char* what = "submit(GroupScatter)";
   check_open();
-  const RegionSlot& s = source(w.src);
+  const SourceView s = source(w.src);
   const PeerGroup& g = group(w.group, what);
   if (w.slices.size() != g.lens.size())
     throw Error(ErrorCode::kInvalidArgument,

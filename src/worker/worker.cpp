@@ -878,7 +878,8 @@ void Worker::shutdown() {
   for (uint32_t s = 0; s < mrs_.capacity(); s++) {
     RegionSlot& slot = mrs_.slot(s);
     // Only this worker's regions: the others' belong to domains this thread must not touch.
-    if ((slot.generation.load(std::memory_order_relaxed) & 1) == 0 || slot.worker != index_) continue;
+    const bool live = (slot.generation.load(std::memory_order_relaxed) & 1) == 1;
+    if (!live || slot.worker.load(std::memory_order_relaxed) != index_) continue;
     domains_.deregister_region(slot.per_nic);
     heartbeat_.fetch_add(1, std::memory_order_relaxed);
     slot.generation.fetch_add(1, std::memory_order_release);
