@@ -13,7 +13,10 @@
 //     piece its offset and a common row stride.
 // The planner covers every destination byte exactly once from some holder, choosing among
 // replicas to balance the bytes each source rank sends (deterministically), and rejects a manifest
-// it cannot cover. Dtype changes (BF16 -> FP8 with block scales) and the executor come next.
+// it cannot cover. With FP8 destinations (plan_update) the plan has three steps: training ranks
+// gather the 128-row bands they quantize (only where their own shard does not hold a whole band),
+// quantize them into a staging area, and write the FP8 bytes and block scales to the inference
+// ranks. The executor comes next.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +29,10 @@ struct TensorSpec {
   std::string name;
   uint64_t rows = 0, cols = 0;
   uint32_t elem_bytes = 2;
+  // plan_update: the inference side holds this tensor as FP8 e4m3 (1 byte per element, pieces
+  // given in elements as usual) with one fp32 scale per 128 x 128 block (Manifest::dest_scales);
+  // the training side holds BF16 (elem_bytes 2).
+  bool fp8_blocks = false;
 };
 
 // Rows [r0, r1) x columns [c0, c1) of a tensor's matrix.
@@ -48,10 +55,18 @@ struct Placement {
 };
 
 struct Manifest {
-  std::vector<TensorSpec> tensors;
+  std::vector<TensorSpec> tensors{};
   uint32_t src_ranks = 0, dst_ranks = 0;
-  std::vector<Placement> sources;  // what each training rank holds
-  std::vector<Placement> dests;    // what each inference rank needs
+  std::vector<Placement> sources{};  // what each training rank holds
+  std::vector<Placement> dests{};    // what each inference rank needs
+  // plan_update: where inference ranks keep the block scales of fp8_blocks tensors; `tensor` names
+  // the FP8 tensor, the box is in blocks (rows and columns of the ceil(rows/128) x ceil(cols/128)
+  // scale matrix), elements are 4-byte floats.
+  std::vector<Placement> dest_scales{};
+  // plan(): sources and destinations are the same processes (a gather among training ranks): a
+  // cell the destination rank holds itself is copied locally, counted in neither src_bytes nor
+  // dst_writes.
+  bool same_ranks = false;
 };
 
 // One strided copy: `rows` rows of `row_bytes`, source row i at src_offset + i * src_stride of the
@@ -60,6 +75,7 @@ struct Manifest {
 // PagedWrites takes them: page_len = row_bytes).
 struct Copy {
   uint32_t tensor = 0, src_rank = 0, dst_rank = 0;
+  bool local = false;  // same_ranks and src_rank == dst_rank: a memcpy, not a WRITE
   uint64_t rows = 0, row_bytes = 0;
   uint64_t src_offset = 0, src_stride = 0, dst_offset = 0, dst_stride = 0;
   uint64_t bytes() const { return rows * row_bytes; }
@@ -81,5 +97,42 @@ Plan plan(const Manifest& m);
 // An independent check of a plan against its manifest: every destination byte written exactly
 // once, from a source that holds it, at the right place. Returns "" or what is wrong.
 std::string check(const Manifest& m, const Plan& p);
+
+// ---- updates with FP8 destinations ---------------------------------------------------------
+
+// One 128-row band of an fp8_blocks tensor (all its columns), quantized by one training rank:
+// BF16 rows read at in_offset + i * in_stride of that rank's address space (its own shard, or
+// the band gathered into its staging), FP8 rows written packed at out_offset, the band's
+// ceil(cols/128) scales at scale_offset.
+struct QuantizeTask {
+  uint32_t tensor = 0, rank = 0;
+  uint64_t r0 = 0, r1 = 0;
+  uint64_t in_offset = 0, in_stride = 0;
+  bool gathered = false;  // the input is a staging band that gather copies fill first
+  uint64_t out_offset = 0, scale_offset = 0;
+};
+
+// A training rank's address space: its shards at the offsets its source placements give, then
+// its staging area from staging_base (gathered BF16 bands, then FP8 bands and their scales).
+struct UpdatePlan {
+  Manifest gather_manifest;  // training -> training: BF16 bands into quantizers' staging
+  Plan gather;
+  std::vector<QuantizeTask> quantize;  // by (rank, tensor, r0)
+  // training -> inference: tensors as in the manifest (fp8_blocks ones with 1-byte elements read
+  // from staging), then one scale tensor per fp8_blocks tensor, at index tensors.size() + k.
+  Manifest send_manifest;
+  Plan send;
+  std::vector<uint64_t> staging_base, staging_bytes;  // per training rank
+};
+
+// Chooses for each band an owner among the ranks holding it: one that holds the whole band if
+// any (no gather), the one holding most of it otherwise; among equals the one with the fewest
+// bytes to send so far, then the lowest rank. Throws fabric::Error(kInvalidArgument) as plan()
+// does, and for an FP8 piece or scale placement not aligned to 128 x 128 blocks.
+UpdatePlan plan_update(const Manifest& m);
+
+// Checks both halves with check() and that every band a destination needs is quantized exactly
+// once, by a rank its gather (or its own shard) gives the whole band. "" or what is wrong.
+std::string check_update(const Manifest& m, const UpdatePlan& p);
 
 }  // namespace fabric::weights

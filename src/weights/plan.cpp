@@ -113,8 +113,10 @@ Plan plan(const Manifest& m) {
       const Placement* run_src = nullptr;
       auto flush = [&] {
         if (!run_src) return;
-        out.dst_bytes[run.dst_rank] += run.bytes();
-        out.dst_writes[run.dst_rank] += run.writes();
+        if (!run.local) {
+          out.dst_bytes[run.dst_rank] += run.bytes();
+          out.dst_writes[run.dst_rank] += run.writes();
+        }
         out.copies.push_back(run);
         run_src = nullptr;
       };
@@ -123,6 +125,10 @@ Plan plan(const Manifest& m) {
         const Placement* best = nullptr;
         for (const Placement* s : touching) {
           if (intersect(s->box, cell) != cell) continue;
+          if (m.same_ranks && s->rank == d.rank) {  // held where it is needed: a local copy
+            best = s;
+            break;
+          }
           if (!best || out.src_bytes[s->rank] < out.src_bytes[best->rank] ||
               (out.src_bytes[s->rank] == out.src_bytes[best->rank] && s->rank < best->rank))
             best = s;
@@ -131,7 +137,8 @@ Plan plan(const Manifest& m) {
           throw invalid(fmt::format("no training rank holds rows [{}, {}) x cols [{}, {}) of {} (destination rank {})",
                                     cell.r0, cell.r1, cell.c0, cell.c1, t.name, d.rank));
         const uint64_t eb = t.elem_bytes, ss = stride_of(*best, t), ds = stride_of(d, t);
-        out.src_bytes[best->rank] += cell.rows() * cell.cols() * eb;  // seen by the next cell's choice
+        const bool local = m.same_ranks && best->rank == d.rank;
+        if (!local) out.src_bytes[best->rank] += cell.rows() * cell.cols() * eb;  // seen by the next choice
         if (run_src == best && run.rows > 0) {  // the next rows of the same holder
           run.rows += cell.rows();
           continue;
@@ -140,6 +147,7 @@ Plan plan(const Manifest& m) {
         run = Copy{.tensor = d.tensor,
                    .src_rank = best->rank,
                    .dst_rank = d.rank,
+                   .local = local,
                    .rows = cell.rows(),
                    .row_bytes = cell.cols() * eb,
                    .src_offset = best->offset + (cell.r0 - best->box.r0) * ss + (cell.c0 - best->box.c0) * eb,
