@@ -14,7 +14,7 @@
 // The planner covers every destination byte exactly once from some holder, choosing among
 // replicas to balance the bytes each source rank sends (deterministically), and rejects a manifest
 // it cannot cover. With FP8 destinations (plan_update) the plan has three steps: training ranks
-// gather the 128-row bands they quantize (only where their own shard does not hold a whole band),
+// gather the row ranges they quantize (only where their own shard does not hold them whole),
 // quantize them into a staging area, and write the FP8 bytes and block scales to the inference
 // ranks. The executor comes next.
 #pragma once
@@ -100,22 +100,23 @@ std::string check(const Manifest& m, const Plan& p);
 
 // ---- updates with FP8 destinations ---------------------------------------------------------
 
-// One 128-row band of an fp8_blocks tensor (all its columns), quantized by one training rank:
-// BF16 rows read at in_offset + i * in_stride of that rank's address space (its own shard, or
-// the band gathered into its staging), FP8 rows written packed at out_offset, the band's
-// ceil(cols/128) scales at scale_offset.
+// One unit (UpdateOptions::owner_rows rows, all columns) of an fp8_blocks tensor, quantized by one
+// training rank: BF16 rows read at in_offset + i * in_stride of that rank's address space (its own
+// shard, or the unit gathered into its staging), FP8 rows written packed at out_offset, the
+// unit's scale rows (ceil(rows/128) x ceil(cols/128) floats) packed at scale_offset.
 struct QuantizeTask {
   uint32_t tensor = 0, rank = 0;
   uint64_t r0 = 0, r1 = 0;
   uint64_t in_offset = 0, in_stride = 0;
-  bool gathered = false;  // the input is a staging band that gather copies fill first
+  bool gathered = false;  // the input is a staging range that gather copies fill first
   uint64_t out_offset = 0, scale_offset = 0;
 };
 
 // A training rank's address space: its shards at the offsets its source placements give, then
-// its staging area from staging_base (gathered BF16 bands, then FP8 bands and their scales).
+// its staging area from staging_base (gathered BF16 units, then FP8 units and their scales).
 struct UpdatePlan {
-  Manifest gather_manifest;  // training -> training: BF16 bands into quantizers' staging
+  uint64_t owner_rows = 0;  // the options' unit (0: whole tensors)
+  Manifest gather_manifest;  // training -> training: BF16 units into quantizers' staging
   Plan gather;
   std::vector<QuantizeTask> quantize;  // by (rank, tensor, r0)
   // training -> inference: tensors as in the manifest (fp8_blocks ones with 1-byte elements read
@@ -125,14 +126,22 @@ struct UpdatePlan {
   std::vector<uint64_t> staging_base, staging_bytes;  // per training rank
 };
 
-// Chooses for each band an owner among the ranks holding it: one that holds the whole band if
+struct UpdateOptions {
+  // Rows one rank quantizes and sends as a unit, a multiple of 128; 0: the whole tensor. Small
+  // units let block-aligned FSDP shards quantize in place with no gather, but every unit is a
+  // WRITE per destination (a 2048-row expert over FSDP 16 is 16 units); whole tensors gather
+  // 15/16 of each tensor to its owner over the training fabric and post a WRITE per tensor.
+  uint64_t owner_rows = 0;
+};
+
+// Chooses for each unit an owner among the ranks holding it: one that holds the whole unit if
 // any (no gather), the one holding most of it otherwise; among equals the one with the fewest
 // bytes to send so far, then the lowest rank. Throws fabric::Error(kInvalidArgument) as plan()
-// does, and for an FP8 piece or scale placement not aligned to 128 x 128 blocks.
-UpdatePlan plan_update(const Manifest& m);
+// does, for owner_rows not a multiple of 128, and for an FP8 piece not aligned to 128 x 128 blocks.
+UpdatePlan plan_update(const Manifest& m, const UpdateOptions& options = {});
 
-// Checks both halves with check() and that every band a destination needs is quantized exactly
-// once, by a rank its gather (or its own shard) gives the whole band. "" or what is wrong.
+// Checks both halves with check() and that every unit a destination needs is quantized exactly
+// once, by a rank its gather (or its own shard) gives the whole unit. "" or what is wrong.
 std::string check_update(const Manifest& m, const UpdatePlan& p);
 
 }  // namespace fabric::weights

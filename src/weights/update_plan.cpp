@@ -1,5 +1,5 @@
-// Weight updates with FP8 destinations (include/fabric/weights.h, plan_update): each 128-row band
-// of an FP8 tensor gets one quantizing training rank; the band is gathered into its staging
+// Weight updates with FP8 destinations (include/fabric/weights.h, plan_update): each unit of rows
+// of an FP8 tensor gets one quantizing training rank; the unit is gathered into its staging
 // where its own shard does not hold it whole; the FP8 bytes and scales then go out as an ordinary
 // plan from the staging areas. Both transfers are plain plan() results, so check() verifies them.
 #include <fmt/format.h>
@@ -27,13 +27,15 @@ uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 uint64_t stride_of(const Placement& p, uint64_t elem_bytes) {
   return p.row_stride ? p.row_stride : p.box.cols() * elem_bytes;
 }
-Box band_of(const TensorSpec& t, uint64_t k) { return Box{k * kB, std::min(t.rows, (k + 1) * kB), 0, t.cols}; }
+// Rows per unit for a tensor: the option, or the whole tensor.
+uint64_t unit_rows(const TensorSpec& t, uint64_t owner_rows) { return owner_rows ? owner_rows : round_up(t.rows, kB); }
+Box unit_of(const TensorSpec& t, uint64_t u, uint64_t k) { return Box{k * u, std::min(t.rows, (k + 1) * u), 0, t.cols}; }
 
 bool aligned(uint64_t lo, uint64_t hi, uint64_t end) { return lo % kB == 0 && (hi % kB == 0 || hi == end); }
 
-// The bands of each FP8 tensor that some destination needs, with the bytes they send (FP8 bytes
-// of every piece that overlaps the band, and its scale rows).
-std::vector<std::map<uint64_t, uint64_t>> needed_bands(const Manifest& m) {
+// The units of each FP8 tensor that some destination needs, with the bytes they send (FP8 bytes
+// of every piece that overlaps the unit, and its scale rows).
+std::vector<std::map<uint64_t, uint64_t>> needed_units(const Manifest& m, uint64_t owner_rows) {
   std::vector<std::map<uint64_t, uint64_t>> need(m.tensors.size());
   for (const Placement& d : m.dests) {
     if (d.tensor >= m.tensors.size()) throw invalid(fmt::format("a destination names tensor {}", d.tensor));
@@ -43,21 +45,26 @@ std::vector<std::map<uint64_t, uint64_t>> needed_bands(const Manifest& m) {
       throw invalid(fmt::format("destination rank {}: the FP8 piece rows [{}, {}) x cols [{}, {}) of {} is not "
                                 "aligned to 128 x 128 blocks",
                                 d.rank, d.box.r0, d.box.r1, d.box.c0, d.box.c1, t.name));
-    for (uint64_t k = d.box.r0 / kB; k * kB < d.box.r1; k++) need[d.tensor][k] += area(intersect(d.box, band_of(t, k)));
+    const uint64_t u = unit_rows(t, owner_rows);
+    for (uint64_t k = d.box.r0 / u; k * u < d.box.r1; k++) need[d.tensor][k] += area(intersect(d.box, unit_of(t, u, k)));
   }
   for (const Placement& s : m.dest_scales) {
     if (s.tensor >= m.tensors.size() || !m.tensors[s.tensor].fp8_blocks)
       throw invalid(fmt::format("a scale placement of rank {} names tensor {}, which is not an FP8 tensor", s.rank,
                                 s.tensor));
-    for (uint64_t k = s.box.r0; k < s.box.r1; k++) need[s.tensor][k] += s.box.cols() * sizeof(float);
+    const uint64_t u = unit_rows(m.tensors[s.tensor], owner_rows);
+    for (uint64_t k = s.box.r0; k < s.box.r1; k++) need[s.tensor][k * kB / u] += s.box.cols() * sizeof(float);
   }
   return need;
 }
 
 }  // namespace
 
-UpdatePlan plan_update(const Manifest& m) {
+UpdatePlan plan_update(const Manifest& m, const UpdateOptions& options) {
+  if (options.owner_rows % kB != 0)
+    throw invalid(fmt::format("owner_rows {} is not a multiple of 128", options.owner_rows));
   UpdatePlan up;
+  up.owner_rows = options.owner_rows;
   const size_t n = m.tensors.size();
   up.staging_base.assign(m.src_ranks, 0);
   up.staging_bytes.assign(m.src_ranks, 0);
@@ -70,7 +77,7 @@ UpdatePlan plan_update(const Manifest& m) {
   }
   for (auto& b : up.staging_base) b = round_up(b, kStagingAlign);
   std::vector<uint64_t> cursor = up.staging_base;
-  std::vector<std::map<uint64_t, uint64_t>> need = needed_bands(m);
+  std::vector<std::map<uint64_t, uint64_t>> need = needed_units(m, options.owner_rows);
 
   up.gather_manifest = Manifest{.tensors = m.tensors, .src_ranks = m.src_ranks, .dst_ranks = m.src_ranks,
                                 .sources = m.sources, .dests = {}, .dest_scales = {}, .same_ranks = true};
@@ -99,16 +106,17 @@ UpdatePlan plan_update(const Manifest& m) {
   std::vector<uint64_t> load(m.src_ranks, 0);  // bytes each rank will send
   for (uint32_t t = 0; t < n; t++) {
     const TensorSpec& spec = m.tensors[t];
+    const uint64_t u = unit_rows(spec, options.owner_rows);
     for (const auto& [k, bytes] : need[t]) {
-      const Box band = band_of(spec, k);
-      // The owner: whole band held first, then most of it held, then least to send, then rank.
+      const Box unit = unit_of(spec, u, k);
+      // The owner: whole unit held first, then most of it held, then least to send, then rank.
       const Placement* owner = nullptr;
       uint64_t owner_held = 0;
       for (const Placement* s : holders[t]) {
-        const uint64_t held = area(intersect(s->box, band));
+        const uint64_t held = area(intersect(s->box, unit));
         if (held == 0) continue;
         auto key = [&](const Placement* p, uint64_t h) {
-          return std::make_tuple(h != area(band), h == area(band) ? 0 : ~h, load[p->rank], p->rank);
+          return std::make_tuple(h != area(unit), h == area(unit) ? 0 : ~h, load[p->rank], p->rank);
         };
         if (!owner || key(s, held) < key(owner, owner_held)) {
           owner = s;
@@ -116,27 +124,28 @@ UpdatePlan plan_update(const Manifest& m) {
         }
       }
       if (!owner)
-        throw invalid(fmt::format("no training rank holds any of rows [{}, {}) of {}", band.r0, band.r1, spec.name));
+        throw invalid(fmt::format("no training rank holds any of rows [{}, {}) of {}", unit.r0, unit.r1, spec.name));
       const uint32_t r = owner->rank;
-      QuantizeTask q{.tensor = t, .rank = r, .r0 = band.r0, .r1 = band.r1};
-      if (owner_held == area(band)) {
+      QuantizeTask q{.tensor = t, .rank = r, .r0 = unit.r0, .r1 = unit.r1};
+      if (owner_held == area(unit)) {
         const uint64_t ss = stride_of(*owner, spec.elem_bytes);
-        q.in_offset = owner->offset + (band.r0 - owner->box.r0) * ss;  // the band spans every column
+        q.in_offset = owner->offset + (unit.r0 - owner->box.r0) * ss;  // the unit spans every column
         q.in_stride = ss;
       } else {
         q.gathered = true;
         q.in_offset = cursor[r];
         q.in_stride = spec.cols * spec.elem_bytes;
-        cursor[r] = round_up(cursor[r] + area(band) * spec.elem_bytes, 64);
-        up.gather_manifest.dests.push_back({.tensor = t, .rank = r, .box = band, .offset = q.in_offset, .row_stride = 0});
+        cursor[r] = round_up(cursor[r] + area(unit) * spec.elem_bytes, 64);
+        up.gather_manifest.dests.push_back({.tensor = t, .rank = r, .box = unit, .offset = q.in_offset, .row_stride = 0});
       }
       q.out_offset = cursor[r];
-      cursor[r] = round_up(cursor[r] + area(band), 64);
+      cursor[r] = round_up(cursor[r] + area(unit), 64);
       q.scale_offset = cursor[r];
-      cursor[r] = round_up(cursor[r] + fp8::scale_cols(spec.cols) * sizeof(float), 64);
-      send.sources.push_back({.tensor = t, .rank = r, .box = band, .offset = q.out_offset, .row_stride = 0});
-      send.sources.push_back({.tensor = scale_tensor[t], .rank = r, .box = {k, k + 1, 0, fp8::scale_cols(spec.cols)},
-                              .offset = q.scale_offset, .row_stride = 0});
+      const Box scale_box{unit.r0 / kB, fp8::scale_rows(unit.r1), 0, fp8::scale_cols(spec.cols)};
+      cursor[r] = round_up(cursor[r] + area(scale_box) * sizeof(float), 64);
+      send.sources.push_back({.tensor = t, .rank = r, .box = unit, .offset = q.out_offset, .row_stride = 0});
+      send.sources.push_back({.tensor = scale_tensor[t], .rank = r, .box = scale_box, .offset = q.scale_offset,
+                              .row_stride = 0});
       load[r] += bytes;
       up.quantize.push_back(q);
     }
@@ -153,38 +162,41 @@ UpdatePlan plan_update(const Manifest& m) {
 std::string check_update(const Manifest& m, const UpdatePlan& p) {
   if (std::string e = check(p.gather_manifest, p.gather); !e.empty()) return "gather: " + e;
   if (std::string e = check(p.send_manifest, p.send); !e.empty()) return "send: " + e;
-  // Every needed band quantized once, from an input that holds the whole band.
+  // Every needed unit quantized once, from an input that holds the whole unit.
   std::map<std::pair<uint32_t, uint64_t>, int> seen;
   for (const QuantizeTask& q : p.quantize) {
     if (q.tensor >= m.tensors.size() || !m.tensors[q.tensor].fp8_blocks) return "a quantize task names a non-FP8 tensor";
     const TensorSpec& t = m.tensors[q.tensor];
-    if (q.r0 % kB != 0 || q.r1 != std::min(t.rows, q.r0 + kB)) return fmt::format("{}: a task is not one band", t.name);
-    seen[{q.tensor, q.r0 / kB}]++;
-    const Box band{q.r0, q.r1, 0, t.cols};
+    const uint64_t u = unit_rows(t, p.owner_rows);
+    if (q.r0 % u != 0 || q.r1 != std::min(t.rows, q.r0 + u)) return fmt::format("{}: a task is not one unit", t.name);
+    seen[{q.tensor, q.r0 / u}]++;
+    const Box unit{q.r0, q.r1, 0, t.cols};
     bool input_ok = false;
     const std::vector<Placement>& inputs = q.gathered ? p.gather_manifest.dests : m.sources;
     for (const Placement& s : inputs) {
-      if (s.rank != q.rank || s.tensor != q.tensor || intersect(s.box, band) != band) continue;
+      if (s.rank != q.rank || s.tensor != q.tensor || intersect(s.box, unit) != unit) continue;
       const uint64_t ss = stride_of(s, t.elem_bytes);
-      input_ok |= q.in_stride == ss && q.in_offset == s.offset + (q.r0 - s.box.r0) * ss;  // the band spans every column: c0 is 0
+      input_ok |= q.in_stride == ss && q.in_offset == s.offset + (q.r0 - s.box.r0) * ss;  // the unit spans every column: c0 is 0
     }
     if (!input_ok)
-      return fmt::format("{} rows [{}, {}) on rank {}: the quantizer's input is not the whole band", t.name, q.r0, q.r1,
+      return fmt::format("{} rows [{}, {}) on rank {}: the quantizer's input is not the whole unit", t.name, q.r0, q.r1,
                          q.rank);
+    const uint64_t scale_bytes = (fp8::scale_rows(q.r1) - q.r0 / kB) * fp8::scale_cols(t.cols) * sizeof(float);
     if (q.out_offset < p.staging_base[q.rank] ||
-        q.scale_offset + fp8::scale_cols(t.cols) * sizeof(float) > p.staging_base[q.rank] + p.staging_bytes[q.rank])
+        q.scale_offset + scale_bytes > p.staging_base[q.rank] + p.staging_bytes[q.rank])
       return fmt::format("{} rows [{}, {}): output outside rank {}'s staging", t.name, q.r0, q.r1, q.rank);
   }
   for (const auto& [key, count] : seen)
-    if (count != 1) return fmt::format("{} band {} quantized {} times", m.tensors[key.first].name, key.second, count);
+    if (count != 1) return fmt::format("{} unit {} quantized {} times", m.tensors[key.first].name, key.second, count);
   // The staging ranges of a rank's tasks (gathered input, FP8 output, scales) never overlap.
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> staging(m.src_ranks);
   for (const QuantizeTask& q : p.quantize) {
     const TensorSpec& t = m.tensors[q.tensor];
-    const uint64_t band = (q.r1 - q.r0) * t.cols;
-    if (q.gathered) staging[q.rank].emplace_back(q.in_offset, q.in_offset + band * t.elem_bytes);
-    staging[q.rank].emplace_back(q.out_offset, q.out_offset + band);
-    staging[q.rank].emplace_back(q.scale_offset, q.scale_offset + fp8::scale_cols(t.cols) * sizeof(float));
+    const uint64_t unit = (q.r1 - q.r0) * t.cols;
+    if (q.gathered) staging[q.rank].emplace_back(q.in_offset, q.in_offset + unit * t.elem_bytes);
+    staging[q.rank].emplace_back(q.out_offset, q.out_offset + unit);
+    staging[q.rank].emplace_back(q.scale_offset, q.scale_offset + (fp8::scale_rows(q.r1) - q.r0 / kB) *
+                                                                      fp8::scale_cols(t.cols) * sizeof(float));
   }
   for (uint32_t r = 0; r < m.src_ranks; r++) {
     std::sort(staging[r].begin(), staging[r].end());
@@ -193,10 +205,10 @@ std::string check_update(const Manifest& m, const UpdatePlan& p) {
         return fmt::format("rank {}: staging bytes [{}, {}) are used twice", r, staging[r][i].first,
                            staging[r][i - 1].second);
   }
-  std::vector<std::map<uint64_t, uint64_t>> need = needed_bands(m);
+  std::vector<std::map<uint64_t, uint64_t>> need = needed_units(m, p.owner_rows);
   for (uint32_t t = 0; t < need.size(); t++)
     for (const auto& [k, bytes] : need[t])
-      if (!seen.count({t, k})) return fmt::format("{} band {} is needed and never quantized", m.tensors[t].name, k);
+      if (!seen.count({t, k})) return fmt::format("{} unit {} is needed and never quantized", m.tensors[t].name, k);
   return "";
 }
 

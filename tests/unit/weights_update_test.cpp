@@ -50,7 +50,7 @@ std::vector<std::vector<uint8_t>> execute(const Model& model, const UpdatePlan& 
     std::vector<uint16_t> in(rows * t.cols);
     for (uint64_t i = 0; i < rows; i++)
       std::memcpy(&in[i * t.cols], &src[q.rank][q.in_offset + i * q.in_stride], t.cols * 2);
-    std::vector<float> scales(fp8::scale_cols(t.cols));
+    std::vector<float> scales((fp8::scale_rows(q.r1) - q.r0 / fp8::kBlock) * fp8::scale_cols(t.cols));
     fp8::quantize_blocks({.in = in, .rows = rows, .cols = t.cols, .out = {&src[q.rank][q.out_offset], rows * t.cols},
                           .scales = scales});
     std::memcpy(&src[q.rank][q.scale_offset], scales.data(), scales.size() * sizeof(float));
@@ -166,7 +166,7 @@ TEST(WeightsUpdate, AlignedShardsQuantizeInPlaceWithoutAGather) {
     m.dest_scales.push_back({.tensor = 0, .rank = d, .box = {0, 4, d, d + 1}, .offset = 512 * 128, .row_stride = 0});
   }
   model.dst_size = {512 * 128 + 16, 512 * 128 + 16};
-  UpdatePlan up = plan_update(m);
+  UpdatePlan up = plan_update(m, {.owner_rows = 128});
   EXPECT_EQ(check_update(m, up), "");
   EXPECT_TRUE(up.gather.copies.empty()) << "every band lies within one shard";
   ASSERT_EQ(up.quantize.size(), 4u);
@@ -190,7 +190,7 @@ TEST(WeightsUpdate, UnalignedShardsGatherOnlyTheBandsThatStraddle) {
   m.dests.push_back({.tensor = 0, .rank = 0, .box = {0, 896, 0, 128}, .offset = 0, .row_stride = 0});
   m.dest_scales.push_back({.tensor = 0, .rank = 0, .box = {0, 7, 0, 1}, .offset = 896 * 128, .row_stride = 0});
   model.dst_size = {896 * 128 + 28};
-  UpdatePlan up = plan_update(m);
+  UpdatePlan up = plan_update(m, {.owner_rows = 128});
   EXPECT_EQ(check_update(m, up), "");
   uint64_t remote = 0, local = 0;
   for (const Copy& c : up.gather.copies) (c.local ? local : remote) += c.bytes();
@@ -200,10 +200,38 @@ TEST(WeightsUpdate, UnalignedShardsGatherOnlyTheBandsThatStraddle) {
   expect_exact(model, execute(model, up));
 }
 
+TEST(WeightsUpdate, WholeTensorOwnersGatherTheRestAndSendOneWritePerDestination) {
+  // The 896-row tensor over FSDP 2 with whole-tensor units: one owner gathers the other half.
+  Model model;
+  Manifest& m = model.m;
+  m.tensors = {{"w2", 896, 128, 2, true}};
+  m.src_ranks = 2;
+  m.dst_ranks = 1;
+  std::mt19937 rng(3);
+  model.full.emplace_back(896 * 128);
+  for (auto& v : model.full[0]) v = random_bf16(rng);
+  for (uint32_t r = 0; r < 2; r++)
+    m.sources.push_back({.tensor = 0, .rank = r, .box = {448 * r, 448 * r + 448, 0, 128}, .offset = 0, .row_stride = 0});
+  m.dests.push_back({.tensor = 0, .rank = 0, .box = {0, 896, 0, 128}, .offset = 0, .row_stride = 0});
+  m.dest_scales.push_back({.tensor = 0, .rank = 0, .box = {0, 7, 0, 1}, .offset = 896 * 128, .row_stride = 0});
+  model.dst_size = {896 * 128 + 28};
+  UpdatePlan up = plan_update(m);
+  EXPECT_EQ(check_update(m, up), "");
+  ASSERT_EQ(up.quantize.size(), 1u);
+  EXPECT_TRUE(up.quantize[0].gathered);
+  uint64_t remote = 0;
+  for (const Copy& c : up.gather.copies) remote += c.local ? 0 : c.bytes();
+  EXPECT_EQ(remote, 448u * 128 * 2) << "the other rank's half";
+  EXPECT_EQ(up.send.dst_writes[0], 2u) << "the FP8 tensor and its scales";
+  expect_exact(model, execute(model, up));
+  EXPECT_THROW(plan_update(m, {.owner_rows = 100}), Error);
+}
+
 TEST(WeightsUpdate, RandomManifestsAreExactBitForBit) {
-  for (uint32_t seed = 0; seed < 80; seed++) {
+  for (uint32_t seed = 0; seed < 90; seed++) {
     Model model = random_model(seed);
-    UpdatePlan up = plan_update(model.m);
+    const uint64_t owner_rows = 128 * (seed % 3);  // whole tensors, bands, pairs of bands
+    UpdatePlan up = plan_update(model.m, {.owner_rows = owner_rows});
     ASSERT_EQ(check_update(model.m, up), "") << "seed " << seed;
     expect_exact(model, execute(model, up));
     if (HasFatalFailure()) {
@@ -256,7 +284,7 @@ TEST(WeightsUpdate, MisalignedFp8PiecesAndBrokenPlansAreRefused) {
   EXPECT_NE(check_update(m, doubled).find("quantized 2 times"), std::string::npos);
   UpdatePlan misread = up;
   misread.quantize[0].in_offset += 2;
-  EXPECT_NE(check_update(m, misread).find("not the whole band"), std::string::npos);
+  EXPECT_NE(check_update(m, misread).find("not the whole unit"), std::string::npos);
 }
 
 }  // namespace
