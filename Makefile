@@ -112,6 +112,14 @@ bench-kv: build
 bench-kv-compare: build
 	bench/kv_compare.sh $(BUILD)
 
+# The RL weight-update plan for Kimi-K2 at full scale (256 BF16 training GPUs to 128 FP8 inference
+# GPUs), built and checked here, with the posting cost of the busiest rank's WRITEs on this
+# machine's engine; ends with `plan params=... src=256 dst=128 wrs_per_rank_max=...
+# nic_bytes_max_over_mean=... lower_bound_ms=... predicted_ms=... post_ms_per_rank=...`. About 30 s.
+.PHONY: bench-weights
+bench-weights: build
+	$(BUILD)/bench/fabric-weights-plan
+
 # A prefill and a decode process that find each other in etcd (started on loopback) and move KV
 # pages layer by layer; prints each request's per-layer timeline and checks every byte.
 .PHONY: example-kv

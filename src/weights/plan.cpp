@@ -37,9 +37,14 @@ void check_placement(const Manifest& m, const Placement& p, uint32_t ranks, cons
                               p.rank, p.row_stride, t.name, p.box.cols() * t.elem_bytes));
 }
 
-// Byte intervals [begin, end) of one rank's buffer that a placement occupies, one per row.
+// Byte intervals [begin, end) of one rank's buffer that a placement occupies: one for packed rows,
+// else one per row.
 void row_intervals(const Placement& p, const TensorSpec& t, std::vector<std::pair<uint64_t, uint64_t>>& out) {
   const uint64_t stride = stride_of(p, t), len = p.box.cols() * t.elem_bytes;
+  if (stride == len) {
+    out.emplace_back(p.offset, p.offset + p.box.rows() * len);
+    return;
+  }
   for (uint64_t i = 0; i < p.box.rows(); i++) out.emplace_back(p.offset + i * stride, p.offset + i * stride + len);
 }
 
@@ -167,18 +172,27 @@ Plan plan(const Manifest& m) {
 }
 
 std::string check(const Manifest& m, const Plan& p) {
-  // What a byte of a rank's buffer holds: (tensor, row, byte of the row), found from placements.
-  using Where = std::tuple<uint32_t, uint64_t, uint64_t>;
-  auto locate = [&](const std::vector<Placement>& side, uint32_t rank, uint64_t at,
-                    uint32_t tensor) -> std::optional<Where> {
-    for (const Placement& pl : side) {
-      if (pl.rank != rank || pl.tensor != tensor) continue;
-      const TensorSpec& t = m.tensors[pl.tensor];
-      const uint64_t stride = stride_of(pl, t), len = pl.box.cols() * t.elem_bytes;
-      if (at < pl.offset) continue;
-      const uint64_t i = (at - pl.offset) / stride, within = (at - pl.offset) % stride;
-      if (i >= pl.box.rows() || within >= len) continue;
-      return Where{pl.tensor, pl.box.r0 + i, pl.box.c0 * t.elem_bytes + within};
+  // Placements by (rank, tensor), for each side.
+  using Index = std::map<std::pair<uint32_t, uint32_t>, std::vector<const Placement*>>;
+  Index sources, dests;
+  for (const Placement& pl : m.sources) sources[{pl.rank, pl.tensor}].push_back(&pl);
+  for (const Placement& pl : m.dests) dests[{pl.rank, pl.tensor}].push_back(&pl);
+  // What a byte of a rank's buffer holds: (tensor, row, byte of the row), and the placement that
+  // says so.
+  struct Where {
+    std::tuple<uint32_t, uint64_t, uint64_t> at;
+    const Placement* in = nullptr;
+  };
+  auto locate = [&](const Index& side, uint32_t rank, uint64_t at, uint32_t tensor) -> std::optional<Where> {
+    auto it = side.find({rank, tensor});
+    if (it == side.end()) return std::nullopt;
+    for (const Placement* pl : it->second) {
+      const TensorSpec& t = m.tensors[pl->tensor];
+      const uint64_t stride = stride_of(*pl, t), len = pl->box.cols() * t.elem_bytes;
+      if (at < pl->offset) continue;
+      const uint64_t i = (at - pl->offset) / stride, within = (at - pl->offset) % stride;
+      if (i >= pl->box.rows() || within >= len) continue;
+      return Where{{pl->tensor, pl->box.r0 + i, pl->box.c0 * t.elem_bytes + within}, pl};
     }
     return std::nullopt;
   };
@@ -186,18 +200,38 @@ std::string check(const Manifest& m, const Plan& p) {
   for (const Copy& c : p.copies) {
     if (c.src_rank >= m.src_ranks || c.dst_rank >= m.dst_ranks || c.tensor >= m.tensors.size())
       return "a copy names a rank or tensor outside the manifest";
-    for (uint64_t i = 0; i < c.rows; i++) {
+    if (c.rows == 0 || c.row_bytes == 0) return "an empty copy";
+    const TensorSpec& t = m.tensors[c.tensor];
+    // Row i of the copy must read and land at the same place of the tensor, at both ends of the
+    // row. When the first and last rows do and lie in one placement on each side whose stride is
+    // the copy's, every row between does too (both sides are affine in i): two rows suffice.
+    auto row_ok = [&](uint64_t i, const Placement** from_in, const Placement** to_in) -> std::string {
       const uint64_t s = c.src_offset + i * c.src_stride, d = c.dst_offset + i * c.dst_stride;
-      for (uint64_t probe : {uint64_t{0}, c.row_bytes - 1}) {  // both ends of the row map alike
-        auto from = locate(m.sources, c.src_rank, s + probe, c.tensor);
-        auto to = locate(m.dests, c.dst_rank, d + probe, c.tensor);
-        if (!from || !to || *from != *to)
+      for (uint64_t probe : {uint64_t{0}, c.row_bytes - 1}) {
+        auto from = locate(sources, c.src_rank, s + probe, c.tensor);
+        auto to = locate(dests, c.dst_rank, d + probe, c.tensor);
+        if (!from || !to || from->at != to->at)
           return fmt::format("copy of {} from rank {} to rank {}, row {}: byte {} of the row reads {} and lands at {}",
-                             m.tensors[c.tensor].name, c.src_rank, c.dst_rank, i, probe,
+                             t.name, c.src_rank, c.dst_rank, i, probe,
                              from ? "its tensor" : "outside what the source holds",
-                             to ? (from && *from == *to ? "the same place" : "another place") : "outside every piece");
+                             to ? (from && from->at == to->at ? "the same place" : "another place")
+                                : "outside every piece");
+        *from_in = from->in;
+        *to_in = to->in;
       }
-      written[c.dst_rank].emplace_back(d, d + c.row_bytes);
+      return "";
+    };
+    const Placement *f0 = nullptr, *t0 = nullptr, *f1 = nullptr, *t1 = nullptr;
+    if (std::string e = row_ok(0, &f0, &t0); !e.empty()) return e;
+    if (std::string e = row_ok(c.rows - 1, &f1, &t1); !e.empty()) return e;
+    const bool affine = f0 == f1 && t0 == t1 && stride_of(*f0, t) == c.src_stride && stride_of(*t0, t) == c.dst_stride;
+    for (uint64_t i = 1; !affine && i + 1 < c.rows; i++)
+      if (std::string e = row_ok(i, &f1, &t1); !e.empty()) return e;
+    if (c.dst_stride == c.row_bytes) {
+      written[c.dst_rank].emplace_back(c.dst_offset, c.dst_offset + c.rows * c.row_bytes);
+    } else {
+      for (uint64_t i = 0; i < c.rows; i++)
+        written[c.dst_rank].emplace_back(c.dst_offset + i * c.dst_stride, c.dst_offset + i * c.dst_stride + c.row_bytes);
     }
   }
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> wanted(m.dst_ranks);

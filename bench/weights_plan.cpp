@@ -1,0 +1,186 @@
+// fabric-weights-plan: the RL weight-update plan for Kimi-K2 at full scale (256 training GPUs,
+// BF16, FSDP 16 x PP 2 x EP 8, to 128 inference GPUs, FP8 with 128 x 128 block scales, 4 replicas
+// of EP 32), built and checked without the hardware. Prints the WRITEs per training rank, the
+// bytes per NIC (max / mean), the network's lower bound (bytes into the inference GPUs over their
+// aggregate bandwidth), a predicted transfer time with the pipeline overlapping gather, quantize
+// and send, and the measured CPU cost of posting the busiest rank's WRITEs through this machine's
+// engine (64-byte stand-ins for each WRITE, shm). Ends with the `plan ...` line make bench-weights
+// documents.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "fabric/fabric.h"
+#include "fabric/weights.h"
+#include "kimi_k2_manifest.h"
+
+using namespace fabric;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Options {
+  double gbps = 400;          // per GPU, all its NICs
+  double quantize_gbs = 1500;  // GB/s of BF16 a GPU quantizes (memory-bound: read 2 B, write 1 B)
+  uint64_t owner_rows = 0;
+  std::string provider = "shm";
+  bool skip_post = false;
+  bool busy = false;
+};
+
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+struct RankLoad {
+  uint64_t out = 0, in = 0, wrs = 0;
+};
+
+// Posts `copies` (one rank's WRITEs) as 64-byte stand-ins from one engine to a peer engine's 8
+// regions; returns {ms until every submit returned, ms until every transfer completed}.
+std::pair<double, double> time_posting(const std::vector<const weights::Copy*>& copies, const std::string& provider,
+                                       bool busy) {
+  EngineConfig cfg;
+  cfg.provider = provider;
+  cfg.worker_poll = busy ? PollMode::kBusy : PollMode::kAdaptive;
+  if (provider != "shm") cfg.nics = {NicConfig{"", "127.0.0.2"}};
+  TransferEngine sender(cfg), receiver(cfg);
+  constexpr uint64_t kRegion = 64 << 10, kPage = 64;
+  std::vector<uint8_t> src(kRegion, 1);
+  std::vector<std::vector<uint8_t>> dst(8, std::vector<uint8_t>(kRegion));
+  auto [hs, ds] = sender.reg_mr(src.data(), src.size());
+  std::vector<RemoteMr> remotes;
+  for (auto& d : dst) remotes.push_back(sender.add_remote(receiver.reg_mr(d.data(), d.size()).second));
+  std::vector<uint32_t> pages(kRegion / kPage);
+  std::iota(pages.begin(), pages.end(), 0u);
+  std::atomic<uint64_t> done{0}, failed{0};
+  const auto t0 = Clock::now();
+  for (const weights::Copy* c : copies) {
+    const RemoteMr to = remotes[c->dst_rank % remotes.size()];
+    if (c->writes() == 1) {
+      sender.submit(SingleWrite{.len = kPage, .src = {hs, 0}, .dst = {to, 0}, .imm = c->dst_rank},
+                    OnDone::counter(&done, &failed));
+    } else {
+      const std::span<const uint32_t> n(pages.data(), std::min<uint64_t>(c->rows, pages.size()));
+      sender.submit(PagedWrites{.page_len = kPage, .src = hs, .src_pages = {n, kPage, 0}, .dst = to,
+                                .dst_pages = {n, kPage, 0}, .imm = c->dst_rank},
+                    OnDone::counter(&done, &failed));
+    }
+  }
+  const double submitted = ms_since(t0);
+  while (done.load() + failed.load() < copies.size()) std::this_thread::yield();
+  const double completed = ms_since(t0);
+  if (failed.load()) throw std::runtime_error(fmt::format("{} stand-in WRITEs failed", failed.load()));
+  return {submitted, completed};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"fabric-weights-plan: the Kimi-K2 weight-update plan at full scale"};
+  app.add_option("--gbps", o.gbps, "network bandwidth per GPU (all its NICs), Gb/s");
+  app.add_option("--quantize-gbs", o.quantize_gbs, "BF16 GB/s one GPU quantizes");
+  app.add_option("--owner-rows", o.owner_rows, "rows a rank quantizes as a unit (128 multiples; 0: whole tensors)");
+  app.add_option("--provider", o.provider, "provider for the posting measurement");
+  app.add_flag("--skip-post", o.skip_post, "leave out the posting measurement");
+  app.add_flag("--busy", o.busy, "busy-polling worker for the posting measurement (default adaptive)");
+  CLI11_PARSE(app, argc, argv);
+
+  bench::KimiK2Layout layout;
+  auto t = Clock::now();
+  const weights::Manifest m = bench::kimi_k2_manifest({}, layout);
+  uint64_t params = 0;
+  for (const auto& spec : m.tensors) params += spec.rows * spec.cols;
+  fmt::print("manifest: {} tensors, {:.3f} T parameters, {} source and {} destination placements ({:.0f} ms)\n",
+             m.tensors.size(), params / 1e12, m.sources.size(), m.dests.size() + m.dest_scales.size(), ms_since(t));
+  t = Clock::now();
+  const weights::UpdatePlan up = weights::plan_update(m, {.owner_rows = o.owner_rows});
+  const double plan_ms = ms_since(t);
+  t = Clock::now();
+  if (std::string e = weights::check_update(m, up); !e.empty()) {
+    fmt::print(stderr, "plan check failed: {}\n", e);
+    return 1;
+  }
+  fmt::print("plan: {} quantize units, {} gather and {} send copies ({:.0f} ms; checked in {:.0f} ms)\n",
+             up.quantize.size(), up.gather.copies.size(), up.send.copies.size(), plan_ms, ms_since(t));
+
+  std::vector<RankLoad> src(m.src_ranks);
+  std::vector<uint64_t> dst_in(m.dst_ranks, 0);
+  for (const auto& c : up.send.copies) {
+    src[c.src_rank].out += c.bytes();
+    src[c.src_rank].wrs += c.writes();
+    dst_in[c.dst_rank] += c.bytes();
+  }
+  uint64_t gather_bytes = 0;
+  for (const auto& c : up.gather.copies) {
+    if (c.local) continue;
+    src[c.src_rank].out += c.bytes();
+    src[c.src_rank].wrs += c.writes();
+    src[c.dst_rank].in += c.bytes();
+    gather_bytes += c.bytes();
+  }
+  auto max_over_mean = [](const std::vector<uint64_t>& v) {
+    const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+    return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 1.0;
+  };
+  std::vector<uint64_t> out(m.src_ranks), in(m.src_ranks), wrs(m.src_ranks);
+  for (uint32_t r = 0; r < m.src_ranks; r++) {
+    out[r] = src[r].out;
+    in[r] = src[r].in;
+    wrs[r] = src[r].wrs;
+  }
+  const double bw = o.gbps / 8 * 1e9;  // bytes per second per GPU
+  const uint64_t total_dst = std::accumulate(dst_in.begin(), dst_in.end(), uint64_t{0});
+  const double lower_bound_ms = static_cast<double>(total_dst) / (m.dst_ranks * bw) * 1e3;
+  // Pipeline: every NIC streams what it carries; the slowest one sets the pace, and the first unit
+  // of each rank (its gather and quantization) is the fill before its NIC starts sending.
+  const double busiest = static_cast<double>(std::max({*std::max_element(dst_in.begin(), dst_in.end()),
+                                                       *std::max_element(out.begin(), out.end()),
+                                                       *std::max_element(in.begin(), in.end())}));
+  double fill_ms = 0;
+  for (const auto& q : up.quantize) {  // the largest first unit of any rank
+    static std::vector<bool> seen(m.src_ranks, false);
+    if (seen[q.rank]) continue;
+    seen[q.rank] = true;
+    const auto& spec = m.tensors[q.tensor];
+    const double unit = static_cast<double>((q.r1 - q.r0) * spec.cols * spec.elem_bytes);
+    fill_ms = std::max(fill_ms, ((q.gathered ? unit / bw : 0) + unit / (o.quantize_gbs * 1e9)) * 1e3);
+  }
+  const double predicted_ms = busiest / bw * 1e3 + fill_ms;
+  const auto busiest_rank = static_cast<uint32_t>(std::max_element(wrs.begin(), wrs.end()) - wrs.begin());
+  fmt::print("training ranks: WRITEs max {} (rank {}) mean {:.0f}; bytes out max {:.2f} GB mean {:.2f} GB "
+             "(gather {:.2f} GB of it in all ranks: {:.1f} TB); in max {:.2f} GB\n",
+             wrs[busiest_rank], busiest_rank, std::accumulate(wrs.begin(), wrs.end(), 0.0) / m.src_ranks,
+             *std::max_element(out.begin(), out.end()) / 1e9, std::accumulate(out.begin(), out.end(), 0.0) / m.src_ranks / 1e9,
+             gather_bytes / 1e9 / m.src_ranks, gather_bytes / 1e12, *std::max_element(in.begin(), in.end()) / 1e9);
+  fmt::print("inference ranks: bytes in max {:.2f} GB mean {:.2f} GB (max / mean {:.3f}); staging max {:.2f} GB\n",
+             *std::max_element(dst_in.begin(), dst_in.end()) / 1e9, static_cast<double>(total_dst) / m.dst_ranks / 1e9,
+             max_over_mean(dst_in), *std::max_element(up.staging_bytes.begin(), up.staging_bytes.end()) / 1e9);
+  fmt::print("time at {:.0f} Gb/s per GPU: lower bound {:.1f} ms, predicted {:.1f} ms (busiest NIC {:.1f} ms + fill "
+             "{:.1f} ms)\n",
+             o.gbps, lower_bound_ms, predicted_ms, busiest / bw * 1e3, fill_ms);
+
+  double post_ms = 0;
+  if (!o.skip_post) {
+    std::vector<const weights::Copy*> mine;
+    for (const auto& c : up.gather.copies)
+      if (!c.local && c.src_rank == busiest_rank) mine.push_back(&c);
+    for (const auto& c : up.send.copies)
+      if (c.src_rank == busiest_rank) mine.push_back(&c);
+    auto [submitted, completed] = time_posting(mine, o.provider, o.busy);
+    post_ms = completed;
+    fmt::print("posting rank {}'s {} requests ({} WRITEs) on {} ({} polling, 64-byte stand-ins): submitted in "
+               "{:.2f} ms, all completed in {:.2f} ms\n",
+               busiest_rank, mine.size(), wrs[busiest_rank], o.provider, o.busy ? "busy" : "adaptive", submitted,
+               completed);
+  }
+  fmt::print("plan params={} src={} dst={} wrs_per_rank_max={} nic_bytes_max_over_mean={:.3f} lower_bound_ms={:.1f} "
+             "predicted_ms={:.1f} post_ms_per_rank={:.2f}\n",
+             params, m.src_ranks, m.dst_ranks, wrs[busiest_rank], max_over_mean(out), lower_bound_ms, predicted_ms, post_ms);
+  return 0;
+}
