@@ -149,6 +149,25 @@ Model random_model(uint32_t seed) {
   return model;
 }
 
+// One 896 x 128 FP8 tensor (7 bands) over FSDP 2, split at row 448 (inside band 3), to one
+// inference rank that holds it whole with its scales after it.
+Model two_shard_model(uint32_t seed) {
+  Model model;
+  Manifest& m = model.m;
+  m.tensors = {{"w2", 896, 128, 2, true}};
+  m.src_ranks = 2;
+  m.dst_ranks = 1;
+  std::mt19937 rng(seed);
+  model.full.emplace_back(896 * 128);
+  for (auto& v : model.full[0]) v = random_bf16(rng);
+  for (uint32_t r = 0; r < 2; r++)
+    m.sources.push_back({.tensor = 0, .rank = r, .box = {448 * r, 448 * r + 448, 0, 128}, .offset = 0, .row_stride = 0});
+  m.dests.push_back({.tensor = 0, .rank = 0, .box = {0, 896, 0, 128}, .offset = 0, .row_stride = 0});
+  m.dest_scales.push_back({.tensor = 0, .rank = 0, .box = {0, 7, 0, 1}, .offset = 896 * 128, .row_stride = 0});
+  model.dst_size = {896 * 128 + 28};
+  return model;
+}
+
 TEST(WeightsUpdate, AlignedShardsQuantizeInPlaceWithoutAGather) {
   // 512 x 256 over FSDP 4 (128 rows each: one band per rank) into TP 2 column halves.
   Model model;
@@ -176,20 +195,9 @@ TEST(WeightsUpdate, AlignedShardsQuantizeInPlaceWithoutAGather) {
 }
 
 TEST(WeightsUpdate, UnalignedShardsGatherOnlyTheBandsThatStraddle) {
-  // 7 bands over FSDP 2 at row 448: band 3 (rows 384-512) straddles; its owner gathers 64 rows.
-  Model model;
-  Manifest& m = model.m;
-  m.tensors = {{"w2", 896, 128, 2, true}};
-  m.src_ranks = 2;
-  m.dst_ranks = 1;
-  std::mt19937 rng(2);
-  model.full.emplace_back(896 * 128);
-  for (auto& v : model.full[0]) v = random_bf16(rng);
-  for (uint32_t r = 0; r < 2; r++)
-    m.sources.push_back({.tensor = 0, .rank = r, .box = {448 * r, 448 * r + 448, 0, 128}, .offset = 0, .row_stride = 0});
-  m.dests.push_back({.tensor = 0, .rank = 0, .box = {0, 896, 0, 128}, .offset = 0, .row_stride = 0});
-  m.dest_scales.push_back({.tensor = 0, .rank = 0, .box = {0, 7, 0, 1}, .offset = 896 * 128, .row_stride = 0});
-  model.dst_size = {896 * 128 + 28};
+  // Band 3 (rows 384-512) straddles the shards: its owner gathers 64 rows.
+  Model model = two_shard_model(2);
+  const Manifest& m = model.m;
   UpdatePlan up = plan_update(m, {.owner_rows = 128});
   EXPECT_EQ(check_update(m, up), "");
   uint64_t remote = 0, local = 0;
@@ -201,20 +209,9 @@ TEST(WeightsUpdate, UnalignedShardsGatherOnlyTheBandsThatStraddle) {
 }
 
 TEST(WeightsUpdate, WholeTensorOwnersGatherTheRestAndSendOneWritePerDestination) {
-  // The 896-row tensor over FSDP 2 with whole-tensor units: one owner gathers the other half.
-  Model model;
-  Manifest& m = model.m;
-  m.tensors = {{"w2", 896, 128, 2, true}};
-  m.src_ranks = 2;
-  m.dst_ranks = 1;
-  std::mt19937 rng(3);
-  model.full.emplace_back(896 * 128);
-  for (auto& v : model.full[0]) v = random_bf16(rng);
-  for (uint32_t r = 0; r < 2; r++)
-    m.sources.push_back({.tensor = 0, .rank = r, .box = {448 * r, 448 * r + 448, 0, 128}, .offset = 0, .row_stride = 0});
-  m.dests.push_back({.tensor = 0, .rank = 0, .box = {0, 896, 0, 128}, .offset = 0, .row_stride = 0});
-  m.dest_scales.push_back({.tensor = 0, .rank = 0, .box = {0, 7, 0, 1}, .offset = 896 * 128, .row_stride = 0});
-  model.dst_size = {896 * 128 + 28};
+  // Whole-tensor units: one owner gathers the other half.
+  Model model = two_shard_model(3);
+  const Manifest& m = model.m;
   UpdatePlan up = plan_update(m);
   EXPECT_EQ(check_update(m, up), "");
   ASSERT_EQ(up.quantize.size(), 1u);
