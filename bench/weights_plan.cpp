@@ -40,9 +40,9 @@ struct RankLoad {
   uint64_t out = 0, in = 0, wrs = 0;
 };
 
-// Posts `copies` (one rank's WRITEs) as 64-byte stand-ins from one engine to a peer engine's 8
-// regions; returns {ms until every submit returned, ms until every transfer completed}.
-std::pair<double, double> time_posting(const std::vector<const weights::Copy*>& copies, const std::string& provider,
+// Posts `writes` (one rank's WRITEs) as 64-byte stand-ins from one engine to a peer engine's 8
+// regions, an immediate each; returns {ms until every submit returned, ms until all completed}.
+std::pair<double, double> time_posting(const std::vector<weights::Write>& writes, const std::string& provider,
                                        bool busy) {
   EngineConfig cfg;
   cfg.provider = provider;
@@ -55,24 +55,14 @@ std::pair<double, double> time_posting(const std::vector<const weights::Copy*>& 
   auto [hs, ds] = sender.reg_mr(src.data(), src.size());
   std::vector<RemoteMr> remotes;
   for (auto& d : dst) remotes.push_back(sender.add_remote(receiver.reg_mr(d.data(), d.size()).second));
-  std::vector<uint32_t> pages(kRegion / kPage);
-  std::iota(pages.begin(), pages.end(), 0u);
   std::atomic<uint64_t> done{0}, failed{0};
   const auto t0 = Clock::now();
-  for (const weights::Copy* c : copies) {
-    const RemoteMr to = remotes[c->dst_rank % remotes.size()];
-    if (c->writes() == 1) {
-      sender.submit(SingleWrite{.len = kPage, .src = {hs, 0}, .dst = {to, 0}, .imm = c->dst_rank},
-                    OnDone::counter(&done, &failed));
-    } else {
-      const std::span<const uint32_t> n(pages.data(), std::min<uint64_t>(c->rows, pages.size()));
-      sender.submit(PagedWrites{.page_len = kPage, .src = hs, .src_pages = {n, kPage, 0}, .dst = to,
-                                .dst_pages = {n, kPage, 0}, .imm = c->dst_rank},
-                    OnDone::counter(&done, &failed));
-    }
-  }
+  for (const weights::Write& w : writes)
+    sender.submit(SingleWrite{.len = kPage, .src = {hs, 0}, .dst = {remotes[w.dst_rank % remotes.size()], 0},
+                              .imm = w.dst_rank},
+                  OnDone::counter(&done, &failed));
   const double submitted = ms_since(t0);
-  while (done.load() + failed.load() < copies.size()) std::this_thread::yield();
+  while (done.load() + failed.load() < writes.size()) std::this_thread::yield();
   const double completed = ms_since(t0);
   if (failed.load()) throw std::runtime_error(fmt::format("{} stand-in WRITEs failed", failed.load()));
   return {submitted, completed};
@@ -109,21 +99,24 @@ int main(int argc, char** argv) {
   fmt::print("plan: {} quantize units, {} gather and {} send copies ({:.0f} ms; checked in {:.0f} ms)\n",
              up.quantize.size(), up.gather.copies.size(), up.send.copies.size(), plan_ms, ms_since(t));
 
+  // What each rank posts: the gather's and the send's WRITEs, continuations merged.
+  std::vector<weights::Write> gather_writes = weights::writes_of(up.gather), send_writes = weights::writes_of(up.send);
   std::vector<RankLoad> src(m.src_ranks);
   std::vector<uint64_t> dst_in(m.dst_ranks, 0);
-  for (const auto& c : up.send.copies) {
-    src[c.src_rank].out += c.bytes();
-    src[c.src_rank].wrs += c.writes();
-    dst_in[c.dst_rank] += c.bytes();
+  for (const auto& w : send_writes) {
+    src[w.src_rank].out += w.len;
+    src[w.src_rank].wrs++;
+    dst_in[w.dst_rank] += w.len;
   }
   uint64_t gather_bytes = 0;
-  for (const auto& c : up.gather.copies) {
-    if (c.local) continue;
-    src[c.src_rank].out += c.bytes();
-    src[c.src_rank].wrs += c.writes();
-    src[c.dst_rank].in += c.bytes();
-    gather_bytes += c.bytes();
+  for (const auto& w : gather_writes) {
+    src[w.src_rank].out += w.len;
+    src[w.src_rank].wrs++;
+    src[w.dst_rank].in += w.len;
+    gather_bytes += w.len;
   }
+  fmt::print("WRITEs: {} gather and {} send ({} send copies merged into them)\n", gather_writes.size(),
+             send_writes.size(), up.send.copies.size());
   auto max_over_mean = [](const std::vector<uint64_t>& v) {
     const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
     return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 1.0;
@@ -167,11 +160,10 @@ int main(int argc, char** argv) {
 
   double post_ms = 0;
   if (!o.skip_post) {
-    std::vector<const weights::Copy*> mine;
-    for (const auto& c : up.gather.copies)
-      if (!c.local && c.src_rank == busiest_rank) mine.push_back(&c);
-    for (const auto& c : up.send.copies)
-      if (c.src_rank == busiest_rank) mine.push_back(&c);
+    std::vector<weights::Write> mine;
+    for (const auto* list : {&gather_writes, &send_writes})
+      for (const auto& w : *list)
+        if (w.src_rank == busiest_rank) mine.push_back(w);
     auto [submitted, completed] = time_posting(mine, o.provider, o.busy);
     post_ms = completed;
     fmt::print("posting rank {}'s {} requests ({} WRITEs) on {} ({} polling, 64-byte stand-ins): submitted in "

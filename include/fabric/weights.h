@@ -90,6 +90,19 @@ struct Plan {
   double src_max_over_mean() const;   // balance of the source side (1.0: perfectly even)
 };
 
+// A WRITE as the executor posts it: bytes [src_offset, src_offset + len) of the source rank's
+// buffer (or address space) to [dst_offset, dst_offset + len) of the destination rank's.
+struct Write {
+  uint32_t src_rank = 0, dst_rank = 0;
+  uint64_t src_offset = 0, dst_offset = 0, len = 0;
+};
+
+// The WRITEs of a plan's non-local copies (a strided copy is one per row), with writes that
+// continue each other on both sides merged into one (an FP8 tensor and the scales placed right
+// after it on both sides go as one WRITE). Ordered by (src_rank, dst_rank, src_offset). Each
+// carries one immediate: a destination counts the writes naming it.
+std::vector<Write> writes_of(const Plan& p);
+
 // Throws fabric::Error(kInvalidArgument) naming the first problem: a placement outside its tensor
 // or rank range, a destination byte no source holds, or destination pieces that overlap.
 Plan plan(const Manifest& m);

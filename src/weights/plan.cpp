@@ -171,6 +171,36 @@ Plan plan(const Manifest& m) {
   return out;
 }
 
+std::vector<Write> writes_of(const Plan& p) {
+  std::vector<Write> all;
+  for (const Copy& c : p.copies) {
+    if (c.local) continue;
+    if (c.writes() == 1) {
+      all.push_back({c.src_rank, c.dst_rank, c.src_offset, c.dst_offset, c.bytes()});
+      continue;
+    }
+    for (uint64_t i = 0; i < c.rows; i++)
+      all.push_back({c.src_rank, c.dst_rank, c.src_offset + i * c.src_stride, c.dst_offset + i * c.dst_stride,
+                     c.row_bytes});
+  }
+  std::sort(all.begin(), all.end(), [](const Write& a, const Write& b) {
+    return std::tie(a.src_rank, a.dst_rank, a.src_offset) < std::tie(b.src_rank, b.dst_rank, b.src_offset);
+  });
+  std::vector<Write> out;
+  for (const Write& w : all) {
+    if (!out.empty()) {
+      Write& last = out.back();
+      if (last.src_rank == w.src_rank && last.dst_rank == w.dst_rank && last.src_offset + last.len == w.src_offset &&
+          last.dst_offset + last.len == w.dst_offset) {
+        last.len += w.len;
+        continue;
+      }
+    }
+    out.push_back(w);
+  }
+  return out;
+}
+
 std::string check(const Manifest& m, const Plan& p) {
   // Placements by (rank, tensor), for each side.
   using Index = std::map<std::pair<uint32_t, uint32_t>, std::vector<const Placement*>>;

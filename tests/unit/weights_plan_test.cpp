@@ -36,6 +36,32 @@ TEST(WeightsPlan, FsdpRowsIntoTensorParallelColumns) {
   }
 }
 
+TEST(WeightsPlan, WritesOfAPlanExpandStridedCopiesAndMergeContinuations) {
+  Plan p;
+  // Strided (3 rows of 8 bytes), then two contiguous copies that continue each other on both
+  // sides, one that continues only on the source side, and one to another rank; a local copy.
+  p.copies.push_back({.tensor = 0, .src_rank = 0, .dst_rank = 0, .rows = 3, .row_bytes = 8, .src_offset = 0,
+                      .src_stride = 16, .dst_offset = 0, .dst_stride = 32});
+  p.copies.push_back({.tensor = 0, .src_rank = 0, .dst_rank = 0, .rows = 1, .row_bytes = 100, .src_offset = 1000,
+                      .src_stride = 100, .dst_offset = 5000, .dst_stride = 100});
+  p.copies.push_back({.tensor = 1, .src_rank = 0, .dst_rank = 0, .rows = 2, .row_bytes = 50, .src_offset = 1100,
+                      .src_stride = 50, .dst_offset = 5100, .dst_stride = 50});
+  p.copies.push_back({.tensor = 1, .src_rank = 0, .dst_rank = 0, .rows = 1, .row_bytes = 10, .src_offset = 1200,
+                      .src_stride = 10, .dst_offset = 9000, .dst_stride = 10});
+  p.copies.push_back({.tensor = 1, .src_rank = 0, .dst_rank = 1, .rows = 1, .row_bytes = 10, .src_offset = 1210,
+                      .src_stride = 10, .dst_offset = 9010, .dst_stride = 10});
+  p.copies.push_back({.tensor = 1, .src_rank = 0, .dst_rank = 0, .local = true, .rows = 1, .row_bytes = 10,
+                      .src_offset = 1300, .src_stride = 10, .dst_offset = 9300, .dst_stride = 10});
+  std::vector<Write> w = writes_of(p);
+  ASSERT_EQ(w.size(), 6u);
+  EXPECT_EQ(w[0].src_offset, 0u);
+  EXPECT_EQ(w[2].dst_offset, 64u);  // the strided rows, one each
+  EXPECT_EQ(w[3].src_offset, 1000u);
+  EXPECT_EQ(w[3].len, 200u) << "the two continuing copies merged";
+  EXPECT_EQ(w[4].dst_offset, 9000u) << "continues on the source side only: its own WRITE";
+  EXPECT_EQ(w[5].dst_rank, 1u);
+}
+
 TEST(WeightsPlan, FusedDestinationsStackRowsOrSitSideBySide) {
   // q, k, v stacked along dim 0 into one qkv buffer; gate and up side by side (one row stride).
   Manifest m{.tensors = {{"q", 32, 16, 2}, {"k", 8, 16, 2}, {"v", 8, 16, 2}, {"gate", 24, 8, 2}, {"up", 24, 8, 2}},

@@ -43,7 +43,17 @@ std::vector<std::vector<uint8_t>> execute(const Model& model, const UpdatePlan& 
       std::memcpy(&to[c.dst_offset + i * c.dst_stride], &from[c.src_offset + i * c.src_stride], c.row_bytes);
     }
   };
-  for (const Copy& c : up.gather.copies) run(c, src[c.src_rank], src[c.dst_rank]);
+  // Local gather copies are memcpys; everything else goes as the WRITEs writes_of merges.
+  auto put = [](const Write& w, const std::vector<uint8_t>& from, std::vector<uint8_t>& to) {
+    if (w.src_offset + w.len > from.size() || w.dst_offset + w.len > to.size()) {
+      ADD_FAILURE() << "a WRITE from rank " << w.src_rank << " to rank " << w.dst_rank << " reaches outside a buffer";
+      return;
+    }
+    std::memcpy(&to[w.dst_offset], &from[w.src_offset], w.len);
+  };
+  for (const Copy& c : up.gather.copies)
+    if (c.local) run(c, src[c.src_rank], src[c.dst_rank]);
+  for (const Write& w : writes_of(up.gather)) put(w, src[w.src_rank], src[w.dst_rank]);
   for (const QuantizeTask& q : up.quantize) {
     const TensorSpec& t = m.tensors[q.tensor];
     const uint64_t rows = q.r1 - q.r0;
@@ -55,10 +65,8 @@ std::vector<std::vector<uint8_t>> execute(const Model& model, const UpdatePlan& 
                           .scales = scales});
     std::memcpy(&src[q.rank][q.scale_offset], scales.data(), scales.size() * sizeof(float));
   }
-  for (const Copy& c : up.send.copies) {
-    EXPECT_FALSE(c.local);
-    run(c, src[c.src_rank], dst[c.dst_rank]);
-  }
+  for (const Copy& c : up.send.copies) EXPECT_FALSE(c.local);
+  for (const Write& w : writes_of(up.send)) put(w, src[w.src_rank], dst[w.dst_rank]);
   return dst;
 }
 
@@ -220,6 +228,7 @@ TEST(WeightsUpdate, WholeTensorOwnersGatherTheRestAndSendOneWritePerDestination)
   for (const Copy& c : up.gather.copies) remote += c.local ? 0 : c.bytes();
   EXPECT_EQ(remote, 448u * 128 * 2) << "the other rank's half";
   EXPECT_EQ(up.send.dst_writes[0], 2u) << "the FP8 tensor and its scales";
+  EXPECT_EQ(writes_of(up.send).size(), 1u) << "side by side on both sides: one WRITE";
   expect_exact(model, execute(model, up));
   EXPECT_THROW(plan_update(m, {.owner_rows = 100}), Error);
 }
