@@ -36,10 +36,6 @@ struct Options {
 
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
-struct RankLoad {
-  uint64_t out = 0, in = 0, wrs = 0;
-};
-
 // Posts `writes` (one rank's WRITEs) as 64-byte stand-ins from one engine to a peer engine's 8
 // regions, an immediate each; returns {ms until every submit returned, ms until all completed}.
 std::pair<double, double> time_posting(const std::vector<weights::Write>& writes, const std::string& provider,
@@ -101,18 +97,18 @@ int main(int argc, char** argv) {
 
   // What each rank posts: the gather's and the send's WRITEs, continuations merged.
   std::vector<weights::Write> gather_writes = weights::writes_of(up.gather), send_writes = weights::writes_of(up.send);
-  std::vector<RankLoad> src(m.src_ranks);
-  std::vector<uint64_t> dst_in(m.dst_ranks, 0);
+  // Per training rank: bytes out (gather and send), bytes in (gather), WRITEs posted.
+  std::vector<uint64_t> out(m.src_ranks, 0), in(m.src_ranks, 0), wrs(m.src_ranks, 0), dst_in(m.dst_ranks, 0);
   for (const auto& w : send_writes) {
-    src[w.src_rank].out += w.len;
-    src[w.src_rank].wrs++;
+    out[w.src_rank] += w.len;
+    wrs[w.src_rank]++;
     dst_in[w.dst_rank] += w.len;
   }
   uint64_t gather_bytes = 0;
   for (const auto& w : gather_writes) {
-    src[w.src_rank].out += w.len;
-    src[w.src_rank].wrs++;
-    src[w.dst_rank].in += w.len;
+    out[w.src_rank] += w.len;
+    wrs[w.src_rank]++;
+    in[w.dst_rank] += w.len;
     gather_bytes += w.len;
   }
   fmt::print("WRITEs: {} gather and {} send ({} send copies merged into them)\n", gather_writes.size(),
@@ -121,12 +117,6 @@ int main(int argc, char** argv) {
     const double mean = std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
     return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 1.0;
   };
-  std::vector<uint64_t> out(m.src_ranks), in(m.src_ranks), wrs(m.src_ranks);
-  for (uint32_t r = 0; r < m.src_ranks; r++) {
-    out[r] = src[r].out;
-    in[r] = src[r].in;
-    wrs[r] = src[r].wrs;
-  }
   const double bw = o.gbps / 8 * 1e9;  // bytes per second per GPU
   const uint64_t total_dst = std::accumulate(dst_in.begin(), dst_in.end(), uint64_t{0});
   const double lower_bound_ms = static_cast<double>(total_dst) / (m.dst_ranks * bw) * 1e3;
@@ -136,8 +126,8 @@ int main(int argc, char** argv) {
                                                        *std::max_element(out.begin(), out.end()),
                                                        *std::max_element(in.begin(), in.end())}));
   double fill_ms = 0;
+  std::vector<bool> seen(m.src_ranks, false);
   for (const auto& q : up.quantize) {  // the largest first unit of any rank
-    static std::vector<bool> seen(m.src_ranks, false);
     if (seen[q.rank]) continue;
     seen[q.rank] = true;
     const auto& spec = m.tensors[q.tensor];

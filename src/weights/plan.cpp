@@ -13,16 +13,15 @@
 #include <tuple>
 
 #include "fabric/error.h"
+#include "plan_support.h"
 
 namespace fabric::weights {
 
 namespace {
 
-Error invalid(const std::string& what) { return Error(ErrorCode::kInvalidArgument, "weights plan: " + what); }
-
-uint64_t stride_of(const Placement& p, const TensorSpec& t) {
-  return p.row_stride ? p.row_stride : p.box.cols() * t.elem_bytes;
-}
+using detail::invalid;
+using detail::overlapping;
+using detail::stride_of;
 
 void check_placement(const Manifest& m, const Placement& p, uint32_t ranks, const char* side) {
   if (p.tensor >= m.tensors.size())
@@ -46,17 +45,6 @@ void row_intervals(const Placement& p, const TensorSpec& t, std::vector<std::pai
     return;
   }
   for (uint64_t i = 0; i < p.box.rows(); i++) out.emplace_back(p.offset + i * stride, p.offset + i * stride + len);
-}
-
-// The first two intervals that overlap, as an index pair, or none.
-bool overlapping(std::vector<std::pair<uint64_t, uint64_t>>& v, std::pair<uint64_t, uint64_t>& at) {
-  std::sort(v.begin(), v.end());
-  for (size_t i = 1; i < v.size(); i++)
-    if (v[i].first < v[i - 1].second) {
-      at = v[i];
-      return true;
-    }
-  return false;
 }
 
 }  // namespace

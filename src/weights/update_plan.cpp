@@ -6,12 +6,12 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <tuple>
 
 #include "fabric/error.h"
 #include "fabric/fp8.h"
 #include "fabric/weights.h"
+#include "plan_support.h"
 
 namespace fabric::weights {
 
@@ -20,16 +20,19 @@ namespace {
 constexpr uint64_t kB = fp8::kBlock;
 constexpr uint64_t kStagingAlign = 4096;
 
-Error invalid(const std::string& what) { return Error(ErrorCode::kInvalidArgument, "weights plan: " + what); }
+using detail::invalid;
+using detail::overlapping;
+using detail::stride_of;
 
 uint64_t area(const Box& b) { return b.empty() ? 0 : b.rows() * b.cols(); }
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-uint64_t stride_of(const Placement& p, uint64_t elem_bytes) {
-  return p.row_stride ? p.row_stride : p.box.cols() * elem_bytes;
-}
 // Rows per unit for a tensor: the option, or the whole tensor.
 uint64_t unit_rows(const TensorSpec& t, uint64_t owner_rows) { return owner_rows ? owner_rows : round_up(t.rows, kB); }
 Box unit_of(const TensorSpec& t, uint64_t u, uint64_t k) { return Box{k * u, std::min(t.rows, (k + 1) * u), 0, t.cols}; }
+// The scale rows (in blocks, all block columns) of rows [r0, r1) of a tensor.
+Box scale_box_of(const TensorSpec& t, uint64_t r0, uint64_t r1) {
+  return Box{r0 / kB, fp8::scale_rows(r1), 0, fp8::scale_cols(t.cols)};
+}
 
 bool aligned(uint64_t lo, uint64_t hi, uint64_t end) { return lo % kB == 0 && (hi % kB == 0 || hi == end); }
 
@@ -71,8 +74,8 @@ UpdatePlan plan_update(const Manifest& m, const UpdateOptions& options) {
   for (const Placement& s : m.sources) {
     if (s.rank >= m.src_ranks || s.tensor >= n || s.box.empty())
       throw invalid(fmt::format("a source placement names rank {} and tensor {}", s.rank, s.tensor));
-    const uint64_t eb = m.tensors[s.tensor].elem_bytes;
-    const uint64_t end = s.offset + (s.box.rows() - 1) * stride_of(s, eb) + s.box.cols() * eb;
+    const TensorSpec& t = m.tensors[s.tensor];
+    const uint64_t end = s.offset + (s.box.rows() - 1) * stride_of(s, t) + s.box.cols() * t.elem_bytes;
     up.staging_base[s.rank] = std::max(up.staging_base[s.rank], end);
   }
   for (auto& b : up.staging_base) b = round_up(b, kStagingAlign);
@@ -128,7 +131,7 @@ UpdatePlan plan_update(const Manifest& m, const UpdateOptions& options) {
       const uint32_t r = owner->rank;
       QuantizeTask q{.tensor = t, .rank = r, .r0 = unit.r0, .r1 = unit.r1};
       if (owner_held == area(unit)) {
-        const uint64_t ss = stride_of(*owner, spec.elem_bytes);
+        const uint64_t ss = stride_of(*owner, spec);
         q.in_offset = owner->offset + (unit.r0 - owner->box.r0) * ss;  // the unit spans every column
         q.in_stride = ss;
       } else {
@@ -141,7 +144,7 @@ UpdatePlan plan_update(const Manifest& m, const UpdateOptions& options) {
       q.out_offset = cursor[r];
       cursor[r] = round_up(cursor[r] + area(unit), 64);
       q.scale_offset = cursor[r];
-      const Box scale_box{unit.r0 / kB, fp8::scale_rows(unit.r1), 0, fp8::scale_cols(spec.cols)};
+      const Box scale_box = scale_box_of(spec, unit.r0, unit.r1);
       cursor[r] = round_up(cursor[r] + area(scale_box) * sizeof(float), 64);
       send.sources.push_back({.tensor = t, .rank = r, .box = unit, .offset = q.out_offset, .row_stride = 0});
       send.sources.push_back({.tensor = scale_tensor[t], .rank = r, .box = scale_box, .offset = q.scale_offset,
@@ -175,13 +178,13 @@ std::string check_update(const Manifest& m, const UpdatePlan& p) {
     const std::vector<Placement>& inputs = q.gathered ? p.gather_manifest.dests : m.sources;
     for (const Placement& s : inputs) {
       if (s.rank != q.rank || s.tensor != q.tensor || intersect(s.box, unit) != unit) continue;
-      const uint64_t ss = stride_of(s, t.elem_bytes);
+      const uint64_t ss = stride_of(s, t);
       input_ok |= q.in_stride == ss && q.in_offset == s.offset + (q.r0 - s.box.r0) * ss;  // the unit spans every column: c0 is 0
     }
     if (!input_ok)
       return fmt::format("{} rows [{}, {}) on rank {}: the quantizer's input is not the whole unit", t.name, q.r0, q.r1,
                          q.rank);
-    const uint64_t scale_bytes = (fp8::scale_rows(q.r1) - q.r0 / kB) * fp8::scale_cols(t.cols) * sizeof(float);
+    const uint64_t scale_bytes = area(scale_box_of(t, q.r0, q.r1)) * sizeof(float);
     if (q.out_offset < p.staging_base[q.rank] ||
         q.scale_offset + scale_bytes > p.staging_base[q.rank] + p.staging_bytes[q.rank])
       return fmt::format("{} rows [{}, {}): output outside rank {}'s staging", t.name, q.r0, q.r1, q.rank);
@@ -189,21 +192,18 @@ std::string check_update(const Manifest& m, const UpdatePlan& p) {
   for (const auto& [key, count] : seen)
     if (count != 1) return fmt::format("{} unit {} quantized {} times", m.tensors[key.first].name, key.second, count);
   // The staging ranges of a rank's tasks (gathered input, FP8 output, scales) never overlap.
-  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> staging(m.src_ranks);
+  std::vector<std::vector<detail::Interval>> staging(m.src_ranks);
   for (const QuantizeTask& q : p.quantize) {
     const TensorSpec& t = m.tensors[q.tensor];
     const uint64_t unit = (q.r1 - q.r0) * t.cols;
     if (q.gathered) staging[q.rank].emplace_back(q.in_offset, q.in_offset + unit * t.elem_bytes);
     staging[q.rank].emplace_back(q.out_offset, q.out_offset + unit);
-    staging[q.rank].emplace_back(q.scale_offset, q.scale_offset + (fp8::scale_rows(q.r1) - q.r0 / kB) *
-                                                                      fp8::scale_cols(t.cols) * sizeof(float));
+    staging[q.rank].emplace_back(q.scale_offset, q.scale_offset + area(scale_box_of(t, q.r0, q.r1)) * sizeof(float));
   }
   for (uint32_t r = 0; r < m.src_ranks; r++) {
-    std::sort(staging[r].begin(), staging[r].end());
-    for (size_t i = 1; i < staging[r].size(); i++)
-      if (staging[r][i].first < staging[r][i - 1].second)
-        return fmt::format("rank {}: staging bytes [{}, {}) are used twice", r, staging[r][i].first,
-                           staging[r][i - 1].second);
+    detail::Interval at;
+    if (overlapping(staging[r], at))
+      return fmt::format("rank {}: staging bytes from {} are used twice", r, at.first);
   }
   std::vector<std::map<uint64_t, uint64_t>> need = needed_units(m, p.owner_rows);
   for (uint32_t t = 0; t < need.size(); t++)
