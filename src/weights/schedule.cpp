@@ -1,0 +1,138 @@
+// schedule_update (schedule.h): the plan's staging ranges folded into `window` slots per rank.
+#include "schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "fabric/fp8.h"
+#include "fabric/weights_update.h"
+#include "plan_support.h"
+
+namespace fabric::weights::detail {
+
+namespace {
+
+uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// A range of the plan's staging and the unit it belongs to.
+struct Range {
+  uint64_t begin = 0, end = 0;
+  uint32_t unit = kNoUnit;
+};
+
+// The unit whose range holds [offset, offset + len), or kNoUnit; a WRITE that starts in a range
+// and leaves it would be a planner bug.
+uint32_t find_unit(const std::vector<Range>& ranges, uint64_t offset, uint64_t len) {
+  auto it = std::upper_bound(ranges.begin(), ranges.end(), offset, [](uint64_t o, const Range& r) { return o < r.begin; });
+  if (it == ranges.begin()) return kNoUnit;
+  --it;
+  if (offset >= it->end) return kNoUnit;
+  if (offset + len > it->end) throw invalid(fmt::format("a WRITE of {} bytes at {} leaves its staging range", len, offset));
+  return it->unit;
+}
+
+struct RankRanges {
+  std::vector<Range> in, out;  // the plan's gathered inputs; FP8 bytes and scales together (sorted)
+  std::vector<uint64_t> in_begin, out_begin;  // per unit: where the plan put them
+};
+
+}  // namespace
+
+Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window) {
+  if (window == 0) throw invalid("the window must hold at least one unit");
+  const UpdatePlan& p = *plan;
+  const auto& tensors = p.gather_manifest.tensors;
+  const uint32_t n = p.gather_manifest.src_ranks;
+  Schedule s;
+  s.plan = plan;
+  s.window = window;
+  s.ranks.resize(n);
+  std::vector<RankRanges> ranges(n);
+  for (const QuantizeTask& q : p.quantize) s.ranks[q.rank].units.push_back({.task = q});
+
+  for (uint32_t r = 0; r < n; r++) {
+    RankSchedule& rs = s.ranks[r];
+    if (rs.units.size() > kMaxUpdateRanks)
+      throw invalid(fmt::format("rank {} quantizes {} units; at most {} fit the immediates", r, rs.units.size(),
+                                kMaxUpdateRanks));
+    uint64_t in_max = 0, out_max = 0;
+    ranges[r].in_begin.assign(rs.units.size(), 0);
+    ranges[r].out_begin.assign(rs.units.size(), 0);
+    for (uint32_t u = 0; u < rs.units.size(); u++) {
+      const QuantizeTask& q = rs.units[u].task;
+      const TensorSpec& t = tensors[q.tensor];
+      const uint64_t rows = q.r1 - q.r0;
+      const uint64_t scale_end = q.scale_offset + fp8::scale_rows(rows) * fp8::scale_cols(t.cols) * sizeof(float);
+      if (q.gathered) {
+        in_max = std::max(in_max, rows * t.cols * t.elem_bytes);
+        ranges[r].in.push_back({q.in_offset, q.in_offset + rows * t.cols * t.elem_bytes, u});
+      }
+      ranges[r].in_begin[u] = q.in_offset;
+      ranges[r].out_begin[u] = q.out_offset;
+      out_max = std::max(out_max, scale_end - q.out_offset);
+      ranges[r].out.push_back({q.out_offset, scale_end, u});
+    }
+    rs.in_bytes = round_up(in_max, 64);
+    rs.slot_bytes = round_up(rs.in_bytes + out_max, 64);
+    for (auto* v : {&ranges[r].in, &ranges[r].out})
+      std::sort(v->begin(), v->end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  }
+  // Each unit's offsets moved into its slot (after the ranges above were taken from the plan's).
+  for (uint32_t r = 0; r < n; r++)
+    for (uint32_t u = 0; u < s.ranks[r].units.size(); u++) {
+      QuantizeTask& q = s.ranks[r].units[u].task;
+      const uint64_t slot = s.slot_offset(r, u);
+      if (q.gathered) q.in_offset = slot;
+      const uint64_t scale_rel = q.scale_offset - q.out_offset;
+      q.out_offset = slot + s.ranks[r].in_bytes;
+      q.scale_offset = q.out_offset + scale_rel;
+    }
+
+  // Gather WRITEs land in the destination's slot of their unit; local copies likewise.
+  for (const Write& w : writes_of(p.gather)) {
+    const uint32_t unit = find_unit(ranges[w.dst_rank].in, w.dst_offset, w.len);
+    if (unit == kNoUnit) throw invalid(fmt::format("a gather WRITE to rank {} at {} lands in no unit", w.dst_rank, w.dst_offset));
+    const uint64_t dst = s.slot_offset(w.dst_rank, unit) + (w.dst_offset - ranges[w.dst_rank].in_begin[unit]);
+    s.gather.push_back({w.src_rank, w.dst_rank, w.src_offset, dst, w.len, unit});
+  }
+  std::sort(s.gather.begin(), s.gather.end(), [](const ScheduledWrite& a, const ScheduledWrite& b) {
+    return std::tie(a.src_rank, a.dst_rank, a.unit, a.dst_offset) < std::tie(b.src_rank, b.dst_rank, b.unit, b.dst_offset);
+  });
+  for (uint32_t i = 0; i < s.gather.size(); i++) {
+    const ScheduledWrite& w = s.gather[i];
+    ScheduledUnit& u = s.ranks[w.dst_rank].units[w.unit];
+    u.gather_writes.push_back(i);
+    if (u.contributors.empty() || u.contributors.back() != w.src_rank) u.contributors.push_back(w.src_rank);
+    s.ranks[w.src_rank].gather_out.push_back(i);
+  }
+  for (const Copy& c : p.gather.copies) {
+    if (!c.local) continue;
+    const uint32_t unit = find_unit(ranges[c.dst_rank].in, c.dst_offset, 1);
+    if (unit == kNoUnit) throw invalid(fmt::format("a local copy on rank {} at {} lands in no unit", c.dst_rank, c.dst_offset));
+    Copy moved = c;
+    moved.dst_offset = s.slot_offset(c.dst_rank, unit) + (c.dst_offset - ranges[c.dst_rank].in_begin[unit]);
+    s.ranks[c.dst_rank].units[unit].local_copies.push_back(moved);
+  }
+  // Send WRITEs read a unit's slot (FP8 bytes and scales) or the shards (BF16 tensors).
+  for (const Write& w : writes_of(p.send)) {
+    ScheduledWrite sw{w.src_rank, w.dst_rank, w.src_offset, w.dst_offset, w.len, kNoUnit};
+    if (w.src_offset >= p.staging_base[w.src_rank]) {
+      const std::vector<Range>& out = ranges[w.src_rank].out;
+      sw.unit = find_unit(out, w.src_offset, w.len);
+      if (sw.unit == kNoUnit) throw invalid(fmt::format("a send WRITE of rank {} at {} reads no unit", w.src_rank, w.src_offset));
+      sw.src_offset = s.ranks[w.src_rank].units[sw.unit].task.out_offset +
+                      (w.src_offset - ranges[w.src_rank].out_begin[sw.unit]);
+    }
+    s.send.push_back(sw);
+  }
+  for (uint32_t i = 0; i < s.send.size(); i++) {
+    const ScheduledWrite& w = s.send[i];
+    if (w.unit == kNoUnit) s.ranks[w.src_rank].bf16_out.push_back(i);
+    else s.ranks[w.src_rank].units[w.unit].send_writes.push_back(i);
+  }
+  return s;
+}
+
+}  // namespace fabric::weights::detail

@@ -1,0 +1,54 @@
+// What every rank of a weight update derives from the UpdatePlan and the window, once: which unit
+// goes into which staging slot, the WRITEs of the gather and of the send with their offsets moved
+// into the slots, who contributes to each unit, and which WRITEs wait for which unit. Both sides
+// build the same Schedule, so senders and receivers agree on counts without talking.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "fabric/weights.h"
+
+namespace fabric::weights::detail {
+
+inline constexpr uint32_t kNoUnit = UINT32_MAX;
+
+struct ScheduledWrite {
+  uint32_t src_rank = 0, dst_rank = 0;
+  uint64_t src_offset = 0, dst_offset = 0, len = 0;
+  uint32_t unit = kNoUnit;  // the source's unit (send: it waits for the unit's quantizing) or
+                            // the destination's (gather: it fills that unit's slot)
+};
+
+// One unit a training rank quantizes: the plan's task with its offsets in the rank's slots.
+struct ScheduledUnit {
+  QuantizeTask task;  // in_offset (when gathered), out_offset, scale_offset moved into the slot
+  std::vector<Copy> local_copies{};       // its own part of a gathered unit, dst in the slot
+  std::vector<uint32_t> contributors{};   // other ranks whose gather WRITEs fill the slot
+  std::vector<uint32_t> gather_writes{};  // indices into Schedule::gather landing in it
+  std::vector<uint32_t> send_writes{};    // indices into Schedule::send reading from it
+};
+
+struct RankSchedule {
+  std::vector<ScheduledUnit> units;  // in the order the rank quantizes them
+  uint64_t slot_bytes = 0, in_bytes = 0;  // a slot: the gathered input, then FP8 bytes and scales
+  std::vector<uint32_t> gather_out;  // gather WRITEs this rank posts (indices into Schedule::gather)
+  std::vector<uint32_t> bf16_out;    // send WRITEs straight from its shards
+};
+
+struct Schedule {
+  std::shared_ptr<const UpdatePlan> plan;
+  uint32_t window = 0;
+  std::vector<RankSchedule> ranks;       // per training rank
+  std::vector<ScheduledWrite> gather;    // ordered by (src_rank, dst_rank, unit, dst_offset)
+  std::vector<ScheduledWrite> send;      // ordered by (src_rank, dst_rank, src_offset)
+  uint64_t slot_offset(uint32_t rank, uint32_t unit) const {
+    return plan->staging_base[rank] + uint64_t{unit % window} * ranks[rank].slot_bytes;
+  }
+};
+
+// Throws fabric::Error(kInvalidArgument) for a window of 0 or more than 2^16 units on one rank.
+Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window);
+
+}  // namespace fabric::weights::detail

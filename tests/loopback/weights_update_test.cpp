@@ -1,0 +1,255 @@
+// The weight-update executor end to end on loopback engines: training ranks (WeightSender)
+// gather, quantize and write into inference ranks' arenas (WeightReceiver), step after step with
+// changing weights; every inference byte must equal the block quantization of that step's full
+// tensors. A training rank that never takes part fails the step on every side within its
+// timeout, naming it, and the other buffer set keeps the last step's weights.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "fabric/fabric.h"
+#include "fabric/weights_update.h"
+#include "test_support.h"
+#include "weights_model.h"
+
+namespace fabric::weights {
+namespace {
+
+using fabric::testing::config_for;
+using fabric::testing::expect_error;
+using fabric::testing::ProviderCase;
+using testing::expect_exact;
+using testing::Model;
+using testing::random_bf16;
+using testing::random_model;
+
+// Training and inference ranks of one model, each with its engine and registered arena(s).
+struct Cluster {
+  Model model;
+  std::shared_ptr<const UpdatePlan> plan;
+  std::vector<std::unique_ptr<TransferEngine>> train_engines, infer_engines;
+  std::vector<std::vector<std::byte>> train_arena;
+  std::vector<std::vector<std::vector<std::byte>>> infer_arena;  // [set][rank]
+  std::vector<MrHandle> train_mr;
+  std::vector<MrDesc> train_desc;
+  std::vector<std::vector<MrDesc>> infer_desc;  // [set][rank]
+  std::vector<std::unique_ptr<WeightSender>> senders;
+  std::vector<std::unique_ptr<WeightReceiver>> receivers;
+
+  Cluster(Model m, const ProviderCase& pc, uint32_t window, uint32_t sets, uint64_t owner_rows,
+          std::chrono::milliseconds timeout = std::chrono::seconds(60))
+      : model(std::move(m)) {
+    plan = std::make_shared<const UpdatePlan>(plan_update(model.m, {.owner_rows = owner_rows}));
+    const uint32_t ns = model.m.src_ranks, nd = model.m.dst_ranks;
+    for (uint32_t r = 0; r < ns; r++) {
+      train_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
+      train_arena.emplace_back(plan->staging_base[r] + staging_bytes_for(*plan, r, window));
+      auto [h, d] = train_engines[r]->reg_mr(train_arena[r].data(), train_arena[r].size());
+      train_mr.push_back(h);
+      train_desc.push_back(d);
+    }
+    for (uint32_t r = 0; r < nd; r++) infer_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
+    infer_arena.resize(sets);
+    infer_desc.resize(sets);
+    for (uint32_t k = 0; k < sets; k++)
+      for (uint32_t r = 0; r < nd; r++) {
+        infer_arena[k].emplace_back(model.dst_size[r] + 1);  // + 1: never a zero-length region
+        infer_desc[k].push_back(infer_engines[r]->reg_mr(infer_arena[k][r].data(), infer_arena[k][r].size()).second);
+      }
+    for (uint32_t r = 0; r < ns; r++)
+      senders.push_back(std::make_unique<WeightSender>(
+          *train_engines[r], WeightSenderConfig{.plan = plan, .rank = r, .arena = train_mr[r],
+                                                .arena_ptr = train_arena[r].data(), .train_arenas = train_desc,
+                                                .dest_arenas = infer_desc, .window = window, .timeout = timeout}));
+    for (uint32_t r = 0; r < nd; r++)
+      receivers.push_back(std::make_unique<WeightReceiver>(
+          *infer_engines[r], WeightReceiverConfig{.plan = plan, .rank = r, .train_arenas = train_desc, .sets = sets}));
+  }
+
+  // New weights for a step: every tensor redrawn, every shard rewritten from them.
+  void new_weights(uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (auto& t : model.full)
+      for (auto& v : t) v = random_bf16(rng);
+    for (const Placement& s : model.m.sources) {
+      const TensorSpec& t = model.m.tensors[s.tensor];
+      const uint64_t stride = s.row_stride ? s.row_stride : s.box.cols() * 2;
+      for (uint64_t i = 0; i < s.box.rows(); i++)
+        std::memcpy(&train_arena[s.rank][s.offset + i * stride], &model.full[s.tensor][(s.box.r0 + i) * t.cols + s.box.c0],
+                    s.box.cols() * 2);
+    }
+  }
+
+  std::vector<std::vector<uint8_t>> set_bytes(uint32_t set) const {
+    std::vector<std::vector<uint8_t>> out;
+    for (const auto& a : infer_arena[set]) {
+      const auto* p = reinterpret_cast<const uint8_t*>(a.data());
+      out.emplace_back(p, p + a.size() - 1);
+    }
+    return out;
+  }
+
+  // One step on every rank (those in `skip` stay out); returns each sender's error ("" if none).
+  std::vector<std::string> step(uint64_t step, const std::vector<uint32_t>& skip = {},
+                                std::chrono::milliseconds wait_timeout = std::chrono::seconds(60)) {
+    std::vector<std::future<std::string>> runs;
+    for (uint32_t r = 0; r < senders.size(); r++) {
+      if (std::find(skip.begin(), skip.end(), r) != skip.end()) continue;
+      runs.push_back(std::async(std::launch::async, [this, r, step]() -> std::string {
+        try {
+          senders[r]->update(step);
+          return "";
+        } catch (const Error& e) {
+          return e.what();
+        }
+      }));
+    }
+    std::vector<std::future<std::string>> waits;
+    for (auto& rx : receivers) {
+      WeightReceiver* w = rx.get();
+      waits.push_back(std::async(std::launch::async, [w, step, wait_timeout]() -> std::string {
+        try {
+          w->ready(step);
+          w->wait(step, wait_timeout);
+          return "";
+        } catch (const Error& e) {
+          return e.what();
+        }
+      }));
+    }
+    std::vector<std::string> errors;
+    for (auto& f : runs) errors.push_back(f.get());
+    for (auto& f : waits) errors.push_back(f.get());
+    return errors;
+  }
+};
+
+class WeightsExecutor : public ::testing::TestWithParam<ProviderCase> {};
+
+TEST_P(WeightsExecutor, TwentyStepsOfChangingWeightsLandBitForBitInAlternatingBufferSets) {
+  Model m = random_model(10);
+  Cluster c(std::move(m), GetParam(), /*window=*/2, /*sets=*/2, /*owner_rows=*/128);
+  // The case exercises what the executor does: remote gathers, and more units than slots.
+  size_t remote_gathers = 0, most_units = 0;
+  for (const Copy& k : c.plan->gather.copies) remote_gathers += !k.local;
+  for (uint32_t r = 0; r < c.model.m.src_ranks; r++) {
+    size_t n = 0;
+    for (const QuantizeTask& q : c.plan->quantize) n += q.rank == r;
+    most_units = std::max(most_units, n);
+  }
+  ASSERT_GT(remote_gathers, 0u);
+  ASSERT_GT(most_units, 2u);
+  for (uint64_t step = 0; step < 20; step++) {
+    c.new_weights(1000 + static_cast<uint32_t>(step));
+    for (const std::string& e : c.step(step)) ASSERT_EQ(e, "") << "step " << step;
+    expect_exact(c.model, c.set_bytes(step % 2));
+    if (HasFatalFailure()) FAIL() << "step " << step;
+  }
+}
+
+TEST_P(WeightsExecutor, RandomManifestsWindowsAndUnitsAllLandExactly) {
+  for (uint32_t seed = 0; seed < 6; seed++) {
+    Model m = random_model(100 + seed);
+    const uint32_t window = 1 + seed % 3;
+    Cluster c(std::move(m), GetParam(), window, 1, 128 * (seed % 2));
+    for (uint64_t step = 0; step < 2; step++) {
+      c.new_weights(seed * 10 + static_cast<uint32_t>(step));
+      for (const std::string& e : c.step(step)) ASSERT_EQ(e, "") << "seed " << seed << " step " << step;
+      expect_exact(c.model, c.set_bytes(0));
+      if (HasFatalFailure()) FAIL() << "seed " << seed;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, WeightsExecutor,
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false}, ProviderCase{"shm", 2, false},
+                                           ProviderCase{"tcp;ofi_rxm", 2, true}),
+                         fabric::testing::case_name);
+
+// Two FP8 tensors over FSDP 2 (whole-tensor owners gather the other half) into two inference ranks.
+Model small_gathered_model() {
+  Model model;
+  Manifest& m = model.m;
+  m.src_ranks = 2;
+  m.dst_ranks = 2;
+  std::mt19937 rng(5);
+  uint64_t cursor = 0;
+  for (uint32_t t = 0; t < 2; t++) {
+    m.tensors.push_back({"w" + std::to_string(t), 256, 256, 2, true});
+    model.full.emplace_back(256 * 256);
+    for (auto& v : model.full[t]) v = random_bf16(rng);
+    for (uint32_t r = 0; r < 2; r++)
+      m.sources.push_back({.tensor = t, .rank = r, .box = {100 * r, r ? 256u : 100u, 0, 256}, .offset = cursor});
+    cursor += 256 * 256 * 2;
+    m.dests.push_back({.tensor = t, .rank = t, .box = {0, 256, 0, 256}, .offset = 0});
+    m.dest_scales.push_back({.tensor = t, .rank = t, .box = {0, 2, 0, 2}, .offset = 256 * 256});
+  }
+  model.dst_size = {256 * 256 + 16, 256 * 256 + 16};
+  return model;
+}
+
+TEST(WeightsExecutorFailure, AMissingTrainingRankFailsTheStepEverywhereNamingItAndTheOtherSetKeepsItsWeights) {
+  const ProviderCase pc{"tcp;ofi_rxm", 1, false};
+  Cluster c(small_gathered_model(), pc, 1, 2, 0, std::chrono::milliseconds(1500));
+  c.new_weights(1);
+  for (const std::string& e : c.step(0)) ASSERT_EQ(e, "");
+  const auto step0 = c.set_bytes(0);
+  expect_exact(c.model, step0);
+  // Step 1 without training rank 1 (a trainer that died before it began): the inference ranks
+  // time out naming it, rank 0 times out waiting for rank 1's slot credits (rank 1 holds
+  // most of both tensors, so it quantizes them), and set 0 is untouched.
+  c.new_weights(2);
+  std::vector<std::string> errors = c.step(1, {1}, std::chrono::milliseconds(1500));
+  ASSERT_EQ(errors.size(), 3u);
+  EXPECT_NE(errors[0].find("from training ranks 1"), std::string::npos) << errors[0];  // its slot credits
+  for (size_t k = 1; k < 3; k++) EXPECT_NE(errors[k].find("missing from training ranks 1"), std::string::npos) << errors[k];
+  EXPECT_EQ(c.set_bytes(0), step0);
+  // The failed step's number is not taken again; a later one (here by fresh senders, as a
+  // restarted job would have) lands whole.
+  expect_error(ErrorCode::kInvalidArgument, "retry it under a new step number", [&] { c.receivers[0]->ready(1); });
+  for (uint32_t r = 0; r < 2; r++)
+    c.senders[r] = std::make_unique<WeightSender>(
+        *c.train_engines[r], WeightSenderConfig{.plan = c.plan, .rank = r, .arena = c.train_mr[r],
+                                                .arena_ptr = c.train_arena[r].data(), .train_arenas = c.train_desc,
+                                                .dest_arenas = c.infer_desc, .window = 1});
+  for (const std::string& e : c.step(3)) ASSERT_EQ(e, "");
+  expect_exact(c.model, c.set_bytes(1));
+}
+
+TEST(WeightsExecutorFailure, BadConfigurationsAreRejectedWithAClearError) {
+  const ProviderCase pc{"tcp;ofi_rxm", 1, false};
+  Cluster c(small_gathered_model(), pc, 1, 1, 0);
+  TransferEngine& e = *c.train_engines[0];
+  auto base = [&] {
+    return WeightSenderConfig{.plan = c.plan, .rank = 0, .arena = c.train_mr[0], .arena_ptr = c.train_arena[0].data(),
+                              .train_arenas = c.train_desc, .dest_arenas = c.infer_desc, .window = 1};
+  };
+  auto cfg = base();
+  cfg.rank = 2;
+  expect_error(ErrorCode::kInvalidArgument, "rank 2 of 2", [&] { WeightSender(e, cfg); });
+  cfg = base();
+  cfg.train_arenas.pop_back();
+  expect_error(ErrorCode::kInvalidArgument, "1 training arenas for 2", [&] { WeightSender(e, cfg); });
+  cfg = base();
+  cfg.dest_arenas[0].pop_back();
+  expect_error(ErrorCode::kInvalidArgument, "1 arenas for 2 inference", [&] { WeightSender(e, cfg); });
+  cfg = base();
+  cfg.window = 0;
+  expect_error(ErrorCode::kInvalidArgument, "at least one unit", [&] { WeightSender(e, cfg); });
+  cfg = base();
+  cfg.arena_ptr = nullptr;
+  expect_error(ErrorCode::kInvalidArgument, "no hook", [&] { WeightSender(e, cfg); });
+  WeightReceiver& rx = *c.receivers[0];
+  expect_error(ErrorCode::kInvalidArgument, "not made ready", [&] { rx.wait(9, std::chrono::milliseconds(10)); });
+  rx.ready(4);
+  expect_error(ErrorCode::kInvalidArgument, "already ready", [&] { rx.ready(4); });
+  expect_error(ErrorCode::kInvalidArgument, "share a tag", [&] { rx.ready(4 + (1u << 14)); });
+  expect_error(ErrorCode::kInvalidArgument, "3 buffer sets",
+               [&] { WeightReceiver(*c.infer_engines[0], {.plan = c.plan, .rank = 0, .train_arenas = c.train_desc, .sets = 3}); });
+}
+
+}  // namespace
+}  // namespace fabric::weights
