@@ -146,7 +146,8 @@ class PyEngine {
   std::vector<std::weak_ptr<Closable>> dependents_;
 };
 
-void bind_kv(nb::module_& m);  // kv_bindings.cpp
+void bind_kv(nb::module_& m);       // kv_bindings.cpp
+void bind_weights(nb::module_& m);  // weights_bindings.cpp
 void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp
 
 }  // namespace fabric::py

@@ -1,0 +1,225 @@
+// RL weight updates for Python (include/fabric/weights.h, weights_update.h). fabric_lib/weights.py
+// builds manifests from tensors and a store; here the manifest types, the planner and the two
+// executors. update() and wait() release the GIL; a Python unit hook runs under it on the thread
+// that called update().
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "fabric/weights_update.h"
+#include "py_support.h"
+
+namespace fabric::py {
+
+using namespace nb::literals;
+using namespace fabric::weights;
+
+namespace {
+
+template <class T>
+struct WeightsHolder : Closable {
+  std::unique_ptr<T> obj;
+  void close() override {
+    without_gil([&] { obj.reset(); });
+  }
+  T& get() {
+    if (!obj) throw Error(ErrorCode::kShutdown, "the engine of this weight-update endpoint is closed");
+    return *obj;
+  }
+};
+template <class T>
+struct PyWeights {
+  std::shared_ptr<WeightsHolder<T>> h = std::make_shared<WeightsHolder<T>>();
+  T& get() { return h->get(); }
+};
+
+std::chrono::milliseconds ms(double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
+
+// A Python callable(UnitWork) as the sender's hook: the GIL is taken for the call; a Python error
+// becomes a fabric::Error that fails the update.
+UnitHook python_hook(nb::handle fn) {
+  if (fn.is_none()) return {};
+  if (!PyCallable_Check(fn.ptr())) throw nb::type_error("hook must be None or a callable(UnitWork)");
+  auto ref = std::make_shared<PyRef>(nb::borrow(fn));
+  return [ref](const UnitWork& w) {
+    nb::gil_scoped_acquire gil;
+    try {
+      ref->obj(w);
+    } catch (nb::python_error& e) {
+      throw Error(ErrorCode::kInvalidArgument, std::string("the unit hook raised: ") + e.what());
+    }
+  };
+}
+
+}  // namespace
+
+void bind_weights(nb::module_& m) {
+  nb::class_<TensorSpec>(m, "TensorSpec", "A tensor as a matrix: rows (dim 0) x cols (the rest).")
+      .def(nb::init<>())
+      .def("__init__",
+           [](TensorSpec* t, std::string name, uint64_t rows, uint64_t cols, uint32_t elem_bytes, bool fp8_blocks) {
+             new (t) TensorSpec{std::move(name), rows, cols, elem_bytes, fp8_blocks};
+           },
+           "name"_a, "rows"_a, "cols"_a, "elem_bytes"_a = 2, "fp8_blocks"_a = false)
+      .def_rw("name", &TensorSpec::name)
+      .def_rw("rows", &TensorSpec::rows)
+      .def_rw("cols", &TensorSpec::cols)
+      .def_rw("elem_bytes", &TensorSpec::elem_bytes)
+      .def_rw("fp8_blocks", &TensorSpec::fp8_blocks);
+  nb::class_<Box>(m, "Box", "Rows [r0, r1) x columns [c0, c1).")
+      .def("__init__", [](Box* b, uint64_t r0, uint64_t r1, uint64_t c0, uint64_t c1) { new (b) Box{r0, r1, c0, c1}; },
+           "r0"_a, "r1"_a, "c0"_a, "c1"_a)
+      .def_rw("r0", &Box::r0)
+      .def_rw("r1", &Box::r1)
+      .def_rw("c0", &Box::c0)
+      .def_rw("c1", &Box::c1)
+      .def("__eq__", [](const Box& a, const Box& b) { return a == b; })
+      .def("__repr__", [](const Box& b) {
+        return "Box(" + std::to_string(b.r0) + ", " + std::to_string(b.r1) + ", " + std::to_string(b.c0) + ", " +
+               std::to_string(b.c1) + ")";
+      });
+  nb::class_<Placement>(m, "Placement", "Where a box of a tensor lives in one rank's arena.")
+      .def("__init__",
+           [](Placement* p, uint32_t tensor, uint32_t rank, const Box& box, uint64_t offset, uint64_t row_stride) {
+             new (p) Placement{tensor, rank, box, offset, row_stride};
+           },
+           "tensor"_a, "rank"_a, "box"_a, "offset"_a, "row_stride"_a = 0)
+      .def_rw("tensor", &Placement::tensor)
+      .def_rw("rank", &Placement::rank)
+      .def_rw("box", &Placement::box)
+      .def_rw("offset", &Placement::offset)
+      .def_rw("row_stride", &Placement::row_stride);
+  nb::class_<Manifest>(m, "Manifest", "Both sides of a weight update (include/fabric/weights.h).")
+      .def(nb::init<>())
+      .def_rw("tensors", &Manifest::tensors)
+      .def_rw("src_ranks", &Manifest::src_ranks)
+      .def_rw("dst_ranks", &Manifest::dst_ranks)
+      .def_rw("sources", &Manifest::sources)
+      .def_rw("dests", &Manifest::dests)
+      .def_rw("dest_scales", &Manifest::dest_scales);
+
+  nb::class_<UpdatePlan>(m, "UpdatePlan", "plan_update's result: gather, quantize and send.")
+      .def_ro("staging_base", &UpdatePlan::staging_base)
+      .def_ro("owner_rows", &UpdatePlan::owner_rows)
+      .def_prop_ro("units", [](const UpdatePlan& p) { return p.quantize.size(); })
+      .def_prop_ro("send_bytes", [](const UpdatePlan& p) { return p.send.src_bytes; }, "bytes per training rank")
+      .def_prop_ro("gather_bytes", [](const UpdatePlan& p) { return p.gather.src_bytes; })
+      .def_prop_ro("send_max_over_mean", [](const UpdatePlan& p) { return p.send.src_max_over_mean(); })
+      .def("staging_bytes_for", [](const UpdatePlan& p, uint32_t rank, uint32_t window) {
+        return staging_bytes_for(p, rank, window);
+      }, "rank"_a, "window"_a);
+  m.def(
+      "weights_plan_update",
+      [](const Manifest& manifest, uint64_t owner_rows) {
+        nb::gil_scoped_release release;
+        return std::make_shared<const UpdatePlan>(plan_update(manifest, {.owner_rows = owner_rows}));
+      },
+      "manifest"_a, "owner_rows"_a = 0, "The update plan (throws FabricError for a manifest it cannot cover).");
+  m.def(
+      "weights_check_update",
+      [](const Manifest& manifest, const UpdatePlan& plan) {
+        nb::gil_scoped_release release;
+        return check_update(manifest, plan);
+      },
+      "manifest"_a, "plan"_a, "\"\" or what is wrong with the plan.");
+
+  nb::class_<Copy>(m, "WeightsCopy", "rows of row_bytes from src_offset to dst_offset at their strides.")
+      .def_ro("rows", &Copy::rows)
+      .def_ro("row_bytes", &Copy::row_bytes)
+      .def_ro("src_offset", &Copy::src_offset)
+      .def_ro("src_stride", &Copy::src_stride)
+      .def_ro("dst_offset", &Copy::dst_offset)
+      .def_ro("dst_stride", &Copy::dst_stride);
+  nb::class_<UnitWork>(m, "UnitWork", "One unit a training rank copies and quantizes (offsets into its arena).")
+      .def_prop_ro("tensor", [](const UnitWork& w) { return w.task.tensor; })
+      .def_prop_ro("r0", [](const UnitWork& w) { return w.task.r0; })
+      .def_prop_ro("r1", [](const UnitWork& w) { return w.task.r1; })
+      .def_ro("cols", &UnitWork::cols)
+      .def_prop_ro("in_offset", [](const UnitWork& w) { return w.task.in_offset; })
+      .def_prop_ro("in_stride", [](const UnitWork& w) { return w.task.in_stride; }, "bytes")
+      .def_prop_ro("out_offset", [](const UnitWork& w) { return w.task.out_offset; })
+      .def_prop_ro("scale_offset", [](const UnitWork& w) { return w.task.scale_offset; })
+      .def_ro("local_copies", &UnitWork::local_copies);
+
+  nb::class_<PyWeights<WeightSender>>(m, "WeightSender", "A training rank's executor (include/fabric/weights_update.h).")
+      .def("__init__",
+           [](PyWeights<WeightSender>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
+              MrHandle arena, uintptr_t arena_ptr, std::vector<MrDesc> train_arenas,
+              std::vector<std::vector<MrDesc>> dest_arenas, uint32_t window, double timeout_s, nb::handle hook) {
+             new (self) PyWeights<WeightSender>();
+             TransferEngine& eng = engine.get();
+             WeightSenderConfig cfg{.plan = std::move(plan), .rank = rank, .arena = arena,
+                                    .arena_ptr = reinterpret_cast<std::byte*>(arena_ptr),
+                                    .train_arenas = std::move(train_arenas), .dest_arenas = std::move(dest_arenas),
+                                    .window = window, .timeout = ms(timeout_s), .hook = python_hook(hook)};
+             {
+               nb::gil_scoped_release release;
+               self->h->obj = std::make_unique<WeightSender>(eng, std::move(cfg));
+             }
+             engine.add_dependent(self->h);
+           },
+           "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "arena"_a, "arena_ptr"_a, "train_arenas"_a,
+           "dest_arenas"_a, "window"_a = 2, "timeout_s"_a = 60.0, "hook"_a = nb::none(), nb::keep_alive<1, 2>())
+      .def("update",
+           [](PyWeights<WeightSender>& s, uint64_t step) {
+             WeightSender& tx = s.get();
+             UpdateTimes t;
+             {
+               nb::gil_scoped_release release;
+               t = tx.update(step);
+             }
+             nb::dict d;
+             d["total_ms"] = t.total_ms;
+             d["gather_wait_ms"] = t.gather_wait_ms;
+             d["quantize_ms"] = t.quantize_ms;
+             d["ready_wait_ms"] = t.ready_wait_ms;
+             d["drain_ms"] = t.drain_ms;
+             d["writes"] = t.writes;
+             d["bytes"] = t.bytes;
+             return d;
+           },
+           "step"_a, "Runs one step; returns where its time went. Raises FabricError (a timeout names what it waited for).")
+      .def("close", [](PyWeights<WeightSender>& s) { s.h->close(); });
+
+  nb::class_<PyWeights<WeightReceiver>>(m, "WeightReceiver", "An inference rank's side (include/fabric/weights_update.h).")
+      .def("__init__",
+           [](PyWeights<WeightReceiver>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
+              std::vector<MrDesc> train_arenas, uint32_t sets) {
+             new (self) PyWeights<WeightReceiver>();
+             TransferEngine& eng = engine.get();
+             WeightReceiverConfig cfg{.plan = std::move(plan), .rank = rank, .train_arenas = std::move(train_arenas),
+                                      .sets = sets};
+             {
+               nb::gil_scoped_release release;
+               self->h->obj = std::make_unique<WeightReceiver>(eng, std::move(cfg));
+             }
+             engine.add_dependent(self->h);
+           },
+           "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "train_arenas"_a, "sets"_a = 1, nb::keep_alive<1, 2>())
+      .def("ready",
+           [](PyWeights<WeightReceiver>& r, uint64_t step) {
+             WeightReceiver& rx = r.get();
+             nb::gil_scoped_release release;
+             rx.ready(step);
+           },
+           "step"_a, "Buffer set step % sets may be written.")
+      .def("wait",
+           [](PyWeights<WeightReceiver>& r, uint64_t step, double timeout_s) {
+             WeightReceiver& rx = r.get();
+             nb::gil_scoped_release release;
+             rx.wait(step, ms(timeout_s));
+           },
+           "step"_a, "timeout_s"_a = 60.0, "Returns when the step has landed; a timeout names the missing training ranks.")
+      .def("set_sources",
+           [](PyWeights<WeightReceiver>& r, std::vector<MrDesc> train_arenas) {
+             WeightReceiver& rx = r.get();
+             nb::gil_scoped_release release;
+             rx.set_sources(std::move(train_arenas));
+           },
+           "train_arenas"_a)
+      .def_prop_ro("expected_writes", [](PyWeights<WeightReceiver>& r) { return r.get().expected_writes(); })
+      .def("close", [](PyWeights<WeightReceiver>& r) { r.h->close(); });
+}
+
+}  // namespace fabric::py
