@@ -130,6 +130,14 @@ example-kv: deps
 	python3 -m pip install --quiet .
 	python3 examples/kv_transfer/run.py
 
+# Four training processes write a small MoE transformer into two inference processes (FSDP2 shards
+# to fused, FP8 block-quantized TP/EP buffers), 20 steps, every byte checked; ends with a
+# `weights steps=... update_ms_p50=... exact=yes` line.
+.PHONY: example-weights
+example-weights: deps
+	python3 -m pip install --quiet ".[test]"
+	python3 examples/rl_weights/run.py
+
 .PHONY: bench-multinic
 bench-multinic: build
 	bench/multinic.sh $(BUILD)

@@ -3,10 +3,11 @@
 # and no network): unpack the Debian packages that tests/gpu/fetch_deps.sh put in .gpudeps/, build
 # with CUDA for Hopper, run the GPU tests, the cuda_ipc benchmark, the posting benchmark against a
 # raw libfabric loop (bench/post_vs_raw.sh), the KV-cache benchmark on the GPU, the Python package's
-# GPU tests (built there with pip, no network), then the CPU suite. Results go to $OUT (or
+# GPU tests (built there with pip, no network) and the RL weight-update example, then the CPU suite. Results go to $OUT (or
 # ./gpu-results; at most 8 files). Exits non-zero on any failure.
 # FABRIC_GPU_RECORD_SYSFS=1: also record this machine's sysfs as a topology fixture.
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
+# FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -32,6 +33,25 @@ QUICK=${FABRIC_GPU_QUICK:-}
 cmake --build $BUILD -j "$(nproc)" ${QUICK:+--target fabric gpu_tests cuda_ipc_batch_tests unit_tests} > "$OUT/build.log" 2>&1 ||
   { grep -E "error|FAILED" -A5 "$OUT/build.log" | head -60; exit 1; }
 status=0
+# The Python package built as a user builds it (no network here: no build isolation), then its GPU
+# tests: watchers and counters from Python, KV layers triggered by torch kernels, weight updates
+# between GPU processes. Then the RL weight-update figures: the example's per-step table (4 training
+# -> 2 inference processes sharing GPU 0 through cuda_ipc, and over shm with host arenas), and the
+# Kimi-K2 plan with the posting cost of its busiest rank on this machine's cores.
+python_steps() {
+  { python3 -m pip install --quiet --no-build-isolation -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+      -C cmake.define.FABRIC_VERBS=OFF -C build-dir=/tmp/pybuild . &&
+    python3 -m pytest -s -v tests/gpu/test_python_gpu.py tests/gpu/test_weights_gpu.py; } > "$OUT/python_gpu.txt" 2>&1 || status=1
+  grep -E "python-watcher|weights-gpu|passed|failed|error" "$OUT/python_gpu.txt" | tail -6 || true
+  { python3 examples/rl_weights/run.py --gpu && python3 examples/rl_weights/run.py --provider shm &&
+    $BUILD/bench/fabric-weights-plan && $BUILD/bench/fabric-weights-plan --busy; } > "$OUT/weights.txt" 2>&1 || status=1
+  grep -E "^weights |^plan |^ +[0-9]+ " "$OUT/weights.txt" | tail -30 || true
+}
+# FABRIC_GPU_WEIGHTS_ONLY=1: only the Python package and the weight-update steps (a short lease).
+if [ -n "${FABRIC_GPU_WEIGHTS_ONLY:-}" ]; then
+  python_steps
+  exit $status
+fi
 skip() { [[ " ${FABRIC_GPU_SKIP:-} " == *" $1 "* ]]; }
 if [ -n "$QUICK" ]; then
   # Each test in its own process (a process that used CUDA must not fork CUDA users), with its own
@@ -82,12 +102,7 @@ for args in "--tokens 4096 --compute-us 1000" "--tokens 16384 --compute-us 9900"
   $BUILD/bench/fabric-kv-bench --cuda-device 0 $args
 done > "$OUT/kv.txt" 2>&1 || status=1
 grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
-# The Python package built as a user builds it (no network here: no build isolation), then its GPU
-# tests: watchers and counters from Python, KV layers triggered by torch kernels.
-{ python3 -m pip install --quiet --no-build-isolation -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
-    -C cmake.define.FABRIC_VERBS=OFF -C build-dir=/tmp/pybuild . &&
-  python3 -m pytest -s -v tests/gpu/test_python_gpu.py; } > "$OUT/python_gpu.txt" 2>&1 || status=1
-grep -E "python-watcher|passed|failed|error" "$OUT/python_gpu.txt" | tail -5 || true
+python_steps
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 if ! skip cpu; then
   timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1

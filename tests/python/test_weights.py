@@ -4,16 +4,20 @@ tcp;ofi_rxm (and shm), 20 steps of changing weights, every inference byte equal 
 transform of the full weights; the torch unit hook (what CUDA arenas use) against the C++ one; a
 training rank killed mid-update, and a restarted training job the inference ranks rejoin."""
 
+import os
+import sys
 import time
 import uuid
 
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rl_weights"))
+
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import fabric_lib as fl  # noqa: E402
-import weights_roles as R  # noqa: E402
+import moe as R  # noqa: E402
 from fabric_lib import weights as W  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Training and inference ranks as processes for the weight-update tests: a small MoE transformer
+"""Training and inference ranks as processes, for examples/rl_weights/run.py and the weight-update
+tests (tests/python/test_weights.py, tests/gpu/test_weights_gpu.py): a small MoE transformer
 (2 layers, 8 experts, hidden 256), held by 4 training ranks (non-expert tensors FSDP over 4, experts
 EP 2 x FSDP 2, shards as FSDP2 cuts them: torch.chunk along dim 0) and needed by 2 inference ranks
 (TP 2 attention with fused qkv, EP 2 experts with fused gate_up, FP8 block-quantized matrices, BF16
@@ -103,9 +104,17 @@ def expected_buffers(step: int, rank: int) -> dict:
     return {b: (torch.cat(parts[b]), torch.cat(scales[b]) if scales[b] else None) for b in order}
 
 
-def _engine(provider: str) -> fl.TransferEngine:
+def _engine(cfg: dict) -> fl.TransferEngine:
+    """Host arenas over a loopback provider, or (cfg["gpu"]) CUDA arenas over cuda_ipc."""
+    if cfg.get("gpu"):
+        return fl.TransferEngine(cuda_device=0, cuda_ipc=True, transfer_timeout_s=5.0)
+    provider = cfg["provider"]
     return fl.TransferEngine(provider=provider, nics=[""] if provider == "shm" else ["127.0.0.1"],
                              transfer_timeout_s=5.0)
+
+
+def _device(cfg: dict) -> str:
+    return "cuda:0" if cfg.get("gpu") else "cpu"
 
 
 def _store(cfg: dict):
@@ -133,11 +142,11 @@ def trainer(conn, cfg: dict) -> None:
     try:
         torch.set_num_threads(1)
         rank = cfg["rank"]
-        with _engine(cfg["provider"]) as engine:
+        with _engine(cfg) as engine:
             kind = _KillingTrainer if cfg.get("kill_step", -1) >= 0 else W.Trainer
             t = kind(engine, params(), train_pieces(rank), rank=rank, world=TRAIN, infer_world=INFER,
                      store=_store(cfg), job=cfg["job"], window=cfg.get("window", 2), owner_rows=cfg.get("owner_rows", 0),
-                     timeout_s=cfg.get("timeout_s", 60.0), hook=cfg.get("hook", "auto"))
+                     timeout_s=cfg.get("timeout_s", 60.0), hook=cfg.get("hook", "auto"), device=_device(cfg))
             t.kill_step = cfg.get("kill_step", -1)
             problem = fl._fabric_lib.weights_check_update(t.manifest, t.plan)
             conn.send("ready" if problem == "" else "error: the plan does not check: " + problem)
@@ -148,6 +157,8 @@ def trainer(conn, cfg: dict) -> None:
                     p = ps[index[piece.param]]
                     r0, r1 = piece.rows
                     t.shard(p.name).copy_(full_weight(step, index[p.name], p)[r0:r1])
+                if cfg.get("gpu"):
+                    torch.cuda.synchronize()
                 t.step = step
                 try:
                     times = t.update(step)
@@ -165,11 +176,11 @@ def _check(inf: W.Inference, step: int, buffer_set: int, rank: int) -> list:
     """Buffers of `buffer_set` that differ from step's reference."""
     bad = []
     for name, (want, want_scale) in expected_buffers(step, rank).items():
-        got = inf.buffer(name, buffer_set)
+        got = inf.buffer(name, buffer_set).cpu()
         got = got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got
         if not torch.equal(got, want):
             bad.append(name)
-        if want_scale is not None and not torch.equal(inf.scale(name, buffer_set), want_scale):
+        if want_scale is not None and not torch.equal(inf.scale(name, buffer_set).cpu(), want_scale):
             bad.append(name + ".scale")
     return bad
 
@@ -178,9 +189,10 @@ def inference(conn, cfg: dict) -> None:
     try:
         torch.set_num_threads(1)
         rank = cfg["rank"]
-        with _engine(cfg["provider"]) as engine:
+        with _engine(cfg) as engine:
             inf = W.Inference(engine, params(), infer_pieces(rank), rank=rank, world=INFER, train_world=TRAIN,
-                              store=_store(cfg), job=cfg["job"], owner_rows=cfg.get("owner_rows", 0))
+                              store=_store(cfg), job=cfg["job"], owner_rows=cfg.get("owner_rows", 0),
+                              device=_device(cfg))
             conn.send("ready")
             last_ok = None
             for step in cfg["steps"]:
