@@ -93,7 +93,9 @@ def quantize_fp8_blocks(x: Any) -> tuple:
     padded = torch.zeros(br * BLOCK, bc * BLOCK, dtype=torch.float32, device=x.device)
     padded[:rows, :cols] = xf.abs()
     amax = padded.view(br, BLOCK, bc, BLOCK).amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor, not the scalar 448: CUDA divides by a scalar as a multiplication by its
+    # reciprocal, which rounds differently from the C++ (and CPU) amax / 448.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
     return (xf / full).to(torch.float8_e4m3fn), scale
 
