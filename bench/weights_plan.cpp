@@ -18,6 +18,7 @@
 
 #include "fabric/fabric.h"
 #include "fabric/weights.h"
+#include "fabric/weights_update.h"
 #include "kimi_k2_manifest.h"
 
 using namespace fabric;
@@ -32,17 +33,24 @@ struct Options {
   std::string provider = "shm";
   bool skip_post = false;
   bool busy = false;
+  uint32_t window = 2;  // staging slots per training rank (WeightSenderConfig::window)
 };
 
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 // Posts `writes` (one rank's WRITEs) as 64-byte stand-ins from one engine to a peer engine's 8
-// regions, an immediate each; returns {ms until every submit returned, ms until all completed}.
-std::pair<double, double> time_posting(const std::vector<weights::Write>& writes, const std::string& provider,
+// regions, an immediate each. Returns when every submit returned, when the worker had handed the
+// last WRITE to the provider (the posting cost, from the engine's post timings), and when all had
+// completed (the provider's delivery included), in ms from the first submit.
+struct PostingTimes {
+  double submitted = 0, posted = 0, completed = 0;
+};
+PostingTimes time_posting(const std::vector<weights::Write>& writes, const std::string& provider,
                                        bool busy) {
   EngineConfig cfg;
   cfg.provider = provider;
   cfg.worker_poll = busy ? PollMode::kBusy : PollMode::kAdaptive;
+  cfg.record_post_timings = true;
   if (provider != "shm") cfg.nics = {NicConfig{"", "127.0.0.2"}};
   TransferEngine sender(cfg), receiver(cfg);
   constexpr uint64_t kRegion = 64 << 10, kPage = 64;
@@ -52,16 +60,26 @@ std::pair<double, double> time_posting(const std::vector<weights::Write>& writes
   std::vector<RemoteMr> remotes;
   for (auto& d : dst) remotes.push_back(sender.add_remote(receiver.reg_mr(d.data(), d.size()).second));
   std::atomic<uint64_t> done{0}, failed{0};
+  std::vector<double> submit_at(writes.size());  // ms from t0 at which each submit was called
+  sender.take_post_timings();
   const auto t0 = Clock::now();
-  for (const weights::Write& w : writes)
-    sender.submit(SingleWrite{.len = kPage, .src = {hs, 0}, .dst = {remotes[w.dst_rank % remotes.size()], 0},
-                              .imm = w.dst_rank},
+  for (size_t i = 0; i < writes.size(); i++) {
+    submit_at[i] = ms_since(t0);
+    sender.submit(SingleWrite{.len = kPage, .src = {hs, 0}, .dst = {remotes[writes[i].dst_rank % remotes.size()], 0},
+                              .imm = writes[i].dst_rank},
                   OnDone::counter(&done, &failed));
-  const double submitted = ms_since(t0);
+  }
+  PostingTimes t;
+  t.submitted = ms_since(t0);
   while (done.load() + failed.load() < writes.size()) std::this_thread::yield();
-  const double completed = ms_since(t0);
+  t.completed = ms_since(t0);
   if (failed.load()) throw std::runtime_error(fmt::format("{} stand-in WRITEs failed", failed.load()));
-  return {submitted, completed};
+  // The worker records transfers in the order they were submitted.
+  const std::vector<PostTiming> timings = sender.take_post_timings();
+  if (timings.size() != writes.size())
+    throw std::runtime_error(fmt::format("{} post timings for {} WRITEs", timings.size(), writes.size()));
+  for (size_t i = 0; i < timings.size(); i++) t.posted = std::max(t.posted, submit_at[i] + timings[i].last_post_ns / 1e6);
+  return t;
 }
 
 }  // namespace
@@ -74,6 +92,7 @@ int main(int argc, char** argv) {
   app.add_option("--owner-rows", o.owner_rows, "rows a rank quantizes as a unit (128 multiples; 0: whole tensors)");
   app.add_option("--provider", o.provider, "provider for the posting measurement");
   app.add_flag("--skip-post", o.skip_post, "leave out the posting measurement");
+  app.add_option("--window", o.window, "staging slots per training rank, for the staging figure");
   app.add_flag("--busy", o.busy, "busy-polling worker for the posting measurement (default adaptive)");
   CLI11_PARSE(app, argc, argv);
 
@@ -141,9 +160,13 @@ int main(int argc, char** argv) {
              wrs[busiest_rank], busiest_rank, std::accumulate(wrs.begin(), wrs.end(), 0.0) / m.src_ranks,
              *std::max_element(out.begin(), out.end()) / 1e9, std::accumulate(out.begin(), out.end(), 0.0) / m.src_ranks / 1e9,
              gather_bytes / 1e9 / m.src_ranks, gather_bytes / 1e12, *std::max_element(in.begin(), in.end()) / 1e9);
-  fmt::print("inference ranks: bytes in max {:.2f} GB mean {:.2f} GB (max / mean {:.3f}); staging max {:.2f} GB\n",
+  const std::vector<uint64_t> windowed = weights::staging_bytes_for(up, o.window);
+  fmt::print("inference ranks: bytes in max {:.2f} GB mean {:.2f} GB (max / mean {:.3f})\n",
              *std::max_element(dst_in.begin(), dst_in.end()) / 1e9, static_cast<double>(total_dst) / m.dst_ranks / 1e9,
-             max_over_mean(dst_in), *std::max_element(up.staging_bytes.begin(), up.staging_bytes.end()) / 1e9);
+             max_over_mean(dst_in));
+  fmt::print("training staging: every unit resident {:.2f} GB max; the executor's window of {} units {:.2f} GB max\n",
+             *std::max_element(up.staging_bytes.begin(), up.staging_bytes.end()) / 1e9, o.window,
+             *std::max_element(windowed.begin(), windowed.end()) / 1e9);
   fmt::print("time at {:.0f} Gb/s per GPU: lower bound {:.1f} ms, predicted {:.1f} ms (busiest NIC {:.1f} ms + fill "
              "{:.1f} ms)\n",
              o.gbps, lower_bound_ms, predicted_ms, busiest / bw * 1e3, fill_ms);
@@ -154,12 +177,12 @@ int main(int argc, char** argv) {
     for (const auto* list : {&gather_writes, &send_writes})
       for (const auto& w : *list)
         if (w.src_rank == busiest_rank) mine.push_back(w);
-    auto [submitted, completed] = time_posting(mine, o.provider, o.busy);
-    post_ms = completed;
+    const PostingTimes t = time_posting(mine, o.provider, o.busy);
+    post_ms = t.posted;
     fmt::print("posting rank {}'s {} requests ({} WRITEs) on {} ({} polling, 64-byte stand-ins): submitted in "
-               "{:.2f} ms, all completed in {:.2f} ms\n",
-               busiest_rank, mine.size(), wrs[busiest_rank], o.provider, o.busy ? "busy" : "adaptive", submitted,
-               completed);
+               "{:.2f} ms, the last handed to the provider at {:.2f} ms, all completed in {:.2f} ms\n",
+               busiest_rank, mine.size(), wrs[busiest_rank], o.provider, o.busy ? "busy" : "adaptive", t.submitted,
+               t.posted, t.completed);
   }
   fmt::print("plan params={} src={} dst={} wrs_per_rank_max={} nic_bytes_max_over_mean={:.3f} lower_bound_ms={:.1f} "
              "predicted_ms={:.1f} post_ms_per_rank={:.2f}\n",

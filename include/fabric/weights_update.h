@@ -49,9 +49,9 @@ inline uint32_t update_imm(ImmKind kind, uint64_t step, uint32_t index) {
 }
 inline constexpr uint32_t kMaxUpdateRanks = 1u << 16;
 
-// Staging bytes rank `rank` needs from plan.staging_base[rank] for `window` slots (each holds one
-// unit: its gathered BF16 input, its FP8 bytes and its scales).
-uint64_t staging_bytes_for(const UpdatePlan& plan, uint32_t rank, uint32_t window);
+// Staging bytes each training rank needs from plan.staging_base[rank] for `window` slots (each
+// holds one unit: its gathered BF16 input, its FP8 bytes and its scales).
+std::vector<uint64_t> staging_bytes_for(const UpdatePlan& plan, uint32_t window);
 
 // One unit a training rank quantizes, with offsets into its own arena: first the local copies
 // (its own part of a gathered unit, rows of row_bytes from src_offset to dst_offset at their

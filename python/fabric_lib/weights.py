@@ -200,7 +200,7 @@ class Trainer(_Side):
             cursor = _align(cursor + (box[1] - box[0]) * (box[3] - box[2]) * 2)
         self._publish(f"t{rank}/pieces", {"placements": placements})
         self.manifest, self.plan = self._plan()
-        staging = self.plan.staging_bytes_for(rank, window)
+        staging = self.plan.staging_bytes_for(window)[rank]
         self.arena = torch.zeros(max(1, self.plan.staging_base[rank] + staging), dtype=torch.uint8,
                                  device=torch.device(device))
         handle, desc = engine.register_tensor(self.arena)

@@ -106,9 +106,9 @@ void bind_weights(nb::module_& m) {
       .def_prop_ro("send_bytes", [](const UpdatePlan& p) { return p.send.src_bytes; }, "bytes per training rank")
       .def_prop_ro("gather_bytes", [](const UpdatePlan& p) { return p.gather.src_bytes; })
       .def_prop_ro("send_max_over_mean", [](const UpdatePlan& p) { return p.send.src_max_over_mean(); })
-      .def("staging_bytes_for", [](const UpdatePlan& p, uint32_t rank, uint32_t window) {
-        return staging_bytes_for(p, rank, window);
-      }, "rank"_a, "window"_a);
+      .def("staging_bytes_for", [](const UpdatePlan& p, uint32_t window) {
+        return staging_bytes_for(p, window);
+      }, "window"_a, "Staging bytes per training rank for `window` slots.");
   m.def(
       "weights_plan_update",
       [](const Manifest& manifest, uint64_t owner_rows) {

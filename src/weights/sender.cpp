@@ -54,12 +54,12 @@ struct Progress {
 
 }  // namespace
 
-uint64_t staging_bytes_for(const UpdatePlan& plan, uint32_t rank, uint32_t window) {
-  auto shared = std::shared_ptr<const UpdatePlan>(&plan, [](const UpdatePlan*) {});
-  detail::Schedule s = detail::schedule_update(shared, window);
-  if (rank >= s.ranks.size()) throw Error(ErrorCode::kInvalidArgument, fmt::format("no training rank {}", rank));
-  const uint64_t units = s.ranks[rank].units.size();
-  return std::min<uint64_t>(window, units) * s.ranks[rank].slot_bytes;
+std::vector<uint64_t> staging_bytes_for(const UpdatePlan& plan, uint32_t window) {
+  auto shared = std::shared_ptr<const UpdatePlan>(&plan, [](const UpdatePlan*) {});  // not owned
+  const detail::Schedule s = detail::schedule_update(shared, window);
+  std::vector<uint64_t> out;
+  for (const detail::RankSchedule& r : s.ranks) out.push_back(std::min<uint64_t>(window, r.units.size()) * r.slot_bytes);
+  return out;
 }
 
 struct WeightSender::State {

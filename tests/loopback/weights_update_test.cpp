@@ -44,9 +44,10 @@ struct Cluster {
       : model(std::move(m)) {
     plan = std::make_shared<const UpdatePlan>(plan_update(model.m, {.owner_rows = owner_rows}));
     const uint32_t ns = model.m.src_ranks, nd = model.m.dst_ranks;
+    const std::vector<uint64_t> staging = staging_bytes_for(*plan, window);
     for (uint32_t r = 0; r < ns; r++) {
       train_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
-      train_arena.emplace_back(plan->staging_base[r] + staging_bytes_for(*plan, r, window));
+      train_arena.emplace_back(plan->staging_base[r] + staging[r]);
       auto [h, d] = train_engines[r]->reg_mr(train_arena[r].data(), train_arena[r].size());
       train_mr.push_back(h);
       train_desc.push_back(d);
