@@ -96,6 +96,7 @@ class WeightSender {
 
  private:
   struct State;
+  class Step;
   std::unique_ptr<State> s_;
 };
 

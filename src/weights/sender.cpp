@@ -70,7 +70,7 @@ struct WeightSender::State {
   std::vector<RemoteMr> train;                 // per training rank
   std::vector<std::vector<RemoteMr>> dest;     // [set][inference rank]
   std::vector<uint32_t> my_dsts;               // inference ranks this rank writes to
-  std::vector<std::vector<uint32_t>> credit_units;  // per quantizer: the units of its we fill, in order
+  std::vector<std::vector<uint32_t>> credit_units;  // per quantizer: the units of its this rank fills, in order
   std::vector<std::vector<RemoteMr>> unit_contributors;  // per own unit
   std::vector<std::vector<uint32_t>> unit_dsts;          // per own unit: inference ranks its sends reach
   std::vector<std::vector<uint32_t>> bf16_by_dst;        // per inference rank: indices into sched.send
@@ -111,7 +111,6 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
     s.dest.emplace_back();
     for (const MrDesc& d : set) s.dest.back().push_back(engine.add_remote(d));
   }
-  const uint32_t me = s.cfg.rank;
   s.credit_units.resize(ranks);
   for (uint32_t i : s.me.gather_out) {
     const detail::ScheduledWrite& w = s.sched.gather[i];
@@ -137,188 +136,252 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
   }
   for (uint32_t d = 0; d < dsts; d++)
     if (writes_to[d]) s.my_dsts.push_back(d);
-  (void)me;
 }
 
 WeightSender::~WeightSender() = default;
 
-UpdateTimes WeightSender::update(uint64_t step) {
-  State& s = *s_;
-  const auto t0 = Clock::now();
-  const auto deadline = t0 + s.cfg.timeout;
-  const uint32_t me = s.cfg.rank, window = s.sched.window;
-  const size_t units = s.me.units.size(), ranks = s.train.size();
-  const std::vector<RemoteMr>& dest = s.dest[step % s.dest.size()];
-  auto progress = std::make_shared<Progress>(s.dest.front().size(), units, ranks, std::min<size_t>(window, units));
-  Progress& pr = *progress;
-  auto keep = [&](OnDone d) { return std::move(d).keep_alive(progress); };
-  std::vector<ImmExpectation> armed;
-  UpdateTimes times;
-  uint64_t posted = 0;                                  // gathers, BF16 sends and barriers
-  std::vector<uint64_t> slot_posted(pr.slot_done.size(), 0);
+// One update of one training rank: what it armed, posted and still waits for.
+class WeightSender::Step {
+ public:
+  Step(State& s, uint64_t step)
+      : s_(s),
+        step_(step),
+        me_(s.cfg.rank),
+        window_(s.sched.window),
+        units_(s.me.units.size()),
+        ranks_(s.train.size()),
+        dest_(s.dest[step % s.dest.size()]),
+        progress_(std::make_shared<Progress>(s.dest.front().size(), units_, ranks_, std::min<size_t>(window_, units_))),
+        pr_(*progress_),
+        slot_posted_(pr_.slot_done.size(), 0),
+        next_credit_unit_(ranks_, 0),
+        gather_cursor_(ranks_, 0),
+        gather_to_(ranks_),
+        bf16_posted_(s.bf16_by_dst.size(), false) {
+    // Our gather WRITEs by destination (gather_out is ordered by (dst, unit, offset)).
+    for (uint32_t i : s.me.gather_out) gather_to_[s.sched.gather[i].dst_rank].push_back(i);
+  }
 
-  auto expect = [&](uint32_t imm, uint64_t count, OnDone done) {
-    armed.push_back(s.engine.expect_imm_count(imm, count, keep(std::move(done))));
-  };
-  auto credit = [&](uint32_t unit) {  // tells the unit's contributors its slot is free
-    if (unit >= units || s.unit_contributors[unit].empty()) return;
-    s.engine.submit(Barrier{.dsts = s.unit_contributors[unit], .imm = update_imm(ImmKind::kCredit, step, me)},
-                    keep(OnDone::counter(&pr.done, &pr.failed)));
-    posted++;
-  };
-  try {
-    for (uint32_t d : s.my_dsts) expect(update_imm(ImmKind::kReady, step, d), 1, OnDone::flag(&pr.ready[d]));
-    for (uint32_t u = 0; u < units; u++) {
-      uint64_t count = 0;
-      for (uint32_t i : s.me.units[u].gather_writes) count += s.imms(s.sched.gather[i].len);
-      if (count == 0) pr.gathered[u].store(kDoneSucceeded);
-      else expect(update_imm(ImmKind::kGather, step, u), count, OnDone::flag(&pr.gathered[u]));
-    }
-    for (uint32_t r = 0; r < ranks; r++)
-      for (size_t k = 0; k < s.credit_units[r].size(); k++)
-        expect(update_imm(ImmKind::kCredit, step, r), 1, OnDone::counter(&pr.credits[r]));
-    for (uint32_t u = 0; u < std::min<size_t>(window, units); u++) credit(u);
-
-    std::vector<size_t> next_credit_unit(ranks, 0);  // per quantizer: its units we have filled
-    std::vector<size_t> gather_cursor(ranks, 0);     // scan position in gather_out per quantizer
-    std::vector<bool> bf16_posted(s.bf16_by_dst.size(), false);
-    // Our gather WRITEs, grouped by destination (gather_out is ordered by (dst, unit, offset)).
-    std::vector<std::vector<uint32_t>> gather_to(ranks);
-    for (uint32_t i : s.me.gather_out) gather_to[s.sched.gather[i].dst_rank].push_back(i);
-    size_t next_unit = 0;
-    auto ready = [&](uint32_t d) { return pr.ready[d].load(std::memory_order_acquire) == kDoneSucceeded; };
-    Clock::time_point waiting_since = Clock::now();
-    enum { kIdle, kGather, kReady, kSlot } waiting = kIdle;
-    auto account_wait = [&] {
-      const double w = ms_since(waiting_since);
-      if (waiting == kGather) times.gather_wait_ms += w;
-      if (waiting == kReady) times.ready_wait_ms += w;
-      waiting = kIdle;
-    };
-    for (;;) {
-      bool moved = false;
-      if (pr.failed.load() || pr.slot_failed.load())
-        throw Error(ErrorCode::kProvider, fmt::format("weight update step {}: a WRITE of training rank {} failed "
-                                                       "(the log has its error)", step, me));
-      // Gather WRITEs into slots the quantizers released.
-      for (uint32_t r = 0; r < ranks; r++) {
-        const uint64_t released = pr.credits[r].load(std::memory_order_acquire);
-        while (next_credit_unit[r] < released && next_credit_unit[r] < s.credit_units[r].size()) {
-          const uint32_t unit = s.credit_units[r][next_credit_unit[r]++];
-          auto& list = gather_to[r];
-          while (gather_cursor[r] < list.size() && s.sched.gather[list[gather_cursor[r]]].unit == unit) {
-            const detail::ScheduledWrite& w = s.sched.gather[list[gather_cursor[r]++]];
-            s.post(w, s.train[r], update_imm(ImmKind::kGather, step, unit), keep(OnDone::counter(&pr.done, &pr.failed)));
-            posted++;
-            times.writes++;
-            times.bytes += w.len;
-          }
-          moved = true;
-        }
+  UpdateTimes run() {
+    const auto t0 = Clock::now();
+    deadline_ = t0 + s_.cfg.timeout;
+    try {
+      arm();
+      for (;;) {
+        check_failures();
+        bool moved = post_released_gathers();
+        moved |= post_bf16();
+        moved |= run_next_unit();
+        if (all_posted()) break;
+        if (Clock::now() > deadline_)
+          throw Error(ErrorCode::kTimeout, fmt::format("weight update step {} on training rank {}: not done after {} ms: {}",
+                                                       step_, me_, s_.cfg.timeout.count(), awaited()));
+        if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
-      // BF16 pieces straight from the shards, to every inference rank that is ready.
-      for (uint32_t d = 0; d < s.bf16_by_dst.size(); d++) {
-        if (bf16_posted[d] || s.bf16_by_dst[d].empty() || !ready(d)) continue;
-        for (uint32_t i : s.bf16_by_dst[d]) {
-          const detail::ScheduledWrite& w = s.sched.send[i];
-          s.post(w, dest[d], update_imm(ImmKind::kData, step, me), keep(OnDone::counter(&pr.done, &pr.failed)));
-          posted++;
-          times.writes++;
-          times.bytes += w.len;
+      drain();
+    } catch (...) {
+      for (const ImmExpectation& e : armed_) s_.engine.cancel_imm_expectation(e);
+      throw;
+    }
+    times_.total_ms = ms_since(t0);
+    return times_;
+  }
+
+ private:
+  OnDone keep(OnDone d) { return std::move(d).keep_alive(progress_); }
+  OnDone count_done() { return keep(OnDone::counter(&pr_.done, &pr_.failed)); }
+  bool ready(uint32_t d) const { return pr_.ready[d].load(std::memory_order_acquire) == kDoneSucceeded; }
+
+  void expect(uint32_t imm, uint64_t count, OnDone done) {
+    armed_.push_back(s_.engine.expect_imm_count(imm, count, keep(std::move(done))));
+  }
+
+  // Tells a unit's contributors its slot is free.
+  void credit(uint32_t unit) {
+    if (unit >= units_ || s_.unit_contributors[unit].empty()) return;
+    s_.engine.submit(Barrier{.dsts = s_.unit_contributors[unit], .imm = update_imm(ImmKind::kCredit, step_, me_)},
+                     count_done());
+    posted_++;
+  }
+
+  void post(const detail::ScheduledWrite& w, RemoteMr dst, uint32_t imm, OnDone done) {
+    s_.post(w, dst, imm, std::move(done));
+    times_.writes++;
+    times_.bytes += w.len;
+  }
+
+  // Readiness of our inference ranks, each own unit's gather, the credits of the quantizers we
+  // fill; then the first `window` slots released.
+  void arm() {
+    for (uint32_t d : s_.my_dsts) expect(update_imm(ImmKind::kReady, step_, d), 1, OnDone::flag(&pr_.ready[d]));
+    for (uint32_t u = 0; u < units_; u++) {
+      uint64_t count = 0;
+      for (uint32_t i : s_.me.units[u].gather_writes) count += s_.imms(s_.sched.gather[i].len);
+      if (count == 0) pr_.gathered[u].store(kDoneSucceeded);
+      else expect(update_imm(ImmKind::kGather, step_, u), count, OnDone::flag(&pr_.gathered[u]));
+    }
+    for (uint32_t r = 0; r < ranks_; r++)
+      for (size_t k = 0; k < s_.credit_units[r].size(); k++)
+        expect(update_imm(ImmKind::kCredit, step_, r), 1, OnDone::counter(&pr_.credits[r]));
+    for (uint32_t u = 0; u < std::min<size_t>(window_, units_); u++) credit(u);
+  }
+
+  void check_failures() const {
+    if (pr_.failed.load() || pr_.slot_failed.load())
+      throw Error(ErrorCode::kProvider, fmt::format("weight update step {}: a WRITE of training rank {} failed "
+                                                    "(the log has its error)", step_, me_));
+  }
+
+  // Gather WRITEs into the slots the quantizers released: c credits from a quantizer release
+  // the first c of its units we fill (it releases them in order).
+  bool post_released_gathers() {
+    bool moved = false;
+    for (uint32_t r = 0; r < ranks_; r++) {
+      const uint64_t released = pr_.credits[r].load(std::memory_order_acquire);
+      while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.credit_units[r].size()) {
+        const uint32_t unit = s_.credit_units[r][next_credit_unit_[r]++];
+        const std::vector<uint32_t>& list = gather_to_[r];
+        while (gather_cursor_[r] < list.size() && s_.sched.gather[list[gather_cursor_[r]]].unit == unit) {
+          post(s_.sched.gather[list[gather_cursor_[r]++]], s_.train[r], update_imm(ImmKind::kGather, step_, unit),
+               count_done());
+          posted_++;
         }
-        bf16_posted[d] = true;
         moved = true;
       }
-      // The next unit: its input complete, its slot's earlier sends done, its inference ranks ready.
-      if (next_unit < units) {
-        const uint32_t u = static_cast<uint32_t>(next_unit);
-        const size_t slot = u % window;
-        const bool in = pr.gathered[u].load(std::memory_order_acquire) == kDoneSucceeded;
-        const bool free = pr.slot_done[slot].load(std::memory_order_acquire) == slot_posted[slot];
-        const bool dsts_ready = std::all_of(s.unit_dsts[u].begin(), s.unit_dsts[u].end(), ready);
-        if (pr.gathered[u].load() == kDoneFailed)
-          throw Error(ErrorCode::kProvider, fmt::format("weight update step {}: gathering unit {} failed", step, u));
-        if (in && free && dsts_ready) {
-          account_wait();
-          const detail::ScheduledUnit& su = s.me.units[u];
-          const UnitWork work{su.task, s.cfg.plan->gather_manifest.tensors[su.task.tensor].cols, su.local_copies};
-          const auto tq = Clock::now();
-          if (s.cfg.hook) s.cfg.hook(work);
-          else host_hook(s.cfg.arena_ptr, work);
-          times.quantize_ms += ms_since(tq);
-          credit(u + window);  // its input area may be refilled
-          for (uint32_t i : su.send_writes) {
-            const detail::ScheduledWrite& w = s.sched.send[i];
-            s.post(w, dest[w.dst_rank], update_imm(ImmKind::kData, step, me),
-                   keep(OnDone::counter(&pr.slot_done[slot], &pr.slot_failed)));
-            slot_posted[slot]++;
-            times.writes++;
-            times.bytes += w.len;
-          }
-          next_unit++;
-          moved = true;
-        } else if (waiting == kIdle) {
-          waiting = !in ? kGather : !dsts_ready ? kReady : kSlot;
-          waiting_since = Clock::now();
-        }
-      }
-      bool all_posted = next_unit == units;
-      for (uint32_t r = 0; r < ranks; r++) all_posted &= gather_cursor[r] == gather_to[r].size();
-      for (uint32_t d = 0; d < s.bf16_by_dst.size(); d++) all_posted &= bf16_posted[d] || s.bf16_by_dst[d].empty();
-      if (all_posted) break;
-      if (Clock::now() > deadline) {
-        std::string what;
-        if (next_unit < units) {
-          const detail::ScheduledUnit& su = s.me.units[next_unit];
-          const TensorSpec& t = s.cfg.plan->gather_manifest.tensors[su.task.tensor];
-          what = fmt::format("unit {} ({} rows [{}, {})) waits for ", next_unit, t.name, su.task.r0, su.task.r1);
-          if (pr.gathered[next_unit].load() != kDoneSucceeded)
-            what += fmt::format("gather WRITEs from training ranks {}", fmt::join(su.contributors, ", "));
-          else {
-            std::vector<uint32_t> missing;
-            for (uint32_t d : s.unit_dsts[next_unit])
-              if (!ready(d)) missing.push_back(d);
-            what += missing.empty() ? std::string("its slot's earlier WRITEs")
-                                    : fmt::format("inference ranks {} to be ready", fmt::join(missing, ", "));
-          }
-        } else {
-          std::vector<uint32_t> r_missing, d_missing;
-          for (uint32_t r = 0; r < ranks; r++)
-            if (gather_cursor[r] < gather_to[r].size()) r_missing.push_back(r);
-          for (uint32_t d = 0; d < s.bf16_by_dst.size(); d++)
-            if (!bf16_posted[d] && !s.bf16_by_dst[d].empty()) d_missing.push_back(d);
-          if (!r_missing.empty()) what = fmt::format("slot credits from training ranks {}", fmt::join(r_missing, ", "));
-          if (!d_missing.empty())
-            what += fmt::format("{}inference ranks {} to be ready", what.empty() ? "" : "; ", fmt::join(d_missing, ", "));
-        }
-        throw Error(ErrorCode::kTimeout, fmt::format("weight update step {} on training rank {}: not done after {} ms: {}",
-                                                     step, me, s.cfg.timeout.count(), what));
-      }
-      if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    // Drain: every WRITE and barrier completed.
+    return moved;
+  }
+
+  // BF16 pieces straight from the shards, to every inference rank that is ready.
+  bool post_bf16() {
+    bool moved = false;
+    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) {
+      if (bf16_posted_[d] || s_.bf16_by_dst[d].empty() || !ready(d)) continue;
+      for (uint32_t i : s_.bf16_by_dst[d]) {
+        post(s_.sched.send[i], dest_[d], update_imm(ImmKind::kData, step_, me_), count_done());
+        posted_++;
+      }
+      bf16_posted_[d] = true;
+      moved = true;
+    }
+    return moved;
+  }
+
+  // The next unit, once its input is complete, its slot's earlier sends are done and its
+  // inference ranks are ready: copy, quantize, release its input area, send.
+  bool run_next_unit() {
+    if (next_unit_ >= units_) return false;
+    const uint32_t u = static_cast<uint32_t>(next_unit_);
+    const size_t slot = u % window_;
+    if (pr_.gathered[u].load() == kDoneFailed)
+      throw Error(ErrorCode::kProvider, fmt::format("weight update step {}: gathering unit {} failed", step_, u));
+    const bool in = pr_.gathered[u].load(std::memory_order_acquire) == kDoneSucceeded;
+    const bool free = pr_.slot_done[slot].load(std::memory_order_acquire) == slot_posted_[slot];
+    const bool dsts_ready = std::all_of(s_.unit_dsts[u].begin(), s_.unit_dsts[u].end(), [&](uint32_t d) { return ready(d); });
+    if (!(in && free && dsts_ready)) {
+      if (waiting_ == kIdle) {
+        waiting_ = !in ? kGather : !dsts_ready ? kReady : kSlot;
+        waiting_since_ = Clock::now();
+      }
+      return false;
+    }
+    account_wait();
+    const detail::ScheduledUnit& su = s_.me.units[u];
+    const UnitWork work{su.task, s_.cfg.plan->gather_manifest.tensors[su.task.tensor].cols, su.local_copies};
+    const auto tq = Clock::now();
+    if (s_.cfg.hook) s_.cfg.hook(work);
+    else host_hook(s_.cfg.arena_ptr, work);
+    times_.quantize_ms += ms_since(tq);
+    credit(u + window_);  // its input area may be refilled
+    for (uint32_t i : su.send_writes) {
+      const detail::ScheduledWrite& w = s_.sched.send[i];
+      post(w, dest_[w.dst_rank], update_imm(ImmKind::kData, step_, me_),
+           keep(OnDone::counter(&pr_.slot_done[slot], &pr_.slot_failed)));
+      slot_posted_[slot]++;
+    }
+    next_unit_++;
+    return true;
+  }
+
+  void account_wait() {
+    const double w = ms_since(waiting_since_);
+    if (waiting_ == kGather) times_.gather_wait_ms += w;
+    if (waiting_ == kReady) times_.ready_wait_ms += w;
+    waiting_ = kIdle;
+  }
+
+  bool all_posted() const {
+    bool all = next_unit_ == units_;
+    for (uint32_t r = 0; r < ranks_; r++) all &= gather_cursor_[r] == gather_to_[r].size();
+    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) all &= bf16_posted_[d] || s_.bf16_by_dst[d].empty();
+    return all;
+  }
+
+  // What the step still waits for, for the timeout's message.
+  std::string awaited() const {
+    if (next_unit_ < units_) {
+      const detail::ScheduledUnit& su = s_.me.units[next_unit_];
+      const TensorSpec& t = s_.cfg.plan->gather_manifest.tensors[su.task.tensor];
+      std::string what = fmt::format("unit {} ({} rows [{}, {})) waits for ", next_unit_, t.name, su.task.r0, su.task.r1);
+      if (pr_.gathered[next_unit_].load() != kDoneSucceeded)
+        return what + fmt::format("gather WRITEs from training ranks {}", fmt::join(su.contributors, ", "));
+      std::vector<uint32_t> missing;
+      for (uint32_t d : s_.unit_dsts[next_unit_])
+        if (!ready(d)) missing.push_back(d);
+      return what + (missing.empty() ? std::string("its slot's earlier WRITEs")
+                                     : fmt::format("inference ranks {} to be ready", fmt::join(missing, ", ")));
+    }
+    std::vector<uint32_t> r_missing, d_missing;
+    for (uint32_t r = 0; r < ranks_; r++)
+      if (gather_cursor_[r] < gather_to_[r].size()) r_missing.push_back(r);
+    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++)
+      if (!bf16_posted_[d] && !s_.bf16_by_dst[d].empty()) d_missing.push_back(d);
+    std::string what;
+    if (!r_missing.empty()) what = fmt::format("slot credits from training ranks {}", fmt::join(r_missing, ", "));
+    if (!d_missing.empty())
+      what += fmt::format("{}inference ranks {} to be ready", what.empty() ? "" : "; ", fmt::join(d_missing, ", "));
+    return what;
+  }
+
+  // Every WRITE and barrier completed.
+  void drain() {
     const auto td = Clock::now();
     auto outstanding = [&] {
       uint64_t sends_left = 0;
-      for (size_t k = 0; k < slot_posted.size(); k++) sends_left += slot_posted[k] - pr.slot_done[k].load();
-      return pr.done.load() < posted || sends_left > 0;
+      for (size_t k = 0; k < slot_posted_.size(); k++) sends_left += slot_posted_[k] - pr_.slot_done[k].load();
+      return pr_.done.load() < posted_ || sends_left > 0;
     };
     while (outstanding()) {
-      if (pr.failed.load() || pr.slot_failed.load())
-        throw Error(ErrorCode::kProvider, fmt::format("weight update step {}: a WRITE of training rank {} failed "
-                                                       "(the log has its error)", step, me));
-      if (Clock::now() > deadline)
+      check_failures();
+      if (Clock::now() > deadline_)
         throw Error(ErrorCode::kTimeout, fmt::format("weight update step {} on training rank {}: WRITEs not completed "
-                                                     "after {} ms", step, me, s.cfg.timeout.count()));
+                                                     "after {} ms", step_, me_, s_.cfg.timeout.count()));
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    times.drain_ms = ms_since(td);
-  } catch (...) {
-    for (const ImmExpectation& e : armed) s.engine.cancel_imm_expectation(e);
-    throw;
+    times_.drain_ms = ms_since(td);
   }
-  times.total_ms = ms_since(t0);
-  return times;
-}
+
+  State& s_;
+  const uint64_t step_;
+  const uint32_t me_, window_;
+  const size_t units_, ranks_;
+  const std::vector<RemoteMr>& dest_;
+  std::shared_ptr<Progress> progress_;
+  Progress& pr_;
+  Clock::time_point deadline_{};
+  std::vector<ImmExpectation> armed_;
+  UpdateTimes times_;
+  uint64_t posted_ = 0;                // gathers, BF16 sends and barriers
+  std::vector<uint64_t> slot_posted_;  // per slot: sends posted from it
+  std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled
+  std::vector<size_t> gather_cursor_;     // per quantizer: position in gather_to_
+  std::vector<std::vector<uint32_t>> gather_to_;
+  std::vector<bool> bf16_posted_;
+  size_t next_unit_ = 0;
+  enum { kIdle, kGather, kReady, kSlot } waiting_ = kIdle;
+  Clock::time_point waiting_since_{};
+};
+
+UpdateTimes WeightSender::update(uint64_t step) { return Step(*s_, step).run(); }
 
 }  // namespace fabric::weights
