@@ -17,7 +17,7 @@
 //      for) once the update's timeout passes. Stages overlap: gathers, quantizing and sends run
 //      at once over the window.
 // An inference rank (WeightReceiver) says ready(step) for buffer set step % sets, then
-// wait(step) returns when every source rank's immediates for that step are counted; the counts
+// wait_update(step) returns when every source rank's immediates for that step are counted; the counts
 // come from the plan, so no message says "done". A timeout names the source ranks still missing.
 //
 // Failure and what it leaves: with two buffer sets, step s writes only set s % 2; a failed step
@@ -118,7 +118,7 @@ class WeightReceiver {
   // Returns when step's writes have all landed; throws kTimeout naming the source ranks whose
   // writes are missing (the step is then failed: its tag's late immediates are discarded and a
   // retry takes a new step number), kInvalidArgument for a step never made ready or failed.
-  void wait(uint64_t step, std::chrono::milliseconds timeout);
+  void wait_update(uint64_t step, std::chrono::milliseconds timeout);
   // A restarted training job's arenas (same plan, new processes).
   void set_sources(std::vector<MrDesc> train_arenas);
   uint64_t expected_writes() const;  // immediates per step, over all source ranks

@@ -15,7 +15,7 @@ window of staging slots; inference ranks know a step is complete from immediate 
   registered arena in a store (a torch.distributed Store: TCPStore, or the default group's),
   reads the others', and builds the same plan on every rank. Trainer.shard(name) is the rank's
   shard in its arena (write the new weights there, or train on it in place); Trainer.update(step)
-  runs a step. Inference.update(step) waits for it and returns the buffer set it landed in;
+  runs a step. Inference.update(step) (ready, then wait_update) waits for it and returns the buffer set it landed in;
   Inference.buffer(name, set) and .scale(name, set) are the tensors inference reads.
 
 Buffer sets: with sets=2 (the default) step s writes set s % 2, so a failed step leaves the
@@ -345,15 +345,15 @@ class Inference(_Side):
         """Buffer set step % sets may be written (call it once the set is no longer read)."""
         self.receiver.ready(step)
 
-    def wait(self, step: int, timeout_s: float = 60.0) -> int:
+    def wait_update(self, step: int, timeout_s: float = 60.0) -> int:
         """Returns the buffer set step landed in; raises FabricError naming the missing training ranks."""
-        self.receiver.wait(step, timeout_s)
+        self.receiver.wait_update(step, timeout_s)
         return step % self.sets
 
     def update(self, step: int, timeout_s: float = 60.0) -> int:
-        """ready(step) then wait(step)."""
+        """ready(step) then wait_update(step)."""
         self.ready(step)
-        return self.wait(step, timeout_s)
+        return self.wait_update(step, timeout_s)
 
     def reconnect(self, job: str) -> None:
         """Joins a restarted training job that runs under a new job name: publishes this rank's

@@ -204,11 +204,11 @@ void bind_weights(nb::module_& m) {
              rx.ready(step);
            },
            "step"_a, "Buffer set step % sets may be written.")
-      .def("wait",
+      .def("wait_update",
            [](PyWeights<WeightReceiver>& r, uint64_t step, double timeout_s) {
              WeightReceiver& rx = r.get();
              nb::gil_scoped_release release;
-             rx.wait(step, ms(timeout_s));
+             rx.wait_update(step, ms(timeout_s));
            },
            "step"_a, "timeout_s"_a = 60.0, "Returns when the step has landed; a timeout names the missing training ranks.")
       .def("set_sources",

@@ -114,7 +114,7 @@ void WeightReceiver::ready(uint64_t step) {
     s.engine.submit(Barrier{.dsts = notify, .imm = update_imm(ImmKind::kReady, step, s.cfg.rank)}, OnDone::none());
 }
 
-void WeightReceiver::wait(uint64_t step, std::chrono::milliseconds timeout) {
+void WeightReceiver::wait_update(uint64_t step, std::chrono::milliseconds timeout) {
   State& s = *s_;
   std::shared_ptr<std::vector<std::atomic<int>>> flags;
   {

@@ -114,7 +114,7 @@ struct Cluster {
       waits.push_back(std::async(std::launch::async, [w, step, wait_timeout]() -> std::string {
         try {
           w->ready(step);
-          w->wait(step, wait_timeout);
+          w->wait_update(step, wait_timeout);
           return "";
         } catch (const Error& e) {
           return e.what();
@@ -244,7 +244,7 @@ TEST(WeightsExecutorFailure, BadConfigurationsAreRejectedWithAClearError) {
   cfg.arena_ptr = nullptr;
   expect_error(ErrorCode::kInvalidArgument, "no hook", [&] { WeightSender(e, cfg); });
   WeightReceiver& rx = *c.receivers[0];
-  expect_error(ErrorCode::kInvalidArgument, "not made ready", [&] { rx.wait(9, std::chrono::milliseconds(10)); });
+  expect_error(ErrorCode::kInvalidArgument, "not made ready", [&] { rx.wait_update(9, std::chrono::milliseconds(10)); });
   rx.ready(4);
   expect_error(ErrorCode::kInvalidArgument, "already ready", [&] { rx.ready(4); });
   expect_error(ErrorCode::kInvalidArgument, "share a tag", [&] { rx.ready(4 + (1u << 14)); });
