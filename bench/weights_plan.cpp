@@ -74,7 +74,8 @@ PostingTimes time_posting(const std::vector<weights::Write>& writes, const std::
   while (done.load() + failed.load() < writes.size()) std::this_thread::yield();
   t.completed = ms_since(t0);
   if (failed.load()) throw std::runtime_error(fmt::format("{} stand-in WRITEs failed", failed.load()));
-  // The worker records transfers in the order they were submitted.
+  // The worker records transfers in the order they finished posting: for single WRITEs, posted
+  // first-in first-out, the order they were submitted.
   const std::vector<PostTiming> timings = sender.take_post_timings();
   if (timings.size() != writes.size())
     throw std::runtime_error(fmt::format("{} post timings for {} WRITEs", timings.size(), writes.size()));

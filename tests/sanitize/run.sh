@@ -21,7 +21,14 @@ run_suite asan address,undefined FABRIC_CHURN_CYCLES=100 \
   ASAN_OPTIONS=abort_on_error=1:detect_leaks=1 \
   LSAN_OPTIONS=suppressions=$HERE/lsan.supp \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-# Under TSan the 8-peer scatter with 4 NICs per engine takes 2-3.5 min per case on 2 cores (nine
-# engines' threads at once; 4-5 s under ASan): those two cases run in the other suites only.
-EXCLUDE='ScatterAndBarrierReachEightPeers/tcp_4nic' \
-  run_suite tsan thread FABRIC_CHURN_CYCLES=100 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+# TSan leaves out, to keep `make test` inside its time on 2 cores (they run in the release and ASan
+# suites; times are TSan's on the 2-core VM):
+# - the 8-peer scatter with 4 NICs per engine (2-3.5 min per case: nine engines' threads at once);
+# - single-threaded arithmetic, where it has nothing to find: the weight planners, FP8, the UTF-8
+#   validator, the gather-copy reference (85 s);
+# - the weight executor's tcp cases (200 s; its shm case and its failure tests stay), and the
+#   ordering test of a 10,000-page transfer behind 20,000 small writes (91 s): a long serial
+#   stream through 8 in-flight slots, not new interleavings;
+# and runs 50 churn cycles instead of 100.
+EXCLUDE='ScatterAndBarrierReachEightPeers/tcp_4nic|^WeightsPlan\.|^WeightsUpdate\.|^Fp8\.|^Utf8\.|^GatherCopy\.|WeightsExecutor\..*/tcp_|ALargePendingTransferIsNotOvertaken' \
+  run_suite tsan thread FABRIC_CHURN_CYCLES=50 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
