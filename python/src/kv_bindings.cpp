@@ -15,26 +15,9 @@ using namespace fabric::kv;
 
 namespace {
 
-// An endpoint, closed with its engine (it deregisters its memory before the engine goes).
-template <class T>
-struct KvHolder : Closable {
-  std::unique_ptr<T> obj;
-  void close() override {
-    without_gil([&] { obj.reset(); });
-  }
-  T& get() {
-    if (!obj) throw Error(ErrorCode::kShutdown, "the engine of this KV endpoint is closed");
-    return *obj;
-  }
-};
-
-template <class T>
-struct PyKv {
-  std::shared_ptr<KvHolder<T>> h = std::make_shared<KvHolder<T>>();
-  T& get() { return h->get(); }
-};
-using PyKvReceiver = PyKv<KvReceiver>;
-using PyKvSender = PyKv<KvSender>;
+inline constexpr char kKvEndpoint[] = "KV endpoint";
+using PyKvReceiver = EngineBound<KvReceiver, kKvEndpoint>;
+using PyKvSender = EngineBound<KvSender, kKvEndpoint>;
 
 struct TensorArgs {
   std::vector<uintptr_t> k, v;

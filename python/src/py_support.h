@@ -146,6 +146,23 @@ class PyEngine {
   std::vector<std::weak_ptr<Closable>> dependents_;
 };
 
+// An object built on an engine (KV and weight-update endpoints), closed with it: it deregisters
+// its memory before the engine goes. `what` names it in the error a call after close raises.
+template <class T, const char* what>
+struct EngineBound {
+  struct Holder : Closable {
+    std::unique_ptr<T> obj;
+    void close() override {
+      without_gil([&] { obj.reset(); });
+    }
+  };
+  std::shared_ptr<Holder> h = std::make_shared<Holder>();
+  T& get() {
+    if (!h->obj) throw Error(ErrorCode::kShutdown, std::string("the engine of this ") + what + " is closed");
+    return *h->obj;
+  }
+};
+
 void bind_kv(nb::module_& m);       // kv_bindings.cpp
 void bind_weights(nb::module_& m);  // weights_bindings.cpp
 void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp

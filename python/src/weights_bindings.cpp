@@ -17,22 +17,9 @@ using namespace fabric::weights;
 
 namespace {
 
+inline constexpr char kWeightsEndpoint[] = "weight-update endpoint";
 template <class T>
-struct WeightsHolder : Closable {
-  std::unique_ptr<T> obj;
-  void close() override {
-    without_gil([&] { obj.reset(); });
-  }
-  T& get() {
-    if (!obj) throw Error(ErrorCode::kShutdown, "the engine of this weight-update endpoint is closed");
-    return *obj;
-  }
-};
-template <class T>
-struct PyWeights {
-  std::shared_ptr<WeightsHolder<T>> h = std::make_shared<WeightsHolder<T>>();
-  T& get() { return h->get(); }
-};
+using PyWeights = EngineBound<T, kWeightsEndpoint>;
 
 std::chrono::milliseconds ms(double s) { return std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
 
