@@ -71,6 +71,7 @@ struct WeightSender::State {
   std::vector<std::vector<RemoteMr>> dest;     // [set][inference rank]
   std::vector<uint32_t> my_dsts;               // inference ranks this rank writes to
   std::vector<std::vector<uint32_t>> credit_units;  // per quantizer: the units of its this rank fills, in order
+  std::vector<std::vector<uint32_t>> gather_to;     // per quantizer: our gather WRITEs into it, by unit
   std::vector<std::vector<RemoteMr>> unit_contributors;  // per own unit
   std::vector<std::vector<uint32_t>> unit_dsts;          // per own unit: inference ranks its sends reach
   std::vector<std::vector<uint32_t>> bf16_by_dst;        // per inference rank: indices into sched.send
@@ -112,8 +113,10 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
     for (const MrDesc& d : set) s.dest.back().push_back(engine.add_remote(d));
   }
   s.credit_units.resize(ranks);
+  s.gather_to.resize(ranks);  // gather_out is ordered by (dst, unit, offset): so is each list
   for (uint32_t i : s.me.gather_out) {
     const detail::ScheduledWrite& w = s.sched.gather[i];
+    s.gather_to[w.dst_rank].push_back(i);
     auto& units = s.credit_units[w.dst_rank];
     if (units.empty() || units.back() != w.unit) units.push_back(w.unit);
   }
@@ -156,11 +159,7 @@ class WeightSender::Step {
         slot_posted_(pr_.slot_done.size(), 0),
         next_credit_unit_(ranks_, 0),
         gather_cursor_(ranks_, 0),
-        gather_to_(ranks_),
-        bf16_posted_(s.bf16_by_dst.size(), false) {
-    // Our gather WRITEs by destination (gather_out is ordered by (dst, unit, offset)).
-    for (uint32_t i : s.me.gather_out) gather_to_[s.sched.gather[i].dst_rank].push_back(i);
-  }
+        bf16_posted_(s.bf16_by_dst.size(), false) {}
 
   UpdateTimes run() {
     const auto t0 = Clock::now();
@@ -240,7 +239,7 @@ class WeightSender::Step {
       const uint64_t released = pr_.credits[r].load(std::memory_order_acquire);
       while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.credit_units[r].size()) {
         const uint32_t unit = s_.credit_units[r][next_credit_unit_[r]++];
-        const std::vector<uint32_t>& list = gather_to_[r];
+        const std::vector<uint32_t>& list = s_.gather_to[r];
         while (gather_cursor_[r] < list.size() && s_.sched.gather[list[gather_cursor_[r]]].unit == unit) {
           post(s_.sched.gather[list[gather_cursor_[r]++]], s_.train[r], update_imm(ImmKind::kGather, step_, unit),
                count_done());
@@ -312,7 +311,7 @@ class WeightSender::Step {
 
   bool all_posted() const {
     bool all = next_unit_ == units_;
-    for (uint32_t r = 0; r < ranks_; r++) all &= gather_cursor_[r] == gather_to_[r].size();
+    for (uint32_t r = 0; r < ranks_; r++) all &= gather_cursor_[r] == s_.gather_to[r].size();
     for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) all &= bf16_posted_[d] || s_.bf16_by_dst[d].empty();
     return all;
   }
@@ -333,7 +332,7 @@ class WeightSender::Step {
     }
     std::vector<uint32_t> r_missing, d_missing;
     for (uint32_t r = 0; r < ranks_; r++)
-      if (gather_cursor_[r] < gather_to_[r].size()) r_missing.push_back(r);
+      if (gather_cursor_[r] < s_.gather_to[r].size()) r_missing.push_back(r);
     for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++)
       if (!bf16_posted_[d] && !s_.bf16_by_dst[d].empty()) d_missing.push_back(d);
     std::string what;
@@ -374,8 +373,7 @@ class WeightSender::Step {
   uint64_t posted_ = 0;                // gathers, BF16 sends and barriers
   std::vector<uint64_t> slot_posted_;  // per slot: sends posted from it
   std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled
-  std::vector<size_t> gather_cursor_;     // per quantizer: position in gather_to_
-  std::vector<std::vector<uint32_t>> gather_to_;
+  std::vector<size_t> gather_cursor_;     // per quantizer: position in State::gather_to
   std::vector<bool> bf16_posted_;
   size_t next_unit_ = 0;
   enum { kIdle, kGather, kReady, kSlot } waiting_ = kIdle;
