@@ -1,0 +1,888 @@
+// The MoE kernel side as CUDA kernels (kernel_side.h): the four halves enqueued on the caller's
+// stream, doing the writes and raising the flags of layout.h's protocol exactly as
+// host_kernels.cpp does (the same bytes at the same offsets), so one proxy serves both sides.
+//
+// Shape: every kernel runs blocks of kThreads (16 warps); a warp moves one row at a time (a
+// dispatched row, an expert-output row) or sums one segment of a token (combine receive), rows
+// handed out warp-strided over the grid. What a block needs to place rows it derives itself, in
+// shared memory, from the counts rows (a few E words), so no block waits on another to copy.
+//
+// Ordering:
+//  - send halves: every thread fences at system scope after its stores, then each block takes a
+//    ticket on a completion counter; the block holding the last ticket raises the flags with
+//    release stores at system scope. Whoever acquires a flag (a node-mate's receive kernel, the
+//    proxy) sees every row and counts row of the step.
+//  - receive halves: the block that takes the first ticket polls the flags with one warp (so
+//    host memory is polled by one warp, not by every block, and PCIe stays free for rows) and
+//    publishes the outcome in a go word in device memory that the other blocks wait on. The
+//    first ticket is taken by a running block, so the others never wait on a block not started.
+//  - every wait is bounded by %globaltimer and gives up when the AllToAll failed
+//    (signals.failed, signals.kernel_error): several processes may share a GPU, and a dead peer
+//    must not hang it.
+//
+// The step: dispatch_send reads local.step and works with step + 1; its last block stores step + 1
+// back once every block has read the old value. The later kernels on the stream read it there, so
+// a captured graph replays with the right step. The grid counters live in local.scratch (the CUDA
+// side has no other use for it), and the kernel that counts resets them for the next launch.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/cuda_check.h"
+#include "fabric/error.h"
+#include "kernel_side.h"
+
+namespace fabric::moe::detail::cuda {
+namespace {
+
+constexpr uint32_t kThreads = 512;
+constexpr uint32_t kWarps = kThreads / 32;
+constexpr uint32_t kAllLanes = 0xFFFFFFFFu;
+constexpr uint32_t kNone = 0xFFFFFFFFu;
+constexpr uint32_t kSpinPolls = 64;          // polls before a waiter sleeps between polls
+constexpr uint32_t kSleepNs = 200;           // short against the ~tens of us a step takes
+constexpr uint32_t kFailureCheckEvery = 16;  // polls between looks at the failure words (host memory)
+constexpr uint64_t kGoMarginNs = 1000000000ull;  // a go-word waiter outwaits the poller by this
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory without opting in
+constexpr uint32_t kCombineBlocksPerSm = 2;        // combine receive: warps to cover the load latency
+
+// Words the CUDA kernels keep in local.scratch, 8 bytes apart.
+enum ScratchWord : uint32_t {
+  kDispatchSendDone = 0,  // u32 completion counter of dispatch_send's blocks
+  kCombineSendDone,       // u32 completion counter of combine_send's blocks
+  kDispatchRecvTicket,    // u32: which block of dispatch_recv polls
+  kCombineRecvTicket,     // u32: which block of combine_recv polls
+  kDispatchRecvGo,        // u64: step << 1 | gave up, published by dispatch_recv's poller
+  kCombineRecvGo,         // u64: the same for combine_recv
+};
+
+// Views as a kernel parameter (std::array has no device-side operator[]).
+struct Ptrs {
+  Layout lay;
+  uint32_t rank;
+  std::byte* node[kMaxNodeSize];
+  std::byte* recv;
+  std::byte* send;
+  std::byte* signals;
+  std::byte* local;
+  std::byte* out;
+  uint64_t timeout_ns;
+};
+
+struct DispatchInput {
+  const std::byte* x;
+  const float* scales;
+  const int64_t* idx;
+  const float* weights;
+  uint32_t tokens;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Memory ordering, time, failure reports.
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const std::byte* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(std::byte* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t load_acquire_gpu(const std::byte* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_gpu(std::byte* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t error_word(KernelError what, uint32_t low) {
+  return (static_cast<uint64_t>(what) << 32) | low;
+}
+// The first failure stays: the host reports that one.
+__device__ __forceinline__ void report(const Ptrs& p, uint64_t word) {
+  atomicCAS_system(reinterpret_cast<unsigned long long*>(p.signals + p.lay.signals.kernel_error), 0ull,
+                   static_cast<unsigned long long>(word));
+}
+
+__device__ __forceinline__ std::byte* scratch(const Ptrs& p, ScratchWord w) { return p.local + p.lay.local.scratch + 8ull * w; }
+__device__ __forceinline__ std::byte* own_node(const Ptrs& p) { return p.node[p.rank % p.lay.dims.node_size]; }
+__device__ __forceinline__ uint64_t current_step(const Ptrs& p) {
+  return *reinterpret_cast<const uint64_t*>(p.local + p.lay.local.step);
+}
+
+// A ticket of this launch (0 for the first block to ask). The last block to ask resets the
+// counter: every block of the launch has its ticket then, and the next launch starts from zero.
+__device__ __forceinline__ uint32_t take_ticket(std::byte* word) {
+  auto* counter = reinterpret_cast<unsigned int*>(word);
+  const uint32_t ticket = atomicAdd(counter, 1u);
+  if (ticket == gridDim.x - 1) atomicExch(counter, 0u);
+  return ticket;
+}
+
+// Whether this block is the last of the grid to finish. Every thread first makes its stores
+// visible at system scope, so what the last block does next (raise flags) follows all of them.
+__device__ bool finish_block(std::byte* counter) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = take_ticket(counter) == gridDim.x - 1;
+    __threadfence_system();  // the other blocks' fenced stores before what this block does next
+  }
+  __syncthreads();
+  return last;
+}
+
+__device__ __forceinline__ uint32_t warp_min(uint32_t v) {
+  for (uint32_t o = 16; o > 0; o /= 2) v = min(v, __shfl_xor_sync(kAllLanes, v, o));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounded waits of the receive halves.
+
+// Lane 0 decides whether the poller gives up now: the AllToAll failed, or the time is up.
+__device__ uint64_t give_up_word(const Ptrs& p, uint32_t poll, uint64_t start, KernelError timeout, uint32_t missing) {
+  if (poll % kFailureCheckEvery == kFailureCheckEvery - 1 &&
+      (load_acquire_sys(p.signals + p.lay.signals.failed) != 0 || load_acquire_sys(p.signals + p.lay.signals.kernel_error) != 0))
+    return error_word(KernelError::kFailed, missing + 1);
+  if (now_ns() - start > p.timeout_ns) return error_word(timeout, missing + 1);
+  return 0;
+}
+
+// One warp polls every source until all arrived (true), or gives up and reports why (false).
+template <typename Arrived>
+__device__ bool poll_sources(const Ptrs& p, KernelError timeout, Arrived arrived) {
+  const uint32_t lane = threadIdx.x % 32, W = p.lay.dims.ranks;
+  const uint64_t start = now_ns();
+  for (uint32_t poll = 0;; ++poll) {
+    uint32_t missing = kNone;
+    for (uint32_t s = lane; s < W; s += 32)
+      if (!arrived(s)) {
+        missing = s;
+        break;
+      }
+    missing = warp_min(missing);
+    if (missing == kNone) return true;
+    uint64_t word = 0;
+    if (lane == 0) word = give_up_word(p, poll, start, timeout, missing);
+    word = __shfl_sync(kAllLanes, word, 0);
+    if (word != 0) {
+      if (lane == 0) report(p, word);
+      return false;
+    }
+    if (poll >= kSpinPolls) __nanosleep(kSleepNs);
+  }
+}
+
+// A block other than the poller waits for its go word of this step. Bounded as well: the
+// poller gives up after the timeout, so this wait outlasting it by far means something is broken.
+__device__ bool wait_go(const Ptrs& p, uint64_t step, KernelError timeout, const std::byte* go) {
+  const uint64_t start = now_ns();
+  for (uint32_t poll = 0;; ++poll) {
+    const uint64_t g = load_acquire_gpu(go);
+    if ((g >> 1) == step) return (g & 1) == 0;
+    if (now_ns() - start > p.timeout_ns + kGoMarginNs) {
+      report(p, error_word(timeout, 0));
+      return false;
+    }
+    if (poll >= kSpinPolls) __nanosleep(kSleepNs);
+  }
+}
+
+// Whether every source's rows of this step are in (the block may read them), or the wait gave
+// up (reported; the block must end). Called by every thread of the block.
+template <typename Arrived>
+__device__ bool wait_sources(const Ptrs& p, uint64_t step, KernelError timeout, ScratchWord ticket_word, ScratchWord go_word,
+                             Arrived arrived) {
+  __shared__ uint32_t ready;
+  if (threadIdx.x < 32) {
+    uint32_t ticket = 0;
+    if (threadIdx.x == 0) ticket = take_ticket(scratch(p, ticket_word));
+    ticket = __shfl_sync(kAllLanes, ticket, 0);
+    if (ticket == 0) {
+      const bool ok = poll_sources(p, timeout, arrived);
+      if (threadIdx.x == 0) {
+        store_release_gpu(scratch(p, go_word), (step << 1) | (ok ? 0 : 1));
+        ready = ok;
+      }
+    } else if (threadIdx.x == 0) {
+      ready = wait_go(p, step, timeout, scratch(p, go_word));
+    }
+  }
+  __syncthreads();
+  return ready != 0;
+}
+
+__device__ bool dispatch_arrived(const Ptrs& p, uint32_t s, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  if (d.same_node(s, p.rank)) return load_acquire_sys(own_node(p) + p.lay.node.dispatch_flag + kLine * (s % d.node_size)) >= step;
+  return load_acquire_sys(p.signals + signal_at(p.lay.signals.route_seen, s)) >= step &&
+         load_acquire_sys(p.signals + signal_at(p.lay.signals.dispatch_seen, s)) >= step;
+}
+
+__device__ bool combine_arrived(const Ptrs& p, uint32_t s, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  if (d.same_node(s, p.rank)) return load_acquire_sys(own_node(p) + p.lay.node.combine_flag + kLine * (s % d.node_size)) >= step;
+  return load_acquire_sys(p.signals + signal_at(p.lay.signals.combine_seen, s)) >= step;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row copies: a warp moves `bytes` (a multiple of sizeof(Vec), both ends Vec-aligned), with
+// kBatch loads in flight per lane before it stores them.
+
+template <typename Vec>
+__device__ __forceinline__ void warp_copy(std::byte* dst, const std::byte* src, uint32_t bytes, uint32_t lane) {
+  constexpr uint32_t kBatch = 8;
+  const uint32_t n = bytes / sizeof(Vec);
+  Vec* d = reinterpret_cast<Vec*>(dst);
+  const Vec* s = reinterpret_cast<const Vec*>(src);
+  for (uint32_t i = lane; i < n; i += 32 * kBatch) {
+    Vec v[kBatch];
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b)
+      if (i + 32 * b < n) v[b] = s[i + 32 * b];
+#pragma unroll
+    for (uint32_t b = 0; b < kBatch; ++b)
+      if (i + 32 * b < n) d[i + 32 * b] = v[b];
+  }
+}
+
+__device__ __forceinline__ void store_tail(std::byte* at, uint4 tail, uint4) { *reinterpret_cast<uint4*>(at) = tail; }
+__device__ __forceinline__ void store_tail(std::byte* at, uint4 tail, uint32_t) {
+  auto* w = reinterpret_cast<uint32_t*>(at);
+  w[0] = tail.x, w[1] = tail.y, w[2] = tail.z, w[3] = tail.w;
+}
+__device__ __forceinline__ uint4 load_tail(const std::byte* at, uint4) { return *reinterpret_cast<const uint4*>(at); }
+__device__ __forceinline__ uint4 load_tail(const std::byte* at, uint32_t) {
+  const auto* w = reinterpret_cast<const uint32_t*>(at);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Byte sizes of a dispatched row (layout.h: payload, scales, RowTail); constants for the
+// hidden sizes with their own kernel instances.
+struct RowBytes {
+  uint32_t payload, scales, row;
+};
+template <uint32_t kHidden, bool kFp8>
+__device__ __forceinline__ RowBytes row_bytes(const Dims& d) {
+  const uint32_t h = kHidden != 0 ? kHidden : d.hidden;
+  const uint32_t payload = kFp8 ? h : 2 * h, scales = kFp8 ? 4 * (h / kScaleBlock) : 0;
+  return {payload, scales, payload + scales + static_cast<uint32_t>(sizeof(RowTail))};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch send.
+
+// The expert of slot k of token t, or -1 for a slot that sends nothing: masked by the caller
+// (negative), or bad (not below E, or the expert of an earlier slot of the token): `bad` says so.
+__device__ int32_t slot_expert(const int64_t* idx, uint32_t t, uint32_t k, const Dims& d, bool& bad) {
+  const int64_t* row = idx + uint64_t{t} * d.topk;
+  const int64_t e = row[k];
+  bad = false;
+  if (e < 0) return -1;
+  bad = e >= d.experts;
+  for (uint32_t k2 = 0; k2 < k && !bad; ++k2) bad = row[k2] == e;
+  return bad ? -1 : static_cast<int32_t>(e);
+}
+
+// This rank's routing, in the block's shared memory: bit t of expert e's `words` bitmap words is
+// set when token t sends to e (so a row's rank j among e's rows is a popcount), the counts, and
+// the exclusive prefix sums that place rows.
+struct Routing {
+  uint32_t* bits;           // [E][words]
+  uint32_t* counts;         // [E]
+  uint32_t* before;         // [E] rows of experts below e: combine position of e's row 0
+  uint32_t* remote_before;  // [E] rows of other nodes' experts below e: stage row of e's row 0
+  uint32_t words;
+};
+
+__host__ __device__ inline uint32_t bitmap_words(uint32_t tokens) { return tokens == 0 ? 1 : (tokens + 31) / 32; }
+__host__ __device__ inline size_t routing_shared_bytes(const Dims& d, uint32_t tokens) {
+  return 4ull * d.experts * (bitmap_words(tokens) + 3);
+}
+
+// Exclusive prefix sums of the counts, all experts and other nodes' experts, by warp 0.
+__device__ void scan_counts(const Dims& d, uint32_t rank, const Routing& r) {
+  const uint32_t lane = threadIdx.x % 32;
+  uint32_t all = 0, remote = 0;
+  for (uint32_t first = 0; first < d.experts; first += 32) {
+    const uint32_t e = first + lane;
+    const uint32_t c = e < d.experts ? r.counts[e] : 0;
+    const uint32_t rc = e < d.experts && !d.same_node(d.rank_of_expert(e), rank) ? c : 0;
+    uint32_t incl = c, rincl = rc;
+    for (uint32_t o = 1; o < 32; o *= 2) {
+      const uint32_t a = __shfl_up_sync(kAllLanes, incl, o), b = __shfl_up_sync(kAllLanes, rincl, o);
+      if (lane >= o) incl += a, rincl += b;
+    }
+    if (e < d.experts) {
+      r.before[e] = all + incl - c;
+      r.remote_before[e] = remote + rincl - rc;
+    }
+    all += __shfl_sync(kAllLanes, incl, 31);
+    remote += __shfl_sync(kAllLanes, rincl, 31);
+  }
+}
+
+// Every block derives the whole routing itself (it is a few KiB of topk_idx), so none waits for
+// another. Block 0 reports bad expert indices.
+__device__ Routing build_routing(const Ptrs& p, const DispatchInput& in, uint32_t* smem) {
+  const Dims& d = p.lay.dims;
+  const uint32_t E = d.experts, words = bitmap_words(in.tokens);
+  const Routing r{smem, smem + uint64_t{E} * words, smem + uint64_t{E} * (words + 1), smem + uint64_t{E} * (words + 2), words};
+  for (uint32_t i = threadIdx.x; i < E * words; i += kThreads) r.bits[i] = 0;
+  __syncthreads();
+  bool any_bad = false;
+  for (uint32_t slot = threadIdx.x; slot < in.tokens * d.topk; slot += kThreads) {
+    const uint32_t t = slot / d.topk;
+    bool bad;
+    const int32_t e = slot_expert(in.idx, t, slot % d.topk, d, bad);
+    any_bad |= bad;
+    if (e >= 0) atomicOr(&r.bits[uint64_t(e) * words + t / 32], 1u << (t % 32));
+  }
+  if (any_bad && blockIdx.x == 0) report(p, error_word(KernelError::kBadExpert, 0));
+  __syncthreads();
+  for (uint32_t e = threadIdx.x; e < E; e += kThreads) {
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < words; ++w) n += __popc(r.bits[uint64_t{e} * words + w]);
+    r.counts[e] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) scan_counts(d, p.rank, r);
+  __syncthreads();
+  return r;
+}
+
+// j of token t's row to expert e: e's rows of the tokens below t.
+__device__ __forceinline__ uint32_t rank_in_expert(const Routing& r, uint32_t e, uint32_t t) {
+  const uint32_t* bits = r.bits + uint64_t{e} * r.words;
+  uint32_t j = 0;
+  for (uint32_t w = 0; w < t / 32; ++w) j += __popc(bits[w]);
+  return j + __popc(bits[t / 32] & ((1u << (t % 32)) - 1));
+}
+
+// Block 0: this rank's counts where combine finds them and where the node-mates and the proxy
+// read them (before the flags, which the last block raises after every block's fence).
+__device__ void publish_counts(const Ptrs& p, uint32_t tokens, const Routing& r) {
+  const Dims& d = p.lay.dims;
+  const uint32_t N = d.node_size;
+  for (uint32_t e = threadIdx.x; e < d.experts; e += kThreads) {
+    const uint32_t c = r.counts[e];
+    reinterpret_cast<uint32_t*>(p.local + p.lay.local.counts)[e] = c;
+    for (uint32_t i = 0; i < N; ++i)
+      reinterpret_cast<uint32_t*>(p.node[i] + p.lay.node.counts + 4ull * d.experts * (p.rank % N))[e] = c;
+    if (d.ranks > N) reinterpret_cast<uint32_t*>(p.send + p.lay.send.route_row)[e] = c;
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(p.local + p.lay.local.tokens) = tokens;
+}
+
+// Where row j of expert e goes: the expert rank's node region on this node, else the stage the
+// proxy sends from (rows by destination rank, then expert, then j).
+__device__ __forceinline__ std::byte* dispatch_row_at(const Ptrs& p, const Routing& r, uint32_t e, uint32_t j, uint32_t row) {
+  const Dims& d = p.lay.dims;
+  const uint32_t N = d.node_size, L = d.local_experts, dst = d.rank_of_expert(e);
+  if (d.same_node(dst, p.rank))
+    return p.node[dst % N] + p.lay.node.rows + ((uint64_t{e % L} * N + p.rank % N) * d.max_tokens + j) * row;
+  return p.send + p.lay.send.stage + (uint64_t{r.remote_before[e]} + j) * row;
+}
+
+// One warp per slot: the slot's combine bookkeeping, then its row (payload, scales, tail).
+template <uint32_t kHidden, bool kFp8, typename Vec>
+__device__ void send_rows(const Ptrs& p, const DispatchInput& in, const Routing& r, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  const RowBytes rb = row_bytes<kHidden, kFp8>(d);
+  const uint32_t lane = threadIdx.x % 32;
+  int32_t* pos = reinterpret_cast<int32_t*>(p.local + p.lay.local.pos);
+  int32_t* dst_of = reinterpret_cast<int32_t*>(p.local + p.lay.local.dst);
+  float* weights = reinterpret_cast<float*>(p.local + p.lay.local.weights);
+  const uint32_t slots = in.tokens * d.topk;
+  for (uint32_t slot = blockIdx.x * kWarps + threadIdx.x / 32; slot < slots; slot += gridDim.x * kWarps) {
+    const uint32_t t = slot / d.topk, k = slot % d.topk;
+    bool bad;
+    const int32_t e = slot_expert(in.idx, t, k, d, bad);  // the same for every lane
+    const uint32_t j = e < 0 ? 0 : rank_in_expert(r, e, t);
+    if (lane == 0) {
+      weights[slot] = in.weights[slot];
+      pos[slot] = e < 0 ? -1 : static_cast<int32_t>(r.before[e] + j);
+      dst_of[slot] = e < 0 ? -1 : static_cast<int32_t>(d.rank_of_expert(e));
+    }
+    if (e < 0) continue;
+    std::byte* row = dispatch_row_at(p, r, e, j, rb.row);
+    warp_copy<Vec>(row, in.x + uint64_t{t} * rb.payload, rb.payload, lane);
+    if (kFp8)
+      warp_copy<Vec>(row + rb.payload, reinterpret_cast<const std::byte*>(in.scales + uint64_t{t} * (rb.scales / 4)), rb.scales, lane);
+    if (lane == 0) store_tail(row + rb.payload + rb.scales, make_uint4(t, k, static_cast<uint32_t>(step), 0), Vec{});
+  }
+}
+
+__device__ void raise_dispatch_flags(const Ptrs& p, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  const uint32_t N = d.node_size;
+  if (threadIdx.x < N) store_release_sys(p.node[threadIdx.x] + p.lay.node.dispatch_flag + kLine * (p.rank % N), step);
+  if (threadIdx.x == 0) {
+    if (d.ranks > N) store_release_sys(p.signals + p.lay.signals.dispatch_sent, step);
+    *reinterpret_cast<uint64_t*>(p.local + p.lay.local.step) = step;  // every block has read the old step
+  }
+}
+
+template <uint32_t kHidden, bool kFp8, typename Vec>
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ptrs p, DispatchInput in) {
+  extern __shared__ uint32_t smem[];
+  const uint64_t step = current_step(p) + 1;
+  const Routing r = build_routing(p, in, smem);
+  if (blockIdx.x == 0) publish_counts(p, in.tokens, r);
+  send_rows<kHidden, kFp8, Vec>(p, in, r, step);
+  if (finish_block(scratch(p, kDispatchSendDone))) raise_dispatch_flags(p, step);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where the rows of this rank's experts come from (dispatch receive) and go back to (combine
+// send), per local expert el and source s at [el * W + s], in the block's shared memory.
+
+struct Sources {
+  uint32_t* count;        // c(s, e)
+  uint32_t* row_base;     // first row of s's among expert e's output rows (m)
+  uint32_t* start;        // E0(e) in s's enumeration: s's rows of this rank's experts below e
+  uint32_t* shared_base;  // base(e, s): e's rows from ranks below s on other nodes
+  uint32_t* expert_base;  // [L + 1] first flat row of each expert (rows of the experts below)
+  uint32_t* dest_base;    // [W] combine: s's first combine position from this rank (node-mate:
+                          // cbase(s, me); remote: s's first row in the combine stage)
+};
+
+__host__ __device__ inline size_t sources_shared_bytes(const Dims& d) {
+  return 4ull * (4ull * d.local_experts * d.ranks + d.local_experts + 1 + d.ranks);
+}
+
+// The counts row of source s as this rank sees it (as in host_kernels.cpp).
+__device__ __forceinline__ const uint32_t* counts_of(const Ptrs& p, uint32_t s) {
+  const Dims& d = p.lay.dims;
+  if (d.same_node(s, p.rank))
+    return reinterpret_cast<const uint32_t*>(own_node(p) + p.lay.node.counts) + uint64_t{s % d.node_size} * d.experts;
+  return reinterpret_cast<const uint32_t*>(p.recv + p.lay.recv.routing) + uint64_t{s} * d.experts;
+}
+
+// cbase(s, me) of node-mates, one warp each: s's rows to the experts below this rank's.
+__device__ void node_mate_bases(const Ptrs& p, const Sources& t) {
+  const Dims& d = p.lay.dims;
+  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t first = p.rank / d.node_size * d.node_size;
+  for (uint32_t i = warp; i < d.node_size; i += kWarps) {
+    const uint32_t* row = counts_of(p, first + i);
+    uint32_t n = 0;
+    for (uint32_t x = lane; x < p.rank * d.local_experts; x += 32) n += row[x];
+    for (uint32_t o = 16; o > 0; o /= 2) n += __shfl_xor_sync(kAllLanes, n, o);
+    if (lane == 0) t.dest_base[first + i] = n;
+  }
+}
+
+__device__ Sources build_sources(const Ptrs& p, uint32_t* smem, bool for_combine) {
+  const Dims& d = p.lay.dims;
+  const uint32_t W = d.ranks, L = d.local_experts, EW = L * W;
+  const Sources t{smem, smem + EW, smem + 2 * EW, smem + 3 * EW, smem + 4 * EW, smem + 4 * EW + L + 1};
+  for (uint32_t i = threadIdx.x; i < EW; i += kThreads) t.count[i] = counts_of(p, i % W)[p.rank * L + i / W];
+  __syncthreads();
+  // Threads [0, L) run along the sources of one expert, threads [L, L + W) along the experts of
+  // one source (the per-source total lands in dest_base for now).
+  for (uint32_t i = threadIdx.x; i < L + W; i += kThreads) {
+    uint32_t run = 0, remote_run = 0;
+    if (i < L) {
+      for (uint32_t s = 0; s < W; ++s) {
+        t.row_base[i * W + s] = run;
+        t.shared_base[i * W + s] = remote_run;
+        run += t.count[i * W + s];
+        if (!d.same_node(s, p.rank)) remote_run += t.count[i * W + s];
+      }
+    } else {
+      const uint32_t s = i - L;
+      for (uint32_t el = 0; el < L; ++el) {
+        t.start[el * W + s] = run;
+        run += t.count[el * W + s];
+      }
+      t.dest_base[s] = run;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t run = 0;
+    for (uint32_t el = 0; el < L; ++el) {
+      t.expert_base[el] = run;
+      run += t.row_base[el * W + W - 1] + t.count[el * W + W - 1];
+    }
+    t.expert_base[L] = run;
+    if (for_combine) {
+      run = 0;  // cstage_base: rows from the remote sources below s, by source
+      for (uint32_t s = 0; s < W; ++s)
+        if (!d.same_node(s, p.rank)) {
+          const uint32_t rows = t.dest_base[s];
+          t.dest_base[s] = run;
+          run += rows;
+        }
+    }
+  }
+  if (for_combine) node_mate_bases(p, t);  // warps 0..N-1; warp 0 after thread 0 above
+  __syncthreads();
+  return t;
+}
+
+// The last index i in [0, n) with a[i] <= x (a non-decreasing, a[0] <= x): the expert or source
+// whose rows hold flat row x, stepping over empty ones.
+__device__ __forceinline__ uint32_t last_at_most(const uint32_t* a, uint32_t n, uint32_t x, uint32_t stride) {
+  uint32_t lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    if (a[uint64_t{mid} * stride] <= x) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+struct RowAt {
+  uint32_t el, s, j, m;  // expert, source, the row's j among s's rows of el, its row among el's
+};
+__device__ __forceinline__ RowAt locate(const Sources& t, const Dims& d, uint32_t flat) {
+  RowAt a;
+  a.el = last_at_most(t.expert_base, d.local_experts, flat, 1);
+  a.m = flat - t.expert_base[a.el];
+  a.s = last_at_most(t.row_base + uint64_t{a.el} * d.ranks, d.ranks, a.m, 1);
+  a.j = a.m - t.row_base[uint64_t{a.el} * d.ranks + a.s];
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch receive.
+
+// Where row j of expert el from source s arrived: the node region for node-mates; for the other
+// nodes the private region (its first pc rows) or the shared region.
+__device__ __forceinline__ const std::byte* received_row(const Ptrs& p, const Sources& t, const RowAt& a, uint32_t row) {
+  const Dims& d = p.lay.dims;
+  const uint64_t i = uint64_t{a.el} * d.ranks + a.s;
+  if (d.same_node(a.s, p.rank))
+    return own_node(p) + p.lay.node.rows + ((uint64_t{a.el} * d.node_size + a.s % d.node_size) * d.max_tokens + a.j) * row;
+  const PrivateSplit split = private_split(d, t.start[i], t.count[i]);
+  if (a.j < split.rows) return p.recv + p.lay.recv.priv + (uint64_t{a.s} * d.private_rows + split.first + a.j) * row;
+  return p.recv + p.lay.recv.shared + (uint64_t{a.el} * d.shared_rows() + t.shared_base[i] + a.j) * row;
+}
+
+template <uint32_t kHidden, bool kFp8, typename Vec>
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
+  extern __shared__ uint32_t smem[];
+  const Dims& d = p.lay.dims;
+  const uint64_t step = current_step(p);
+  if (!wait_sources(p, step, KernelError::kDispatchTimeout, kDispatchRecvTicket, kDispatchRecvGo,
+                    [&](uint32_t s) { return dispatch_arrived(p, s, step); }))
+    return;
+  const Sources t = build_sources(p, smem, false);
+  const RowBytes rb = row_bytes<kHidden, kFp8>(d);
+  const uint64_t M = d.rows_per_expert();
+  int32_t* out_src = reinterpret_cast<int32_t*>(p.out + p.lay.out.src);
+  if (blockIdx.x == 0)
+    for (uint32_t el = threadIdx.x; el < d.local_experts; el += kThreads)
+      reinterpret_cast<int32_t*>(p.out + p.lay.out.counts)[el] = static_cast<int32_t>(t.expert_base[el + 1] - t.expert_base[el]);
+  const uint32_t lane = threadIdx.x % 32, rows = t.expert_base[d.local_experts];
+  for (uint32_t flat = blockIdx.x * kWarps + threadIdx.x / 32; flat < rows; flat += gridDim.x * kWarps) {
+    const RowAt a = locate(t, d, flat);
+    const std::byte* src = received_row(p, t, a, rb.row);
+    const uint64_t out_row = a.el * M + a.m;
+    uint4 tail{};
+    if (lane == 0) tail = load_tail(src + rb.payload + rb.scales, Vec{});  // in flight with the copy
+    warp_copy<Vec>(p.out + p.lay.out.x + out_row * rb.payload, src, rb.payload, lane);
+    if (kFp8) warp_copy<Vec>(p.out + p.lay.out.scales + out_row * rb.scales, src + rb.payload, rb.scales, lane);
+    if (lane == 0) {
+      if (tail.z != static_cast<uint32_t>(step)) report(p, error_word(KernelError::kStaleRow, a.s + 1));
+      out_src[out_row] = static_cast<int32_t>(a.s * d.max_tokens + tail.x);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine send.
+
+__device__ void raise_combine_flags(const Ptrs& p, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  const uint32_t N = d.node_size;
+  if (threadIdx.x < N) store_release_sys(p.node[threadIdx.x] + p.lay.node.combine_flag + kLine * (p.rank % N), step);
+  if (threadIdx.x == 0 && d.ranks > N) store_release_sys(p.signals + p.lay.signals.combine_sent, step);
+}
+
+// One warp per expert-output row: to the source's node region (node-mates) or into the combine
+// stage (other nodes), at the row's combine position.
+template <uint32_t kHidden>
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(Ptrs p, const uint16_t* expert_out) {
+  extern __shared__ uint32_t smem[];
+  const Dims& d = p.lay.dims;
+  const uint64_t step = current_step(p);
+  const Sources t = build_sources(p, smem, true);
+  const uint32_t B = 2 * (kHidden != 0 ? kHidden : d.hidden);
+  const uint64_t M = d.rows_per_expert();
+  const uint32_t lane = threadIdx.x % 32, rows = t.expert_base[d.local_experts];
+  for (uint32_t flat = blockIdx.x * kWarps + threadIdx.x / 32; flat < rows; flat += gridDim.x * kWarps) {
+    const RowAt a = locate(t, d, flat);
+    const uint64_t position = uint64_t{t.dest_base[a.s]} + t.start[uint64_t{a.el} * d.ranks + a.s] + a.j;
+    std::byte* dst = d.same_node(a.s, p.rank) ? p.node[a.s % d.node_size] + p.lay.node.combine : p.send + p.lay.send.cstage;
+    const auto* src = reinterpret_cast<const std::byte*>(expert_out) + (a.el * M + a.m) * B;
+    warp_copy<uint4>(dst + position * B, src, B, lane);
+  }
+  if (finish_block(scratch(p, kCombineSendDone))) raise_combine_flags(p, step);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine receive.
+
+constexpr uint32_t kMaxTopk = 8;       // AllToAllConfig allows 1-8
+constexpr uint32_t kSegmentValues = 256;  // a warp sums 256 values of a token: 8 BF16 (16 bytes) per lane
+
+__device__ __forceinline__ void accumulate(float (&acc)[8], uint4 v, float w) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) {
+    acc[2 * i] = fmaf(w, bf16_to_float(static_cast<uint16_t>(words[i] & 0xFFFFu)), acc[2 * i]);
+    acc[2 * i + 1] = fmaf(w, bf16_to_float(static_cast<uint16_t>(words[i] >> 16)), acc[2 * i + 1]);
+  }
+}
+__device__ __forceinline__ uint4 to_bf16(const float (&acc)[8]) {
+  uint32_t words[4];
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) words[i] = uint32_t{float_to_bf16(acc[2 * i])} | (uint32_t{float_to_bf16(acc[2 * i + 1])} << 16);
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Values [seg * 256, (seg + 1) * 256) of token t: the used slots' rows weighted and summed in slot
+// order in fp32 with fmaf, rounded to BF16 once (as host_kernels.cpp does). Every slot's load is
+// issued before the sum starts, so a warp waits one memory latency, not topk of them.
+__device__ void combine_segment(const Ptrs& p, uint16_t* out, uint32_t hidden, uint32_t t, uint32_t seg, uint32_t lane) {
+  const Dims& d = p.lay.dims;
+  const int32_t* pos = reinterpret_cast<const int32_t*>(p.local + p.lay.local.pos) + uint64_t{t} * d.topk;
+  const int32_t* dst_of = reinterpret_cast<const int32_t*>(p.local + p.lay.local.dst) + uint64_t{t} * d.topk;
+  const float* weights = reinterpret_cast<const float*>(p.local + p.lay.local.weights) + uint64_t{t} * d.topk;
+  const uint32_t h = seg * kSegmentValues + lane * 8;
+  const bool mine = h < hidden;  // the last segment of a hidden size not a multiple of 256
+  const uint64_t B = 2ull * hidden;
+  uint4 v[kMaxTopk];
+  bool used[kMaxTopk];
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxTopk; ++k) {
+    const int32_t at = k < d.topk ? pos[k] : -1;
+    used[k] = at >= 0;
+    if (used[k] && mine) {
+      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[k]), p.rank) ? own_node(p) + p.lay.node.combine
+                                                                                   : p.recv + p.lay.recv.combine;
+      v[k] = *reinterpret_cast<const uint4*>(base + uint64_t(at) * B + 2ull * h);
+    }
+  }
+  if (!mine) return;
+  float acc[8] = {};
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxTopk; ++k)
+    if (used[k]) accumulate(acc, v[k], weights[k]);
+  *reinterpret_cast<uint4*>(out + uint64_t{t} * hidden + h) = to_bf16(acc);
+}
+
+__host__ __device__ inline uint32_t combine_segments(uint32_t hidden) { return (hidden + kSegmentValues - 1) / kSegmentValues; }
+
+template <uint32_t kHidden>
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t* out) {
+  const Dims& d = p.lay.dims;
+  const uint64_t step = current_step(p);
+  if (!wait_sources(p, step, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
+                    [&](uint32_t s) { return combine_arrived(p, s, step); }))
+    return;
+  const uint32_t hidden = kHidden != 0 ? kHidden : d.hidden, segs = combine_segments(hidden);
+  // The caller gives no `out` only for a dispatch of no tokens (all_to_all.cpp checks).
+  const uint32_t tokens = out ? *reinterpret_cast<const uint32_t*>(p.local + p.lay.local.tokens) : 0;
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < tokens * segs; item += gridDim.x * kWarps)
+    combine_segment(p, out, hidden, item / segs, item % segs, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: checks, shapes, launches.
+
+template <uint32_t kH, bool kF, typename V>
+struct Shape {
+  static constexpr uint32_t kHidden = kH;  // 0: the runtime hidden size
+  static constexpr bool kFp8 = kF;
+  using Vec = V;  // the copy word: uint4, or uint32_t where FP8 rows are not 16-byte multiples
+};
+
+// Calls launch(Shape{}) with the kernels' compile-time shape for these dims: the common hidden
+// sizes get their own instances (constant row sizes, unrolled copies), others the runtime-sized
+// one. FP8 rows are 16-byte multiples only when hidden is a multiple of 512 (the scales take
+// hidden / 32 bytes); other FP8 rows are copied in 4-byte words.
+template <typename Launch>
+void with_dispatch_shape(const Dims& d, Launch&& launch) {
+  switch (d.hidden) {
+    case 2048: return d.fp8 ? launch(Shape<2048, true, uint4>{}) : launch(Shape<2048, false, uint4>{});
+    case 4096: return d.fp8 ? launch(Shape<4096, true, uint4>{}) : launch(Shape<4096, false, uint4>{});
+    case 5120: return d.fp8 ? launch(Shape<5120, true, uint4>{}) : launch(Shape<5120, false, uint4>{});
+    case 7168: return d.fp8 ? launch(Shape<7168, true, uint4>{}) : launch(Shape<7168, false, uint4>{});
+    default:
+      if (!d.fp8) return launch(Shape<0, false, uint4>{});
+      if (d.hidden % 512 == 0) return launch(Shape<0, true, uint4>{});
+      return launch(Shape<0, true, uint32_t>{});
+  }
+}
+bool dispatch_rows_vec16(const Dims& d) { return !d.fp8 || d.hidden % 512 == 0; }
+
+// Combine rows are BF16 (2 * hidden bytes, a multiple of 256): only the hidden size varies.
+template <typename Launch>
+void with_combine_shape(const Dims& d, Launch&& launch) {
+  switch (d.hidden) {
+    case 2048: return launch(Shape<2048, false, uint4>{});
+    case 4096: return launch(Shape<4096, false, uint4>{});
+    case 5120: return launch(Shape<5120, false, uint4>{});
+    case 7168: return launch(Shape<7168, false, uint4>{});
+    default: return launch(Shape<0, false, uint4>{});
+  }
+}
+
+void launched(const char* what) { ::fabric::cuda::check(what, cudaGetLastError()); }
+
+int current_device() {
+  int device = 0;
+  ::fabric::cuda::check("cudaGetDevice", cudaGetDevice(&device));
+  return device;
+}
+
+// SMs of the current device, asked once per device: a launch is sized to fill the GPU.
+uint32_t sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices]{};
+  const int device = current_device();
+  int n = device < kMaxDevices ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (n > 0) return static_cast<uint32_t>(n);
+  ::fabric::cuda::check("cudaDeviceGetAttribute(multiprocessors)", cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (n <= 0) n = 1;
+  if (device < kMaxDevices) cached[device].store(n, std::memory_order_relaxed);
+  return static_cast<uint32_t>(n);
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory, or says which dimensions are too large.
+template <typename Kernel>
+void allow_shared(Kernel* kernel, size_t bytes, const char* what) {
+  if (bytes <= kDefaultSharedBytes) return;
+  int most = 0;
+  ::fabric::cuda::check("cudaDeviceGetAttribute(shared memory)",
+                        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
+  if (bytes > static_cast<size_t>(most))
+    throw Error(ErrorCode::kUnsupported,
+                fmt::format("MoE {} (CUDA): needs {} bytes of shared memory per block for its routing tables, the GPU has {} "
+                            "(fewer experts or max_tokens)",
+                            what, bytes, most));
+  ::fabric::cuda::check("cudaFuncSetAttribute(max dynamic shared memory)",
+                        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+void require_aligned(const void* ptr, size_t alignment, const char* what) {
+  if (reinterpret_cast<uintptr_t>(ptr) % alignment != 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("MoE (CUDA): {} at {} is not {}-byte aligned (the kernels copy rows in {}-byte words)", what, ptr,
+                            alignment, alignment));
+}
+
+Ptrs to_ptrs(const Views& v) {
+  if (v.lay.dims.node_size == 0 || v.lay.dims.node_size > kMaxNodeSize)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE (CUDA): node_size {} (1 to {})", v.lay.dims.node_size, kMaxNodeSize));
+  Ptrs p{};
+  p.lay = v.lay;
+  p.rank = v.rank;
+  for (uint32_t i = 0; i < kMaxNodeSize; ++i) p.node[i] = v.node[i];
+  p.recv = v.recv, p.send = v.send, p.signals = v.signals, p.local = v.local, p.out = v.out;
+  p.timeout_ns = v.timeout_ns;
+  return p;
+}
+
+cudaStream_t stream_of(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// The host side checks what it can without reading device memory; expert indices are checked by
+// the kernel (KernelError::kBadExpert).
+void check_dispatch(const Dims& d, const DispatchArgs& a) {
+  if (a.num_tokens > d.max_tokens)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
+  if (a.num_tokens == 0) return;
+  if (!a.x || !a.topk_idx || !a.topk_weights || (d.fp8 && !a.x_scales))
+    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x, topk_idx, topk_weights (and x_scales for FP8) must be given");
+  const size_t word = dispatch_rows_vec16(d) ? 16 : 4;
+  require_aligned(a.x, word, "dispatch x");
+  if (d.fp8) require_aligned(a.x_scales, word, "dispatch x_scales");
+  require_aligned(a.topk_idx, 8, "dispatch topk_idx");
+  require_aligned(a.topk_weights, 4, "dispatch topk_weights");
+}
+
+}  // namespace
+
+void dispatch_send(const Views& v, const DispatchArgs& a) {
+  const Dims& d = v.lay.dims;
+  check_dispatch(d, a);
+  const Ptrs p = to_ptrs(v);
+  const DispatchInput in{static_cast<const std::byte*>(a.x), a.x_scales, a.topk_idx, a.topk_weights, a.num_tokens};
+  const size_t shared = routing_shared_bytes(d, a.num_tokens);
+  const uint32_t slots = a.num_tokens * d.topk;
+  uint32_t blocks = (slots + kWarps - 1) / kWarps;  // a warp per slot, as far as the SMs go
+  blocks = blocks == 0 ? 1 : (blocks < sm_count() ? blocks : sm_count());
+  with_dispatch_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    auto* kernel = dispatch_send_kernel<S::kHidden, S::kFp8, typename S::Vec>;
+    allow_shared(kernel, shared, "dispatch send");
+    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, in);
+  });
+  launched("MoE dispatch_send kernel launch");
+}
+
+void dispatch_recv(const Views& v, void* stream) {
+  const Dims& d = v.lay.dims;
+  const Ptrs p = to_ptrs(v);
+  const size_t shared = sources_shared_bytes(d);
+  const uint32_t blocks = sm_count();  // rows to copy are known only on the device
+  with_dispatch_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    auto* kernel = dispatch_recv_kernel<S::kHidden, S::kFp8, typename S::Vec>;
+    allow_shared(kernel, shared, "dispatch receive");
+    kernel<<<blocks, kThreads, shared, stream_of(stream)>>>(p);
+  });
+  launched("MoE dispatch_recv kernel launch");
+}
+
+void combine_send(const Views& v, const CombineArgs& a) {
+  const Dims& d = v.lay.dims;
+  if (!a.expert_out) throw Error(ErrorCode::kInvalidArgument, "MoE combine: expert_out must be given");
+  require_aligned(a.expert_out, 16, "combine expert_out");
+  const Ptrs p = to_ptrs(v);
+  const size_t shared = sources_shared_bytes(d);
+  const uint32_t blocks = sm_count();
+  with_combine_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    auto* kernel = combine_send_kernel<S::kHidden>;
+    allow_shared(kernel, shared, "combine send");
+    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, a.expert_out);
+  });
+  launched("MoE combine_send kernel launch");
+}
+
+void combine_recv(const Views& v, const CombineArgs& a) {
+  const Dims& d = v.lay.dims;
+  if (a.out) require_aligned(a.out, 16, "combine out");
+  const Ptrs p = to_ptrs(v);
+  with_combine_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    // Tokens are known on the device only: size for max_tokens, up to a few blocks per SM (none
+    // waits on a block that has not started, so more blocks than fit at once are fine).
+    const uint32_t items = d.max_tokens * combine_segments(d.hidden);
+    const uint32_t most = kCombineBlocksPerSm * sm_count();
+    uint32_t blocks = (items + kWarps - 1) / kWarps;
+    blocks = blocks == 0 ? 1 : (blocks < most ? blocks : most);
+    combine_recv_kernel<S::kHidden><<<blocks, kThreads, 0, stream_of(a.stream)>>>(p, a.out);
+  });
+  launched("MoE combine_recv kernel launch");
+}
+
+}  // namespace fabric::moe::detail::cuda

@@ -1,0 +1,247 @@
+// The MoE kernel side on host threads (kernel_side.h): the writes and flags of layout.h's
+// protocol, done by the calling thread over host memory. CI runs the whole inter-node protocol
+// through it, and it is the behavioural reference of gpu_kernels.cu.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "fabric/error.h"
+#include "kernel_side.h"
+
+namespace fabric::moe::detail::host {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::atomic<uint64_t>& word(std::byte* base, uint64_t offset) {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base + offset);
+}
+template <typename T>
+T* at(std::byte* base, uint64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+std::byte* own_node(const Views& v) { return v.node[v.rank % v.lay.dims.node_size]; }
+
+// The counts row of source s as this rank sees it: from the node region for node-mates, from the
+// RDMA routing table for the other nodes.
+const uint32_t* counts_of(const Views& v, uint32_t s) {
+  const Dims& d = v.lay.dims;
+  if (d.same_node(s, v.rank)) return at<uint32_t>(own_node(v), v.lay.node.counts) + uint64_t{s % d.node_size} * d.experts;
+  return at<uint32_t>(v.recv, v.lay.recv.routing) + uint64_t{s} * d.experts;
+}
+
+// Spins, then yields, then sleeps, until every rank's `ready(rank)` holds; throws kTimeout
+// naming the ranks still missing, or the failure the proxy counted.
+template <typename Ready>
+void wait_all(const Views& v, const char* what, uint64_t step, Ready ready) {
+  const Dims& d = v.lay.dims;
+  const auto deadline = Clock::now() + std::chrono::nanoseconds(v.timeout_ns);
+  std::atomic<uint64_t>& failed = word(v.signals, v.lay.signals.failed);
+  for (uint32_t spins = 0;; ++spins) {
+    bool all = true;
+    for (uint32_t s = 0; s < d.ranks && all; ++s) all = ready(s);
+    if (all) return;
+    const bool late = Clock::now() > deadline;
+    if (late || failed.load(std::memory_order_acquire) != 0) {
+      std::vector<uint32_t> missing;
+      for (uint32_t s = 0; s < d.ranks; ++s)
+        if (!ready(s)) missing.push_back(s);
+      if (late)
+        throw Error(ErrorCode::kTimeout, fmt::format("MoE {} step {} on rank {}: rows from ranks {} missing after {} ms (peer dead or stalled?)",
+                                                     what, step, v.rank, missing, v.timeout_ns / 1000000));
+      throw Error(ErrorCode::kProvider, fmt::format("MoE {} step {} on rank {}: a transfer or expectation of the proxy failed "
+                                                    "(see the log) while rows from ranks {} were missing",
+                                                    what, step, v.rank, missing));
+    }
+    if (spins < 2000) continue;
+    if (spins < 4000) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+}  // namespace
+
+void check_dispatch_args(const Dims& d, const DispatchArgs& a) {
+  if (a.num_tokens > d.max_tokens)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
+  if (a.num_tokens > 0 && (!a.x || !a.topk_idx || !a.topk_weights || (d.fp8 && !a.x_scales)))
+    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x, topk_idx, topk_weights (and x_scales for FP8) must be given");
+  for (uint32_t t = 0; t < a.num_tokens; ++t)
+    for (uint32_t k = 0; k < d.topk; ++k) {
+      const int64_t e = a.topk_idx[uint64_t{t} * d.topk + k];
+      if (e < 0) continue;
+      if (e >= d.experts)
+        throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: topk_idx[{}][{}] = {}, not below experts {}", t, k, e, d.experts));
+      for (uint32_t k2 = 0; k2 < k; ++k2)
+        if (a.topk_idx[uint64_t{t} * d.topk + k2] == e)
+          throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: token {} names expert {} in slots {} and {}", t, e, k2, k));
+    }
+}
+
+namespace {
+
+// Writes row (t, k) of the dispatch input, with its tail, to `dst`.
+void write_row(const Dims& d, const DispatchArgs& a, uint32_t t, uint32_t k, uint64_t step, std::byte* dst) {
+  const uint64_t pb = d.payload_bytes(), sc = d.scales_per_row();
+  std::memcpy(dst, static_cast<const std::byte*>(a.x) + t * pb, pb);
+  if (sc) std::memcpy(dst + pb, a.x_scales + t * sc, 4 * sc);
+  const RowTail tail{t, k, static_cast<uint32_t>(step), 0};
+  std::memcpy(dst + pb + 4 * sc, &tail, sizeof tail);
+}
+
+}  // namespace
+
+void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
+  const Dims& d = v.lay.dims;
+  const uint32_t N = d.node_size, L = d.local_experts, me = v.rank;
+  const uint64_t R = d.row_bytes();
+  uint32_t* counts = at<uint32_t>(v.local, v.lay.local.counts);
+  int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
+  int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
+  float* weights = at<float>(v.local, v.lay.local.weights);
+  std::memset(counts, 0, 4ull * d.experts);
+  for (uint64_t i = 0; i < uint64_t{a.num_tokens} * d.topk; ++i)
+    if (a.topk_idx[i] >= 0) ++counts[a.topk_idx[i]];
+  *at<uint64_t>(v.local, v.lay.local.step) = step;
+  *at<uint32_t>(v.local, v.lay.local.tokens) = a.num_tokens;
+
+  uint32_t* rank_in_expert = at<uint32_t>(v.local, v.lay.local.scratch);
+  std::memset(rank_in_expert, 0, 4ull * d.experts);
+  for (uint32_t t = 0; t < a.num_tokens; ++t)
+    for (uint32_t k = 0; k < d.topk; ++k) {
+      const uint64_t slot = uint64_t{t} * d.topk + k;
+      weights[slot] = a.topk_weights[slot];
+      const int64_t e64 = a.topk_idx[slot];
+      if (e64 < 0) {
+        pos[slot] = dst_of[slot] = -1;
+        continue;
+      }
+      const uint32_t e = static_cast<uint32_t>(e64), dst = d.rank_of_expert(e), j = rank_in_expert[e]++;
+      const uint32_t e0 = expert_start(d, counts, e);
+      pos[slot] = static_cast<int32_t>(combine_base(d, counts, dst) + e0 + j);
+      dst_of[slot] = static_cast<int32_t>(dst);
+      std::byte* row;
+      if (d.same_node(dst, me))
+        row = v.node[dst % N] + v.lay.node.rows + ((uint64_t{e % L} * N + me % N) * d.max_tokens + j) * R;
+      else
+        row = v.send + v.lay.send.stage + (stage_base(d, counts, me, dst) + e0 + j) * R;
+      write_row(d, a, t, k, step, row);
+    }
+  // The counts row, then the flag: a node-mate that sees the flag (acquire) sees rows and counts.
+  for (uint32_t i = 0; i < N; ++i) {
+    std::byte* node = v.node[i];
+    std::memcpy(node + v.lay.node.counts + uint64_t{me % N} * d.experts * 4, counts, 4ull * d.experts);
+    word(node, v.lay.node.dispatch_flag + kLine * (me % N)).store(step, std::memory_order_release);
+  }
+  if (d.ranks > N) {
+    std::memcpy(v.send + v.lay.send.route_row, counts, 4ull * d.experts);
+    word(v.signals, v.lay.signals.dispatch_sent).store(step, std::memory_order_release);
+  }
+}
+
+void dispatch_recv(const Views& v, uint64_t step) {
+  const Dims& d = v.lay.dims;
+  const uint32_t N = d.node_size, L = d.local_experts, me = v.rank;
+  std::byte* node = own_node(v);
+  wait_all(v, "dispatch", step, [&](uint32_t s) {
+    if (d.same_node(s, me)) return word(node, v.lay.node.dispatch_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
+    return word(v.signals, signal_at(v.lay.signals.route_seen, s)).load(std::memory_order_acquire) >= step &&
+           word(v.signals, signal_at(v.lay.signals.dispatch_seen, s)).load(std::memory_order_acquire) >= step;
+  });
+  const uint64_t R = d.row_bytes(), pb = d.payload_bytes(), sb = 4 * d.scales_per_row(), M = d.rows_per_expert();
+  const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
+  int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
+  int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
+  for (uint32_t el = 0; el < L; ++el) {
+    const uint32_t e = me * L + el;
+    uint64_t m = 0;
+    for (uint32_t s = 0; s < d.ranks; ++s) {
+      const uint32_t* row_s = counts_of(v, s);
+      const uint32_t c = row_s[e];
+      const PrivateSplit split = private_split(d, expert_start(d, row_s, e), c);
+      const uint64_t base = d.same_node(s, me) ? 0 : shared_base(d, routing, e, s, me);
+      for (uint32_t j = 0; j < c; ++j, ++m) {
+        const std::byte* row;
+        if (d.same_node(s, me))
+          row = node + v.lay.node.rows + ((uint64_t{el} * N + s % N) * d.max_tokens + j) * R;
+        else if (j < split.rows)
+          row = v.recv + v.lay.recv.priv + (uint64_t{s} * d.private_rows + split.first + j) * R;
+        else
+          row = v.recv + v.lay.recv.shared + (uint64_t{el} * d.shared_rows() + base + j) * R;
+        RowTail tail;
+        std::memcpy(&tail, row + pb + sb, sizeof tail);
+        if (tail.step != static_cast<uint32_t>(step))
+          throw Error(ErrorCode::kMalformed, fmt::format("MoE dispatch step {} on rank {}: row {} of expert {} from rank {} carries step {}",
+                                                         step, me, j, e, s, tail.step));
+        const uint64_t out_row = uint64_t{el} * M + m;
+        std::memcpy(v.out + v.lay.out.x + out_row * pb, row, pb);
+        if (sb) std::memcpy(v.out + v.lay.out.scales + out_row * sb, row + pb, sb);
+        out_src[out_row] = static_cast<int32_t>(s * d.max_tokens + tail.token);
+      }
+    }
+    out_counts[el] = static_cast<int32_t>(m);
+  }
+}
+
+void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
+  const Dims& d = v.lay.dims;
+  const uint32_t N = d.node_size, L = d.local_experts, me = v.rank;
+  const uint64_t B = d.combine_row_bytes(), M = d.rows_per_expert();
+  const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
+  for (uint32_t el = 0; el < L; ++el) {
+    const uint32_t e = me * L + el;
+    uint64_t m = 0;
+    for (uint32_t s = 0; s < d.ranks; ++s) {
+      const uint32_t* row_s = counts_of(v, s);
+      const uint32_t c = row_s[e];
+      const uint64_t first = expert_start(d, row_s, e);
+      std::byte* dst;
+      if (d.same_node(s, me))
+        dst = v.node[s % N] + v.lay.node.combine + (combine_base(d, row_s, me) + first) * B;
+      else
+        dst = v.send + v.lay.send.cstage + (cstage_base(d, routing, s, me) + first) * B;
+      std::memcpy(dst, a.expert_out + (uint64_t{el} * M + m) * d.hidden, c * B);
+      m += c;
+    }
+  }
+  for (uint32_t i = 0; i < N; ++i) word(v.node[i], v.lay.node.combine_flag + kLine * (me % N)).store(step, std::memory_order_release);
+  if (d.ranks > N) word(v.signals, v.lay.signals.combine_sent).store(step, std::memory_order_release);
+}
+
+void combine_recv(const Views& v, const CombineArgs& a, uint64_t step) {
+  const Dims& d = v.lay.dims;
+  const uint32_t N = d.node_size, me = v.rank;
+  std::byte* node = own_node(v);
+  wait_all(v, "combine", step, [&](uint32_t s) {
+    if (d.same_node(s, me)) return word(node, v.lay.node.combine_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
+    return word(v.signals, signal_at(v.lay.signals.combine_seen, s)).load(std::memory_order_acquire) >= step;
+  });
+  const uint32_t tokens = *at<uint32_t>(v.local, v.lay.local.tokens);
+  const int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
+  const int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
+  const float* weights = at<float>(v.local, v.lay.local.weights);
+  float* acc = at<float>(v.local, v.lay.local.scratch);
+  for (uint32_t t = 0; t < tokens; ++t) {
+    std::fill(acc, acc + d.hidden, 0.0f);
+    for (uint32_t k = 0; k < d.topk; ++k) {
+      const uint64_t slot = uint64_t{t} * d.topk + k;
+      if (pos[slot] < 0) continue;
+      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[slot]), me) ? node + v.lay.node.combine
+                                                                                   : v.recv + v.lay.recv.combine;
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(base + uint64_t(pos[slot]) * d.combine_row_bytes());
+      const float w = weights[slot];
+      for (uint32_t h = 0; h < d.hidden; ++h) acc[h] = std::fma(w, bf16_to_float(row[h]), acc[h]);
+    }
+    for (uint32_t h = 0; h < d.hidden; ++h) a.out[uint64_t{t} * d.hidden + h] = float_to_bf16(acc[h]);
+  }
+}
+
+}  // namespace fabric::moe::detail::host

@@ -1,0 +1,53 @@
+// The two implementations of the MoE kernel side (the four halves: dispatch send and receive,
+// combine send and receive), over the memory described by layout.h. Both do the same writes in
+// the same places and raise the same flags, so one proxy and one protocol serve both.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "fabric/moe.h"
+#include "layout.h"
+
+namespace fabric::moe::detail {
+
+inline constexpr uint32_t kMaxNodeSize = 8;
+
+// Pointers the kernel side works on, as its code sees them (host kernels: host pointers; CUDA
+// kernels: device pointers, the host regions through their device mapping).
+struct Views {
+  Layout lay{};
+  uint32_t rank = 0;
+  std::array<std::byte*, kMaxNodeSize> node{};  // node region of node-mate i (this rank's at rank % N)
+  std::byte* recv = nullptr;                    // RDMA receive region
+  std::byte* send = nullptr;                    // RDMA send region
+  std::byte* signals = nullptr;
+  std::byte* local = nullptr;
+  std::byte* out = nullptr;
+  uint64_t timeout_ns = 0;  // a receive half waiting longer gives up
+};
+
+namespace host {
+// Throws kInvalidArgument for a dispatch the host kernels cannot run (too many tokens, an expert
+// out of range or repeated within a token, missing pointers); call before dispatch_send.
+void check_dispatch_args(const Dims& d, const DispatchArgs& args);
+// Run on the calling thread. `step` counts dispatches from 1. A receive half that times out, or
+// finds the AllToAll failed, throws fabric::Error (kTimeout naming the ranks it waited for).
+void dispatch_send(const Views& v, const DispatchArgs& args, uint64_t step);
+void dispatch_recv(const Views& v, uint64_t step);
+void combine_send(const Views& v, const CombineArgs& args, uint64_t step);
+void combine_recv(const Views& v, const CombineArgs& args, uint64_t step);
+}  // namespace host
+
+namespace cuda {
+// Enqueue kernels on args.stream; the step lives in device memory (local.step: dispatch_send
+// increments it), so a captured graph replays correctly. A wait that times out stores
+// KernelError into signals.kernel_error and ends its kernel. Only in CUDA builds.
+void dispatch_send(const Views& v, const DispatchArgs& args);
+void dispatch_recv(const Views& v, void* stream);
+void combine_send(const Views& v, const CombineArgs& args);
+void combine_recv(const Views& v, const CombineArgs& args);
+}  // namespace cuda
+
+}  // namespace fabric::moe::detail

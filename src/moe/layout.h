@@ -1,0 +1,312 @@
+// MoE all-to-all (include/fabric/moe.h): where every byte of the protocol lives, and the index
+// arithmetic both kernel sides (host threads in cpu_kernels.cpp, CUDA in gpu_kernels.cu) and the
+// proxy share. Plain data and inline functions only, usable from host and device code.
+//
+// Names: W ranks, N ranks per node (node of rank r: r / N), E experts, L = E / W local experts
+// (expert e lives on rank e / L), K experts per token, H hidden, T max tokens per rank,
+// P private rows per source, R bytes per dispatched row (H values, then H/128 fp32 scales for
+// FP8), B = 2H bytes per combined (BF16) row, M = W * T rows per expert in the output.
+//
+// The order of a sender s's rows for destination d ("d's enumeration"): by expert of d, then by
+// token, then by top-k slot. Row (e, t, k) has index E0(e) + j where E0(e) = sum over d's experts
+// e' < e of s's count c(s, e'), and j its rank among s's (t, k) with expert e.
+//
+// Dispatch, from s to d:
+//   - same node: s stores row j of expert e at node.rows[e % L][s % N][j], then s's counts row
+//     (all E experts) at node.counts[s % N], then node.dispatch_flag[s % N] = step (release).
+//   - other node: s's proxy writes s's counts row to rdma.routing[s] of every other rank
+//     (ROUTE imm), rows [0, P) of d's enumeration to rdma.priv[s] (DISPATCH imm, one WRITE), and,
+//     once the counts rows of every rank below s have arrived, the rest of each expert e's rows to
+//     rdma.shared[e % L][base(e, s) + j] (DISPATCH imm, one WRITE per expert of d), where
+//     base(e, s) = sum of c(s', e) over ranks s' < s not on d's node. A row j < pc(e) sits in
+//     priv at pidx(e) + j instead (pc, pidx: private_split).
+// d counts ROUTE(s) once and DISPATCH(s) 1 + L times per step from each remote s (its proxy sets
+// signals.route_seen[s], dispatch_seen[s] to the step), then copies every source's rows into the
+// expert-major output, expert e's rows from sources in rank order.
+//
+// Combine, from expert rank d back to source s: row j of expert e from s goes to s's combine
+// position cbase(s, d) + E0(e) + j, where cbase(s, d) = sum over d' < d of n(s, d') (n: rows s
+// sends d). Same node: stored in node.combine, then node.combine_flag[d % N] = step; other node:
+// packed contiguously in rdma_send.cstage and written in one WRITE (COMBINE imm) to
+// rdma.combine[cbase(s, d)]. s then sums sum_k w[t][k] * row(pos[t][k]) in fp32, k in order,
+// with fmaf, rounding to BF16 once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FABRIC_HD __host__ __device__ inline
+#else
+#define FABRIC_HD inline
+#endif
+
+namespace fabric::moe::detail {
+
+inline constexpr uint32_t kScaleBlock = 128;  // FP8: one fp32 scale per 128 values
+inline constexpr uint64_t kLine = 64;          // signal words each on their own cache line
+
+// Immediates: kind (2 bits), step modulo 2^14, the sending rank (16 bits).
+enum class ImmKind : uint32_t { kRoute = 0, kDispatch = 1, kCombine = 2 };
+FABRIC_HD uint32_t moe_imm(ImmKind kind, uint64_t step, uint32_t rank) {
+  return (static_cast<uint32_t>(kind) << 30) | static_cast<uint32_t>((step & 0x3FFF) << 16) | (rank & 0xFFFF);
+}
+
+// The last 16 bytes of every dispatched row: which token it is, and the step that wrote it (the
+// receiving side checks it: a row of another step means a protocol or memory error).
+struct RowTail {
+  uint32_t token = 0;
+  uint32_t slot = 0;
+  uint32_t step = 0;  // low 32 bits of the dispatch step
+  uint32_t pad = 0;
+};
+
+struct Dims {
+  uint32_t ranks = 0, node_size = 0, experts = 0, local_experts = 0, topk = 0, hidden = 0;
+  uint32_t max_tokens = 0, private_rows = 0;
+  bool fp8 = true;
+
+  FABRIC_HD uint64_t scales_per_row() const { return fp8 ? hidden / kScaleBlock : 0; }
+  FABRIC_HD uint64_t payload_bytes() const { return fp8 ? hidden : 2ull * hidden; }
+  // A dispatched row: payload, scales, then a RowTail.
+  FABRIC_HD uint64_t row_bytes() const { return payload_bytes() + 4 * scales_per_row() + sizeof(RowTail); }
+  FABRIC_HD uint64_t combine_row_bytes() const { return 2ull * hidden; }
+  FABRIC_HD uint64_t rows_per_expert() const { return uint64_t{ranks} * max_tokens; }  // M
+  FABRIC_HD uint32_t node_of(uint32_t rank) const { return rank / node_size; }
+  FABRIC_HD bool same_node(uint32_t a, uint32_t b) const { return node_of(a) == node_of(b); }
+  FABRIC_HD uint32_t remote_ranks() const { return ranks - node_size; }
+  FABRIC_HD uint32_t rank_of_expert(uint32_t e) const { return e / local_experts; }
+  // Rows one rank can receive from the other nodes per expert, and send back in a combine.
+  FABRIC_HD uint64_t shared_rows() const { return uint64_t{remote_ranks()} * max_tokens; }
+  FABRIC_HD uint64_t cstage_rows() const {
+    const uint64_t per_src = uint64_t{max_tokens} * (topk < local_experts ? topk : local_experts);
+    return uint64_t{remote_ranks()} * per_src;
+  }
+};
+
+inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// The node region: shared by the ranks of a node (POSIX shared memory for host kernels, a CUDA
+// allocation mapped by IPC for GPU kernels). Offsets from its base.
+struct NodeLayout {
+  uint64_t dispatch_flag = 0;  // [N] u64, kLine apart
+  uint64_t combine_flag = 0;   // [N] u64, kLine apart
+  uint64_t counts = 0;         // [N][E] u32: the node-mates' counts rows
+  uint64_t rows = 0;           // [L][N][T] rows of row_bytes
+  uint64_t combine = 0;        // [T * K] combine rows
+  uint64_t bytes = 0;
+};
+
+// The RDMA receive region (registered; written by the other nodes' ranks).
+struct RecvLayout {
+  uint64_t routing = 0;  // [W][E] u32
+  uint64_t priv = 0;     // [W][P] rows
+  uint64_t shared = 0;   // [L][shared_rows] rows
+  uint64_t combine = 0;  // [T * K] combine rows
+  uint64_t bytes = 0;
+};
+
+// The RDMA send region (registered; read by the NICs).
+struct SendLayout {
+  uint64_t route_row = 0;  // [E] u32: this rank's counts
+  uint64_t stage = 0;      // [T * K] rows for the other nodes, by destination rank
+  uint64_t cstage = 0;     // [cstage_rows] combine rows for the other nodes, by source rank
+  uint64_t bytes = 0;
+};
+
+// Words the kernel side and the proxy signal each other with (host memory; for GPU kernels
+// pinned and device-mapped). Each is a u64 on its own line; the arrays are [W].
+struct SignalLayout {
+  uint64_t dispatch_sent = 0;  // kernel -> proxy: dispatch step whose rows are staged
+  uint64_t combine_sent = 0;   // kernel -> proxy: combine step whose rows are staged
+  uint64_t failed = 0;         // nonzero once a transfer or expectation failed (proxy counts)
+  uint64_t kernel_error = 0;   // a kernel's failure: KernelError << 32 | (rank it waited for + 1)
+  uint64_t writes_done = 0;    // the proxy's scatters that completed (diagnostics)
+  uint64_t route_seen = 0;     // [W] proxy -> kernel: steps whose counts row from rank s arrived
+  uint64_t dispatch_seen = 0;  // [W] steps whose rows from remote rank s all arrived
+  uint64_t combine_seen = 0;   // [W] steps whose combine rows from remote rank s arrived
+  uint64_t bytes = 0;
+};
+
+// This rank's own state between dispatch and combine (local memory).
+struct LocalLayout {
+  uint64_t counts = 0;     // [E] u32: this rank's counts (the last dispatch)
+  uint64_t pos = 0;        // [T][K] i32: combine position of (t, k), -1 for a masked slot
+  uint64_t weights = 0;    // [T][K] f32: the routing weights, copied at dispatch
+  uint64_t dst = 0;        // [T][K] i32: rank holding slot (t, k)'s expert, -1 for a masked slot
+  uint64_t step = 0;       // u64: the last dispatch step (GPU kernels keep it here)
+  uint64_t tokens = 0;     // u32: tokens of the last dispatch
+  uint64_t scratch = 0;    // [max(E, H)] 4-byte words for host kernels (nothing allocated per call)
+  uint64_t bytes = 0;
+};
+
+// The expert-major dispatch output (local memory).
+struct OutLayout {
+  uint64_t x = 0;       // [L][M][H] values of the dispatch dtype
+  uint64_t scales = 0;  // [L][M][H/128] fp32 (FP8 only)
+  uint64_t counts = 0;  // [L] i32 rows per expert
+  uint64_t src = 0;     // [L][M] i32: source rank * T + source token of each row
+  uint64_t bytes = 0;
+};
+
+struct Layout {
+  Dims dims;
+  NodeLayout node;
+  RecvLayout recv;
+  SendLayout send;
+  SignalLayout signals;
+  LocalLayout local;
+  OutLayout out;
+};
+
+inline Layout make_layout(const Dims& d) {
+  Layout l{};
+  l.dims = d;
+  const uint64_t R = d.row_bytes(), B = d.combine_row_bytes(), TK = uint64_t{d.max_tokens} * d.topk;
+  uint64_t o = 0;
+  auto take = [&o](uint64_t bytes) {
+    const uint64_t at = align_up(o, 256);
+    o = at + bytes;
+    return at;
+  };
+  l.node.dispatch_flag = take(kLine * d.node_size);
+  l.node.combine_flag = take(kLine * d.node_size);
+  l.node.counts = take(4ull * d.node_size * d.experts);
+  l.node.rows = take(R * d.local_experts * d.node_size * d.max_tokens);
+  l.node.combine = take(B * TK);
+  l.node.bytes = align_up(o, 4096);
+
+  o = 0;
+  l.recv.routing = take(4ull * d.ranks * d.experts);
+  l.recv.priv = take(R * d.ranks * d.private_rows);
+  l.recv.shared = take(R * d.local_experts * d.shared_rows());
+  l.recv.combine = take(B * TK);
+  l.recv.bytes = align_up(o, 4096);
+
+  o = 0;
+  l.send.route_row = take(4ull * d.experts);
+  l.send.stage = take(R * TK);
+  l.send.cstage = take(B * d.cstage_rows());
+  l.send.bytes = align_up(o, 4096);
+
+  o = 0;
+  l.signals.dispatch_sent = take(kLine);
+  l.signals.combine_sent = take(kLine);
+  l.signals.failed = take(kLine);
+  l.signals.kernel_error = take(kLine);
+  l.signals.writes_done = take(kLine);
+  l.signals.route_seen = take(kLine * d.ranks);
+  l.signals.dispatch_seen = take(kLine * d.ranks);
+  l.signals.combine_seen = take(kLine * d.ranks);
+  l.signals.bytes = align_up(o, 4096);
+
+  o = 0;
+  l.local.counts = take(4ull * d.experts);
+  l.local.pos = take(4 * TK);
+  l.local.weights = take(4 * TK);
+  l.local.dst = take(4 * TK);
+  l.local.step = take(8);
+  l.local.tokens = take(4);
+  l.local.scratch = take(4ull * (d.experts > d.hidden ? d.experts : d.hidden));
+  l.local.bytes = align_up(o, 256);
+
+  o = 0;
+  const uint64_t M = d.rows_per_expert();
+  l.out.x = take(d.payload_bytes() * d.local_experts * M);
+  l.out.scales = take(4 * d.scales_per_row() * d.local_experts * M);
+  l.out.counts = take(4ull * d.local_experts);
+  l.out.src = take(4 * d.local_experts * M);
+  l.out.bytes = align_up(o, 256);
+  return l;
+}
+
+// What a kernel that gave up reports in signals.kernel_error (the high 32 bits).
+enum class KernelError : uint32_t {
+  kNone = 0,
+  kDispatchTimeout = 1,  // dispatch receive: rows of a rank missing (low bits: that rank + 1)
+  kCombineTimeout = 2,   // combine receive: rows of a rank missing
+  kBadExpert = 3,        // an expert index >= experts, or repeated within a token
+  kStaleRow = 4,         // a received row carries another step (low bits: its source + 1)
+  kFailed = 5,           // gave up because the AllToAll had failed already
+};
+
+// Combine arithmetic, the same on both kernel sides: BF16 to fp32 exactly, fp32 to BF16 rounding
+// to nearest even (NaN stays a quiet NaN of the same sign).
+FABRIC_HD float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+FABRIC_HD uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Signal word i of an array at `offset` in the signal region.
+FABRIC_HD uint64_t signal_at(uint64_t offset, uint32_t i) { return offset + kLine * i; }
+
+// Rows s sends rank d (n(s, d)) and where expert e's rows start in d's enumeration (E0), from s's
+// counts row.
+FABRIC_HD uint32_t rows_to(const Dims& d, const uint32_t* counts, uint32_t dst) {
+  uint32_t n = 0;
+  for (uint32_t e = dst * d.local_experts; e < (dst + 1) * d.local_experts; ++e) n += counts[e];
+  return n;
+}
+FABRIC_HD uint32_t expert_start(const Dims& d, const uint32_t* counts, uint32_t e) {
+  uint32_t n = 0;
+  for (uint32_t x = d.rank_of_expert(e) * d.local_experts; x < e; ++x) n += counts[x];
+  return n;
+}
+
+// How many of expert e's c rows went to the private region, and from which private row on.
+struct PrivateSplit {
+  uint32_t rows = 0;   // pc(e)
+  uint32_t first = 0;  // pidx(e)
+};
+FABRIC_HD PrivateSplit private_split(const Dims& d, uint32_t start, uint32_t count) {
+  const uint32_t P = d.private_rows;
+  PrivateSplit p;
+  p.first = start < P ? start : P;
+  const uint32_t left = P - p.first;
+  p.rows = count < left ? count : left;
+  return p;
+}
+
+// base(e, s) in destination `dst`'s shared region: the rows of expert e from ranks below `src`
+// on other nodes than dst's. `routing` is the [W][E] table of counts rows.
+FABRIC_HD uint64_t shared_base(const Dims& d, const uint32_t* routing, uint32_t e, uint32_t src, uint32_t dst) {
+  uint64_t b = 0;
+  for (uint32_t s = 0; s < src; ++s)
+    if (!d.same_node(s, dst)) b += routing[uint64_t{s} * d.experts + e];
+  return b;
+}
+
+// cbase(s, d): where expert rank d's rows start among s's combine positions.
+FABRIC_HD uint32_t combine_base(const Dims& d, const uint32_t* counts, uint32_t dst) {
+  uint32_t n = 0;
+  for (uint32_t x = 0; x < dst * d.local_experts; ++x) n += counts[x];
+  return n;
+}
+
+// Offset of d's rows in s's dispatch stage: rows for the remote ranks below d.
+FABRIC_HD uint64_t stage_base(const Dims& d, const uint32_t* counts, uint32_t src, uint32_t dst) {
+  uint64_t n = 0;
+  for (uint32_t x = 0; x < dst; ++x)
+    if (!d.same_node(x, src)) n += rows_to(d, counts, x);
+  return n;
+}
+
+// Offset of source s's rows in expert rank d's combine stage: rows from remote ranks below s.
+FABRIC_HD uint64_t cstage_base(const Dims& d, const uint32_t* routing, uint32_t src, uint32_t dst) {
+  uint64_t n = 0;
+  for (uint32_t x = 0; x < src; ++x)
+    if (!d.same_node(x, dst)) n += rows_to(d, routing + uint64_t{x} * d.experts, dst);
+  return n;
+}
+
+}  // namespace fabric::moe::detail

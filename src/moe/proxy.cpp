@@ -1,0 +1,219 @@
+// The MoE host proxy (proxy.h).
+#include "proxy.h"
+
+#include <time.h>
+
+#include <chrono>
+
+#include "util/log.h"
+
+namespace fabric::moe::detail {
+
+namespace {
+
+uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace
+
+std::atomic<uint64_t>& Proxy::signal(uint64_t offset) const {
+  return *reinterpret_cast<std::atomic<uint64_t>*>(cfg_.views.signals + offset);
+}
+
+Proxy::Proxy(TransferEngine& engine, ProxyConfig config)
+    : engine_(engine), cfg_(std::move(config)), dims_(cfg_.views.lay.dims) {
+  const Layout& l = cfg_.views.lay;
+  const uint32_t me = cfg_.views.rank;
+  std::vector<RemoteMr> others, remotes;
+  for (uint32_t s = 0; s < dims_.ranks; ++s) {
+    if (s == me) continue;
+    others_.push_back(s);
+    others.push_back(cfg_.recv[s]);
+    if (!dims_.same_node(s, me)) {
+      remotes_.push_back(s);
+      remotes.push_back(cfg_.recv[s]);
+    }
+  }
+  others_group_ = engine_.add_peer_group(others);
+  remotes_group_ = engine_.add_peer_group(remotes);
+  // The counts row goes to the same place of every other rank each step.
+  route_slices_.assign(others_.size(), GroupSlice{.len = 4ull * dims_.experts,
+                                                  .src_offset = l.send.route_row,
+                                                  .dst_offset = l.recv.routing + uint64_t{me} * dims_.experts * 4});
+  remote_slices_.assign(remotes_.size(), GroupSlice{});
+  shared_slices_.reserve(remotes_.size() * dims_.local_experts);
+  for (uint32_t d : remotes_)
+    for (uint32_t el = 0; el < dims_.local_experts; ++el)
+      shared_slices_.push_back(ScatterSlice{.len = 0, .src_offset = 0, .dst = {cfg_.recv[d], 0}});
+  pending_.reserve(3 * dims_.ranks);
+  thread_ = std::thread([this] { run(); });
+}
+
+Proxy::~Proxy() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+  for (const ImmExpectation& e : pending_) engine_.cancel_imm_expectation(e);
+}
+
+ProxyStats Proxy::stats() const {
+  ProxyStats s;
+  s.steps = steps_.load();
+  s.writes = writes_.load();
+  s.bytes = bytes_.load();
+  s.cpu_ms = static_cast<double>(work_ns_.load()) / 1e6;
+  return s;
+}
+
+OnDone Proxy::on_write() {
+  return OnDone::counter(&signal(cfg_.views.lay.signals.writes_done), &signal(cfg_.views.lay.signals.failed))
+      .keep_alive(cfg_.signals);
+}
+
+void Proxy::expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset) {
+  OnDone done = OnDone::counter(&signal(signal_at(counter_offset, src)), &signal(cfg_.views.lay.signals.failed))
+                    .keep_alive(cfg_.signals);
+  pending_.push_back(engine_.expect_imm_count(moe_imm(kind, step, src), count, std::move(done),
+                                              ExpectOptions{.timeout = std::chrono::milliseconds(cfg_.views.timeout_ns / 1000000)}));
+}
+
+void Proxy::run() {
+  try {
+    loop();
+  } catch (const std::exception& e) {
+    // A submit refused (a peer removed, the engine closing): the receive halves see `failed`.
+    log::error("MoE proxy of rank {}: {}", cfg_.views.rank, e.what());
+    signal(cfg_.views.lay.signals.failed).fetch_add(1, std::memory_order_release);
+  }
+}
+
+void Proxy::loop() {
+  const SignalLayout& sig = cfg_.views.lay.signals;
+  uint64_t dispatched = 0, combined = 0, shared_pending = 0;
+  uint32_t idle = 0;
+  while (!stop_.load(std::memory_order_acquire)) {
+    bool worked = false;
+    if (const uint64_t step = signal(sig.dispatch_sent).load(std::memory_order_acquire); step > dispatched) {
+      const uint64_t t0 = now_ns();
+      start_dispatch(step);
+      dispatched = shared_pending = step;
+      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      worked = true;
+    }
+    if (shared_pending != 0 && routes_arrived(shared_pending)) {
+      const uint64_t t0 = now_ns();
+      post_shared(shared_pending);
+      shared_pending = 0;
+      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      worked = true;
+    }
+    if (const uint64_t step = signal(sig.combine_sent).load(std::memory_order_acquire); step > combined) {
+      const uint64_t t0 = now_ns();
+      start_combine(step);
+      combined = step;
+      steps_.fetch_add(1, std::memory_order_relaxed);
+      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      worked = true;
+    }
+    if (worked || cfg_.busy_poll) {
+      idle = 0;
+      continue;
+    }
+    // Adaptive polling for machines with few cores: spin a while, then yield, then nap.
+    if (++idle < 2000) continue;
+    if (idle < 4000) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Step `step`'s rows are staged: expect the other ranks' immediates of this step, send the counts
+// row to every other rank and the private rows to every remote rank.
+void Proxy::start_dispatch(uint64_t step) {
+  const Layout& l = cfg_.views.lay;
+  const uint32_t me = cfg_.views.rank;
+  const uint64_t R = dims_.row_bytes();
+  pending_.clear();  // the last step's: all met (or failed: the AllToAll is failed then)
+  for (uint32_t s : others_) expect(ImmKind::kRoute, step, s, 1, l.signals.route_seen);
+  for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 1 + dims_.local_experts, l.signals.dispatch_seen);
+
+  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.send + l.send.route_row);
+  engine_.submit(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
+                              .imm = moe_imm(ImmKind::kRoute, step, me)},
+                 on_write());
+  uint64_t bytes = route_slices_.size() * 4ull * dims_.experts;
+  for (size_t i = 0; i < remotes_.size(); ++i) {
+    const uint32_t d = remotes_[i];
+    const uint32_t n = rows_to(dims_, counts, d);
+    const uint32_t priv = n < dims_.private_rows ? n : dims_.private_rows;
+    remote_slices_[i] = GroupSlice{.len = priv * R,
+                                   .src_offset = l.send.stage + stage_base(dims_, counts, me, d) * R,
+                                   .dst_offset = l.recv.priv + uint64_t{me} * dims_.private_rows * R};
+    bytes += priv * R;
+  }
+  engine_.submit(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+                              .imm = moe_imm(ImmKind::kDispatch, step, me)},
+                 on_write());
+  writes_.fetch_add(route_slices_.size() + remote_slices_.size(), std::memory_order_relaxed);
+  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+// The shared rows' offsets need the counts of every rank below this one.
+bool Proxy::routes_arrived(uint64_t step) const {
+  for (uint32_t s : others_) {
+    if (s >= cfg_.views.rank) break;
+    if (signal(signal_at(cfg_.views.lay.signals.route_seen, s)).load(std::memory_order_acquire) < step) return false;
+  }
+  return true;
+}
+
+void Proxy::post_shared(uint64_t step) {
+  const Layout& l = cfg_.views.lay;
+  const uint32_t me = cfg_.views.rank, L = dims_.local_experts;
+  const uint64_t R = dims_.row_bytes();
+  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.send + l.send.route_row);
+  const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.recv + l.recv.routing);
+  uint64_t bytes = 0;
+  size_t i = 0;
+  for (uint32_t d : remotes_) {
+    const uint64_t stage = stage_base(dims_, counts, me, d);
+    for (uint32_t el = 0; el < L; ++el, ++i) {
+      const uint32_t e = d * L + el, c = counts[e], first = expert_start(dims_, counts, e);
+      const PrivateSplit split = private_split(dims_, first, c);
+      ScatterSlice& s = shared_slices_[i];
+      s.len = uint64_t{c - split.rows} * R;
+      s.src_offset = l.send.stage + (stage + first + split.rows) * R;
+      s.dst.offset = l.recv.shared + (uint64_t{el} * dims_.shared_rows() + shared_base(dims_, routing, e, me, d) + split.rows) * R;
+      bytes += s.len;
+    }
+  }
+  engine_.submit(Scatter{.src = cfg_.send_mr, .slices = shared_slices_, .imm = moe_imm(ImmKind::kDispatch, step, me)}, on_write());
+  writes_.fetch_add(shared_slices_.size(), std::memory_order_relaxed);
+  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+// Step `step`'s combine rows for the other nodes are staged in cstage, by source rank.
+void Proxy::start_combine(uint64_t step) {
+  const Layout& l = cfg_.views.lay;
+  const uint32_t me = cfg_.views.rank;
+  const uint64_t B = dims_.combine_row_bytes();
+  for (uint32_t d : remotes_) expect(ImmKind::kCombine, step, d, 1, l.signals.combine_seen);
+  const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.recv + l.recv.routing);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < remotes_.size(); ++i) {
+    const uint32_t s = remotes_[i];
+    const uint32_t* row_s = routing + uint64_t{s} * dims_.experts;
+    remote_slices_[i] = GroupSlice{.len = rows_to(dims_, row_s, me) * B,
+                                   .src_offset = l.send.cstage + cstage_base(dims_, routing, s, me) * B,
+                                   .dst_offset = l.recv.combine + uint64_t{combine_base(dims_, row_s, me)} * B};
+    bytes += remote_slices_[i].len;
+  }
+  engine_.submit(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+                              .imm = moe_imm(ImmKind::kCombine, step, me)},
+                 on_write());
+  writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
+  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+}
+
+}  // namespace fabric::moe::detail

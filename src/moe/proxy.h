@@ -1,0 +1,60 @@
+// The host proxy of one MoE rank (include/fabric/moe.h): a thread that watches the words its
+// kernel side raises when rows for the other nodes are staged, posts them as scatters with
+// immediates, and counts the other nodes' immediates into the words the receive halves wait on
+// (layout.h has the protocol). Only ranks with peers on other nodes run one.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "fabric/moe.h"
+#include "fabric/transfer_engine.h"
+#include "kernel_side.h"
+#include "memory.h"
+
+namespace fabric::moe::detail {
+
+struct ProxyConfig {
+  Views views{};                   // host pointers (recv, send, signals as the CPU sees them)
+  std::shared_ptr<Block> signals;  // kept alive by every OnDone the proxy hands the engine
+  MrHandle send_mr{};
+  std::vector<RemoteMr> recv;      // [W]: every other rank's receive region (self: unused)
+  bool busy_poll = false;          // spin without pause (a core of its own) or back off when idle
+};
+
+class Proxy {
+ public:
+  Proxy(TransferEngine& engine, ProxyConfig config);
+  ~Proxy();  // stops the thread and cancels the expectations still pending
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+  ProxyStats stats() const;
+
+ private:
+  void run();
+  void loop();
+  void start_dispatch(uint64_t step);
+  bool routes_arrived(uint64_t step) const;
+  void post_shared(uint64_t step);
+  void start_combine(uint64_t step);
+  void expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset);
+  OnDone on_write();
+  std::atomic<uint64_t>& signal(uint64_t offset) const;
+
+  TransferEngine& engine_;
+  ProxyConfig cfg_;
+  const Dims dims_;
+  std::vector<uint32_t> others_, remotes_;  // ranks other than this one; ranks on other nodes
+  PeerGroupHandle others_group_{}, remotes_group_{};
+  std::vector<GroupSlice> route_slices_, remote_slices_;
+  std::vector<ScatterSlice> shared_slices_;
+  std::vector<ImmExpectation> pending_;  // this step's expectations (cancelled at shutdown)
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> steps_{0}, writes_{0}, bytes_{0}, work_ns_{0};
+  std::thread thread_;
+};
+
+}  // namespace fabric::moe::detail
