@@ -298,8 +298,9 @@ void AllToAll::check() const {
     switch (what) {
       case KernelError::kDispatchTimeout:
       case KernelError::kCombineTimeout:
-        throw Error(ErrorCode::kTimeout, fmt::format("MoE {} receive on rank {}: rows from rank {} missing after {} ms (peer dead or stalled?)",
-                                                     what == KernelError::kDispatchTimeout ? "dispatch" : "combine", s.cfg.rank, who - 1,
+        throw Error(ErrorCode::kTimeout, fmt::format("MoE {} receive on rank {}: rows from {} missing after {} ms (peer dead or stalled?)",
+                                                     what == KernelError::kDispatchTimeout ? "dispatch" : "combine", s.cfg.rank,
+                                                     who == 0 ? std::string("some rank") : fmt::format("rank {}", who - 1),
                                                      s.cfg.timeout.count()));
       case KernelError::kBadExpert:
         throw Error(ErrorCode::kInvalidArgument,

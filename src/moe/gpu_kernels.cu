@@ -12,8 +12,9 @@
 //    ticket on a completion counter; the block holding the last ticket raises the flags with
 //    release stores at system scope. Whoever acquires a flag (a node-mate's receive kernel, the
 //    proxy) sees every row and counts row of the step.
-//  - receive halves: the block that takes the first ticket polls the flags with one warp (so
-//    host memory is polled by one warp, not by every block, and PCIe stays free for rows) and
+//  - receive halves: on one node every block polls the flags (in its own GPU's memory) with one
+//    warp. With other nodes the words the proxy raises are in host memory: the block that takes
+//    the first ticket polls them with one warp (not every block: PCIe stays free for rows) and
 //    publishes the outcome in a go word in device memory that the other blocks wait on. The
 //    first ticket is taken by a running block, so the others never wait on a block not started.
 //  - every wait is bounded by %globaltimer and gives up when the AllToAll failed
@@ -99,6 +100,10 @@ __device__ __forceinline__ uint64_t load_acquire_gpu(const std::byte* p) {
 __device__ __forceinline__ void store_release_gpu(std::byte* p, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// Orders this thread's earlier accesses before its later ones for every observer (peers over
+// NVLink, the host, NICs). acq_rel suffices for the release/acquire chains here and is cheaper
+// than the sequentially consistent __threadfence_system().
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -133,11 +138,11 @@ __device__ __forceinline__ uint32_t take_ticket(std::byte* word) {
 // visible at system scope, so what the last block does next (raise flags) follows all of them.
 __device__ bool finish_block(std::byte* counter) {
   __shared__ bool last;
-  __threadfence_system();
+  fence_sys();
   __syncthreads();
   if (threadIdx.x == 0) {
     last = take_ticket(counter) == gridDim.x - 1;
-    __threadfence_system();  // the other blocks' fenced stores before what this block does next
+    fence_sys();  // the other blocks' fenced stores before what this block does next
   }
   __syncthreads();
   return last;
@@ -201,12 +206,19 @@ __device__ bool wait_go(const Ptrs& p, uint64_t step, KernelError timeout, const
 }
 
 // Whether every source's rows of this step are in (the block may read them), or the wait gave
-// up (reported; the block must end). Called by every thread of the block.
+// up (reported; the block must end). Called by every thread of the block. On one node every flag
+// is in this GPU's memory (the node region), cheap enough for every block to poll itself; with
+// other nodes the words are in host memory, and one poller relays them through the go word.
 template <typename Arrived>
 __device__ bool wait_sources(const Ptrs& p, uint64_t step, KernelError timeout, ScratchWord ticket_word, ScratchWord go_word,
                              Arrived arrived) {
   __shared__ uint32_t ready;
-  if (threadIdx.x < 32) {
+  if (p.lay.dims.ranks == p.lay.dims.node_size) {
+    if (threadIdx.x < 32) {
+      const bool ok = poll_sources(p, timeout, arrived);
+      if (threadIdx.x == 0) ready = ok;
+    }
+  } else if (threadIdx.x < 32) {
     uint32_t ticket = 0;
     if (threadIdx.x == 0) ticket = take_ticket(scratch(p, ticket_word));
     ticket = __shfl_sync(kAllLanes, ticket, 0);

@@ -8,6 +8,7 @@
 # FABRIC_GPU_RECORD_SYSFS=1: also record this machine's sysfs as a topology fixture.
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
+# FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -38,15 +39,36 @@ status=0
 # between GPU processes. Then the RL weight-update figures: the example's per-step table (4 training
 # -> 2 inference processes sharing GPU 0 through cuda_ipc, and over shm with host arenas), and the
 # Kimi-K2 plan with the posting cost of its busiest rank on this machine's cores.
+python_install() {
+  python3 -m pip install --quiet --no-build-isolation -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
+    -C cmake.define.FABRIC_VERBS=OFF -C build-dir=/tmp/pybuild .
+}
 python_steps() {
-  { python3 -m pip install --quiet --no-build-isolation -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 \
-      -C cmake.define.FABRIC_VERBS=OFF -C build-dir=/tmp/pybuild . &&
+  { python_install &&
     python3 -m pytest -s -v tests/gpu/test_python_gpu.py tests/gpu/test_weights_gpu.py; } > "$OUT/python_gpu.txt" 2>&1 || status=1
   grep -E "python-watcher|weights-gpu|passed|failed|error" "$OUT/python_gpu.txt" | tail -6 || true
   { python3 examples/rl_weights/run.py --gpu && python3 examples/rl_weights/run.py --provider shm &&
     $BUILD/bench/fabric-weights-plan && $BUILD/bench/fabric-weights-plan --busy; } > "$OUT/weights.txt" 2>&1 || status=1
   grep -E "^weights |^plan |^ +[0-9]+ " "$OUT/weights.txt" | tail -30 || true
 }
+# MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
+# only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
+# in a CUDA graph; then the benchmark at 128 tokens, hidden 7168, top-8 (both latency definitions).
+moe_steps() {
+  { python_install && python3 -m pytest -s -v tests/gpu/test_moe_gpu.py; } > "$OUT/moe_gpu.txt" 2>&1 || status=1
+  grep -E "moe-gpu|mps|passed|failed|error" "$OUT/moe_gpu.txt" | tail -12 || true
+  for args in "--ranks 2 --node-size 2" "--ranks 4 --node-size 4" "--ranks 4 --node-size 2 --provider shm" \
+              "--ranks 4 --node-size 4 --experts 288"; do
+    # shellcheck disable=SC2086
+    timeout 300 python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 $args
+  done > "$OUT/moe_bench.txt" 2>&1 || status=1
+  grep -E "^moe-bench" "$OUT/moe_bench.txt" || true
+}
+# FABRIC_GPU_MOE_ONLY=1: only the Python package and the MoE steps (a short lease).
+if [ -n "${FABRIC_GPU_MOE_ONLY:-}" ]; then
+  moe_steps
+  exit $status
+fi
 # FABRIC_GPU_WEIGHTS_ONLY=1: only the Python package and the weight-update steps (a short lease).
 if [ -n "${FABRIC_GPU_WEIGHTS_ONLY:-}" ]; then
   python_steps
@@ -103,6 +125,7 @@ for args in "--tokens 4096 --compute-us 1000" "--tokens 16384 --compute-us 9900"
 done > "$OUT/kv.txt" 2>&1 || status=1
 grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
 python_steps
+moe_steps
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 if ! skip cpu; then
   timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
