@@ -695,4 +695,5 @@ NB_MODULE(_fabric_lib, m) {
   bind_gpu_signals(m);
   bind_kv(m);
   bind_weights(m);
+  bind_moe(m);
 }

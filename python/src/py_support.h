@@ -166,5 +166,6 @@ struct EngineBound {
 void bind_kv(nb::module_& m);       // kv_bindings.cpp
 void bind_weights(nb::module_& m);  // weights_bindings.cpp
 void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp
+void bind_moe(nb::module_& m);      // moe_bindings.cpp
 
 }  // namespace fabric::py

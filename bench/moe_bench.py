@@ -1,0 +1,236 @@
+"""MoE dispatch/combine latency (fabric_lib.moe.AllToAll), DeepEP low-latency style: 128 decode
+tokens per rank, hidden 7168, top-8 of 256 (and 288) experts, FP8 dispatch, BF16 combine.
+
+    python3 bench/moe_bench.py [--ranks 4] [--node-size 2] [--device cpu|cuda] [--tokens 128]
+                               [--experts 256,288] [--steps 20] [--provider tcp|shm|<libfabric name>]
+    torchrun --nproc-per-node 8 bench/moe_bench.py --device cuda --node-size 8 ...
+
+Without torchrun's environment (RANK, WORLD_SIZE, ...) it spawns --ranks processes itself. Ranks
+meet in a gloo process group (its store carries the AllToAll's descriptors; its barrier aligns the
+ranks before every step, outside the timed halves). Each step times the four halves (dispatch send,
+dispatch receive, combine send, combine receive) with CUDA events on the current stream (--device
+cuda; ranks of one process spawn share GPU rank % GPUs) or wall time (--device cpu: host kernels on
+the calling thread). x is quantized to FP8 before the timed call (the transport alone; --quantize
+times it inside dispatch), and the experts are not run (combine sends a fixed BF16 buffer).
+
+Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
+the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
+WRITEs posted per step (proxy_stats(), means over ranks). Ends with one line per expert count:
+`moe-bench ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+HALVES = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+CALLS = {"dispatch": ("dispatch_send", "dispatch_recv"), "combine": ("combine_send", "combine_recv")}
+
+
+def _provider(name: str) -> tuple:
+    """(libfabric provider, nics) for --provider."""
+    if name == "tcp":
+        return "tcp;ofi_rxm", ["127.0.0.1"]
+    return name, [""]
+
+
+def _inputs(args, rank: int, experts: int, device):
+    """Random BF16 tokens and routing: top-k distinct experts per token, weights in [0, 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 7919 + experts)
+    x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
+    idx = torch.rand(args.tokens, experts, generator=g).topk(args.topk, dim=1).indices
+    w = torch.rand(args.tokens, args.topk, generator=g)
+    return x.to(device), idx.to(device).contiguous(), w.to(device)
+
+
+class _Clock:
+    """Marks on the current CUDA stream (events) or the host (perf_counter); elapsed in us."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def mark(self):
+        if self.cuda:
+            e = self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def elapsed_us(self, marks: list) -> list:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return [a.elapsed_time(b) * 1e3 for a, b in zip(marks, marks[1:])]
+        return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
+
+
+def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
+    """One AllToAll of `experts` experts: warm-up, then --steps timed steps; this rank's results."""
+    import torch
+    import torch.distributed as dist
+
+    from fabric_lib import moe as M
+
+    a2a = M.AllToAll(engine, rank=rank, world_size=world, node_size=args.node_size, num_experts=experts,
+                     experts_per_token=args.topk, hidden=args.hidden, max_tokens=args.tokens, dispatch_dtype="fp8",
+                     timeout_s=60.0, device=device, job=f"moe-bench-{experts}-{args.job}",
+                     proxy_busy_poll=args.busy_poll)
+    x, idx, w = _inputs(args, rank, experts, device)
+    xs = None
+    if not args.quantize:
+        x, xs = M.quantize_fp8_tokens(x)
+    expert_out = torch.zeros(a2a.local_experts, a2a.rows_per_expert, args.hidden, dtype=torch.bfloat16, device=device)
+    out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    clock = _Clock(device)
+    times = {h: [] for h in HALVES}
+    stats0 = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            stats0 = a2a.proxy_stats()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        marks = [clock.mark()]
+        a2a.dispatch(x, xs, idx, w, do_send=True, do_recv=False)
+        marks.append(clock.mark())
+        a2a.dispatch(do_send=False, do_recv=True)
+        marks.append(clock.mark())
+        a2a.combine(expert_out, do_send=True, do_recv=False)
+        marks.append(clock.mark())
+        a2a.combine(out=out, do_send=False, do_recv=True)
+        marks.append(clock.mark())
+        us = clock.elapsed_us(marks)
+        if step >= args.warmup:
+            for h, t in zip(HALVES, us):
+                times[h].append(t)
+    a2a.check()
+    stats1 = a2a.proxy_stats()
+    a2a.close()
+    return dict(times=times, proxy_cpu_ms=(stats1.cpu_ms - stats0.cpu_ms) / args.steps,
+                writes=(stats1.writes - stats0.writes) / args.steps)
+
+
+def _report(args, world: int, experts: int, per_rank: list, device_name: str) -> None:
+    def per_call(r: dict, name: str) -> list:
+        if name in CALLS:
+            a, b = CALLS[name]
+            return [x + y for x, y in zip(r["times"][a], r["times"][b])]
+        return r["times"][name]
+
+    print(f"\nexperts={experts} ranks={world} node_size={args.node_size} device={device_name} tokens={args.tokens} "
+          f"hidden={args.hidden} top-{args.topk}, FP8 dispatch / BF16 combine, {args.steps} steps")
+    print(f"{'':16s} {'p50 over ranks':>15s} {'max over ranks':>15s} {'mean per call':>14s}   (us)")
+    line = {}
+    for name in ["dispatch", "combine"] + HALVES:
+        medians = sorted(statistics.median(per_call(r, name)) for r in per_rank)
+        mean = statistics.fmean(t for r in per_rank for t in per_call(r, name))
+        p50 = medians[len(medians) // 2]
+        print(f"{name:16s} {p50:15.1f} {medians[-1]:15.1f} {mean:14.1f}")
+        line[name] = (p50, mean)
+    cpu = statistics.fmean(r["proxy_cpu_ms"] for r in per_rank)
+    writes = statistics.fmean(r["writes"] for r in per_rank)
+    print(f"proxy per step: {cpu:.3f} CPU ms, {writes:.1f} WRITEs (means over ranks)")
+    halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
+    print(f"moe-bench ranks={world} node_size={args.node_size} device={device_name} provider={args.provider} "
+          f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
+          f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
+          f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
+          f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f}", flush=True)
+
+
+def worker(rank: int, world: int, local_rank: int, args) -> None:
+    """One rank, in a process whose gloo group is initialized."""
+    import torch
+    import torch.distributed as dist
+
+    import fabric_lib as fl
+
+    if args.mps_share:
+        # Read when the CUDA context is made: ranks sharing a GPU under MPS each get this share of
+        # its SMs (with all of it, a rank's spinning receive kernel starves another's send).
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_share)
+    torch.set_num_threads(1)
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    provider, nics = _provider(args.provider)
+    with fl.TransferEngine(provider=provider, nics=nics) as engine:
+        for experts in args.experts:
+            mine = _run_one(args, rank, world, experts, engine, device)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
+            if rank == 0:
+                _report(args, world, experts, gathered, args.device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    worker(rank, world, rank, args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4, help="processes to spawn (ignored under torchrun)")
+    ap.add_argument("--node-size", type=int, default=2, help="ranks per node (NVLink domain / shared memory)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank and step (max_tokens)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", default="256,288", help="expert counts, comma-separated (one AllToAll each)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--provider", default="tcp", help="tcp (tcp;ofi_rxm on 127.0.0.1), shm, or a libfabric provider")
+    ap.add_argument("--quantize", action="store_true", help="pass BF16 x: time the FP8 quantization inside dispatch")
+    ap.add_argument("--busy-poll", action="store_true", help="proxy threads spin (give each a core)")
+    ap.add_argument("--mps-share", type=int, default=0,
+                    help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")
+    args = ap.parse_args()
+    args.experts = [int(e) for e in args.experts.split(",")]
+    args.job = os.getpid()  # names the AllToAll's store keys and shared memory: one per run
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        import torch.distributed as dist
+
+        args.job = os.environ.get("MASTER_PORT", "torchrun")  # the same on every rank of the run
+
+        dist.init_process_group("gloo")
+        worker(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), args)
+        return 0
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, args.ranks, port, args)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        print(f"ranks {bad} failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""MoE dispatch and combine for decode (include/fabric/moe.h), for torch tensors.
+
+Every rank sends each of its tokens to the ranks holding the token's top-k experts (dispatch),
+runs its experts on what it received, and gathers the expert outputs back, weighted and summed
+per token (combine). Inside a node (node_size ranks sharing an NVLink domain, or a host's shared
+memory) rows go straight into the node-mates' buffers; across nodes a proxy thread per rank posts
+them as RDMA WRITEs over the TransferEngine. Each call splits into a send half and a receive half
+(do_send / do_recv), so a caller can overlap other work between them.
+
+- AllToAll(engine, rank=..., world_size=..., ...): collective construction; the ranks exchange
+  their buffers' descriptors through a torch.distributed Store (a TCPStore, or the default
+  process group's store). Every buffer is allocated once.
+- dispatch(x, x_scales, topk_idx, topk_weights) -> (recv_x, recv_scales, recv_counts, recv_src),
+  tensors that VIEW the AllToAll's output buffers (valid until the next dispatch, and never after
+  close()): expert e's rows come from source ranks in rank order, each source's by token, then by
+  top-k slot; rows past recv_counts[e] are stale.
+- combine(expert_out, out=None) -> out [num_tokens, hidden] BF16: sum over the token's used slots
+  k, in slot order, of topk_weights[t, k] * expert_out[row of (t, k)], accumulated in fp32 with
+  fused multiply-adds and rounded to BF16 once.
+
+device="cpu" runs the halves on the calling thread over host memory (tests, CPU decode);
+device="cuda" enqueues CUDA kernels on torch's current stream, capturable in a CUDA graph (no
+host synchronization, no allocation inside dispatch/combine when `out` is passed and x is already
+in the dispatch dtype).
+
+reference_dispatch / reference_combine compute the same results in plain torch on the CPU from
+every rank's inputs: the oracle the tests check the AllToAll against, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import _fabric_lib as _c
+from ._fabric_lib import (
+    AllToAllConfig,
+    MoeDispatchOutput as DispatchOutput,
+    MoeDtype as Dtype,
+    MoeKernelSide as KernelSide,
+    MoeProxyStats as ProxyStats,
+)
+
+__all__ = ["AllToAll", "AllToAllConfig", "Dtype", "KernelSide", "ProxyStats", "DispatchOutput",
+           "quantize_fp8_tokens", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
+           "reference_combine_rows", "fma_fp32"]
+
+E4M3_MAX = 448.0
+BLOCK = 128  # FP8 dispatch: one fp32 scale per 128 values of a row
+
+_DTYPES = {"fp8": Dtype.FP8, "bf16": Dtype.BF16}
+
+
+# ---- FP8 tokens ----
+
+
+def quantize_fp8_tokens(x: Any) -> tuple:
+    """(e4m3 values [n, h], fp32 scales [n, h / 128]) of BF16 tokens x [n, h], per 128 values of
+    each row: scale = amax / 448 (1 for an all-zero block), value = e4m3(x / scale), rounded to
+    nearest even. The same on CPU and CUDA (capturable: no host synchronization)."""
+    n, h = x.shape
+    if h % BLOCK:
+        raise ValueError(f"hidden {h} is not a multiple of {BLOCK}")
+    xf = x.float().view(n, h // BLOCK, BLOCK)
+    amax = xf.abs().amax(dim=2)
+    # A tensor divisor, not the scalar 448: CUDA divides by a scalar as a multiplication by its
+    # reciprocal, which rounds differently from the CPU's amax / 448 (as in weights.py).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    q = (xf / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
+    return q, scale
+
+
+def dequantize_fp8_tokens(q: Any, scales: Any) -> Any:
+    """fp32 values of e4m3 rows q [..., h] with their scales [..., h / 128]."""
+    shape = q.shape
+    blocks = q.float().view(*shape[:-1], shape[-1] // BLOCK, BLOCK)
+    return (blocks * scales.unsqueeze(-1)).view(shape)
+
+
+# ---- views of memory the AllToAll owns ----
+
+
+class _CudaMemory:
+    """A device allocation as __cuda_array_interface__ bytes, for torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _bytes_at(ptr: int, nbytes: int, device: Any) -> Any:
+    """A uint8 tensor over nbytes at ptr (host memory, or device memory on a CUDA device)."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaMemory(ptr, nbytes), device=device)
+    # torch.frombuffer keeps the ctypes array (which does not own the memory) referenced.
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def _view(ptr: int, dtype: Any, shape: tuple, device: Any) -> Any:
+    n = 1
+    for d in shape:
+        n *= d
+    return _bytes_at(ptr, n * dtype.itemsize, device).view(dtype).view(shape)
+
+
+# ---- the all-gather over a store ----
+
+
+def _store_of(store: Any) -> Any:
+    if store is not None:
+        return store
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("no store given and torch.distributed is not initialized")
+    return dist.distributed_c10d._get_default_store()
+
+
+def _delete(store: Any, key: str) -> None:
+    # Every torch Store of today has delete_key; one that cannot delete only leaves a few keys.
+    try:
+        store.delete_key(key)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        pass
+
+
+class _StoreAllGather:
+    """The AllGather the C++ constructor calls (twice): round r publishes this rank's bytes under
+    f"{job}/a2a/{r}/{rank}" and reads every rank's. Keys go once everyone has read them: a rank
+    publishes round r only after reading round r - 1, so having seen every round-r key, it
+    deletes its own round r - 1 key; finish() counts the ranks done with the last round, and the
+    last of them deletes that round's keys and the counter. The keys name the job only: an
+    AllToAll rebuilt in the same store (after a failure) takes a new job name."""
+
+    def __init__(self, store: Any, job: str, rank: int, world: int, timeout_s: float) -> None:
+        self.store, self.job, self.rank, self.world = store, job, rank, world
+        self.timeout = timedelta(seconds=timeout_s)
+        self.round = 0
+
+    def _key(self, rnd: int, rank: int) -> str:
+        return f"{self.job}/a2a/{rnd}/{rank}"
+
+    def __call__(self, mine: bytes) -> list:
+        rnd = self.round
+        self.round += 1
+        self.store.set(self._key(rnd, self.rank), mine)
+        keys = [self._key(rnd, r) for r in range(self.world)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except Exception as e:  # noqa: BLE001 - a store timeout's type differs between stores
+            missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
+            raise TimeoutError(f"MoE AllToAll job {self.job!r}: ranks {missing} did not publish round {rnd} "
+                               f"within {self.timeout.total_seconds():.0f} s ({e})") from None
+        got = [self.store.get(k) for k in keys]
+        if rnd > 0:
+            _delete(self.store, self._key(rnd - 1, self.rank))
+        return got
+
+    def finish(self) -> None:
+        done = f"{self.job}/a2a/done"
+        if self.store.add(done, 1) == self.world:
+            for r in range(self.world):
+                _delete(self.store, self._key(self.round - 1, r))
+            _delete(self.store, done)
+
+
+# ---- argument checks ----
+
+
+def _check_tensor(name: str, t: Any, dtype: Any, shape: tuple, device: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; this AllToAll runs on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (pass {name}.contiguous())")
+
+
+def _device_of(device: Any) -> Any:
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
+    if d.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or a CUDA device, got {d}")
+    return d
+
+
+class AllToAll:
+    """MoE dispatch/combine of one rank. Construction is collective: every rank of the job builds
+    its AllToAll at once (they meet in `store`, under keys named by `job`; the job also names the
+    node's shared memory, so it must be unique per job on a host).
+
+    rank, world_size: this rank and the ranks of the job; node_size: ranks per node (1-8,
+    dividing world_size; rank r is on node r // node_size). num_experts (a multiple of
+    world_size; expert e lives on rank e // (num_experts // world_size)), experts_per_token (top-k,
+    1-8), hidden (a multiple of 128), max_tokens (per rank and call). dispatch_dtype "fp8" (e4m3
+    with fp32 scales per 128 values; BF16 input is quantized by quantize_fp8_tokens first) or
+    "bf16". private_rows: rows per remote peer sent before the routing counts are known.
+    timeout_s: a receive half waiting longer fails, naming the ranks whose rows are missing (a
+    dead or stalled peer); the AllToAll is then failed and every later call raises (build a new
+    one under a new job name). init_timeout_s: how long construction waits for the other ranks.
+    device: "cpu" (host kernels) or a CUDA device (CUDA kernels on torch's current stream).
+    """
+
+    def __init__(self, engine: Any, *, rank: int, world_size: int, node_size: int, num_experts: int,
+                 experts_per_token: int, hidden: int, max_tokens: int, dispatch_dtype: str = "fp8",
+                 private_rows: int = 32, timeout_s: float = 10.0, device: Any = "cpu", store: Any = None,
+                 job: str = "moe", proxy_busy_poll: bool = False, init_timeout_s: float = 300.0) -> None:
+        if dispatch_dtype not in _DTYPES:
+            raise ValueError(f"dispatch_dtype must be 'fp8' or 'bf16', got {dispatch_dtype!r}")
+        self.device = _device_of(device)
+        cuda = self.device.type == "cuda"
+        self.rank, self.world_size, self.node_size = rank, world_size, node_size
+        self.num_experts, self.topk, self.hidden, self.max_tokens = num_experts, experts_per_token, hidden, max_tokens
+        self.dispatch_dtype = dispatch_dtype
+        self.x_dtype = torch.float8_e4m3fn if dispatch_dtype == "fp8" else torch.bfloat16
+        cfg = AllToAllConfig(rank=rank, ranks=world_size, node_size=node_size, experts=num_experts,
+                             topk=experts_per_token, hidden=hidden, max_tokens=max_tokens,
+                             dispatch_dtype=_DTYPES[dispatch_dtype], private_rows=private_rows,
+                             timeout_s=timeout_s, side=KernelSide.CUDA if cuda else KernelSide.HOST,
+                             cuda_device=self.device.index if cuda else 0, job=job,
+                             proxy_busy_poll=proxy_busy_poll)
+        gather = _StoreAllGather(_store_of(store), job, rank, world_size, init_timeout_s)
+        # The C++ side allocates on the current CUDA device.
+        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+            self._a2a = _c.AllToAll(engine, cfg, gather)
+        gather.finish()
+        self._tokens: Optional[int] = None  # of the last dispatch send
+        self._views = self._make_views()
+
+    # ---- the output buffers ----
+
+    def _make_views(self) -> tuple:
+        """recv_x, recv_scales (FP8; None for BF16), recv_counts, recv_src: fixed addresses."""
+        o = self._a2a.output()
+        L, M, H = o.local_experts, o.rows_per_expert, self.hidden
+        x = _view(o.x, self.x_dtype, (L, M, H), self.device)
+        scales = _view(o.scales, torch.float32, (L, M, H // BLOCK), self.device) if o.scales else None
+        counts = _view(o.counts, torch.int32, (L,), self.device)
+        src = _view(o.src, torch.int32, (L, M), self.device)
+        return x, scales, counts, src
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def rows_per_expert(self) -> int:
+        return self.world_size * self.max_tokens
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+
+    def _live(self) -> None:
+        if self._views is None:
+            raise RuntimeError("this AllToAll is closed")
+
+    # ---- dispatch ----
+
+    def _dispatch_inputs(self, x: Any, x_scales: Any, topk_idx: Any, topk_weights: Any) -> tuple:
+        """Checks the inputs (before anything reaches C++, so refused input changes nothing) and
+        quantizes BF16 tokens for an FP8 dispatch."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"x must be [num_tokens, hidden {self.hidden}], got shape {list(x.shape)}")
+        n = x.shape[0]
+        if n > self.max_tokens:
+            raise ValueError(f"x holds {n} tokens, more than max_tokens {self.max_tokens}")
+        fp8 = self.dispatch_dtype == "fp8"
+        if fp8 and x.dtype == torch.bfloat16:
+            if x_scales is not None:
+                raise ValueError("x_scales is given with BF16 x: pass BF16 x alone (it is quantized here) "
+                                 "or float8_e4m3fn x with its scales")
+            _check_tensor("x", x, torch.bfloat16, (n, self.hidden), self.device)
+            x, x_scales = quantize_fp8_tokens(x)
+        elif fp8:
+            if x.dtype != torch.float8_e4m3fn:
+                raise TypeError(f"x must be torch.bfloat16 or torch.float8_e4m3fn (dispatch_dtype 'fp8'), got {x.dtype}")
+            _check_tensor("x", x, torch.float8_e4m3fn, (n, self.hidden), self.device)
+            if x_scales is None:
+                raise ValueError("float8_e4m3fn x needs x_scales [num_tokens, hidden / 128] float32")
+            _check_tensor("x_scales", x_scales, torch.float32, (n, self.hidden // BLOCK), self.device)
+        else:
+            _check_tensor("x", x, torch.bfloat16, (n, self.hidden), self.device)
+            if x_scales is not None:
+                raise ValueError("x_scales is only for dispatch_dtype 'fp8'")
+        _check_tensor("topk_idx", topk_idx, torch.int64, (n, self.topk), self.device)
+        _check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk), self.device)
+        return x, x_scales, topk_idx, topk_weights
+
+    def dispatch(self, x: Any = None, x_scales: Any = None, topk_idx: Any = None, topk_weights: Any = None,
+                 do_send: bool = True, do_recv: bool = True) -> Optional[tuple]:
+        """Sends this rank's tokens (do_send) and/or waits for every rank's rows to this rank's
+        experts (do_recv). x [num_tokens, hidden]: BF16 (quantized here for an FP8 dispatch) or
+        float8_e4m3fn with x_scales [num_tokens, hidden / 128] float32; topk_idx [num_tokens, top-k]
+        int64 (-1: slot unused; an expert at most once per token), topk_weights [num_tokens, top-k]
+        float32 (kept for combine). The inputs are only read by the send half (a receive-only call
+        takes none). Returns, after a receive, (recv_x [local_experts, rows_per_expert, hidden],
+        recv_scales [local_experts, rows_per_expert, hidden / 128] float32 or None for BF16,
+        recv_counts [local_experts] int32, recv_src [local_experts, rows_per_expert] int32:
+        source rank * max_tokens + source token), views of this AllToAll's buffers.
+
+        Host kernels raise FabricError for an expert out of range or repeated within a token (before
+        sending anything) and for a timeout; CUDA kernels report those through check()."""
+        self._live()
+        n, ptrs = 0, (0, 0, 0, 0)
+        if do_send:
+            x, x_scales, topk_idx, topk_weights = self._dispatch_inputs(x, x_scales, topk_idx, topk_weights)
+            n = x.shape[0]
+            ptrs = (x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0, topk_idx.data_ptr(),
+                    topk_weights.data_ptr())
+        self._a2a.dispatch(n, *ptrs, self._stream(), do_send, do_recv)
+        if do_send:
+            self._tokens = n
+        return self._views if do_recv else None
+
+    # ---- combine ----
+
+    def combine(self, expert_out: Any = None, out: Any = None, do_send: bool = True,
+                do_recv: bool = True) -> Any:
+        """Sends this rank's expert outputs back (do_send: expert_out [local_experts,
+        rows_per_expert, hidden] BF16, rows as dispatch placed them; rows past recv_counts are
+        ignored) and/or sums the ones of this rank's tokens (do_recv) into out [num_tokens of the
+        last dispatch, hidden] BF16, allocated when None. For a CUDA graph pass `out` (a tensor
+        allocated before capture), so the replayed graph writes where the caller reads."""
+        self._live()
+        eo = 0
+        if do_send:
+            _check_tensor("expert_out", expert_out, torch.bfloat16,
+                          (self.local_experts, self.rows_per_expert, self.hidden), self.device)
+            eo = expert_out.data_ptr()
+        n = self._tokens or 0
+        if do_recv:
+            if out is None:
+                out = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=self.device)
+            else:
+                _check_tensor("out", out, torch.bfloat16, (n, self.hidden), self.device)
+        self._a2a.combine(eo, out.data_ptr() if do_recv else 0, self._stream(), do_send, do_recv)
+        return out if do_recv else None
+
+    # ---- the rest of the C++ API ----
+
+    def output(self) -> DispatchOutput:
+        """The raw addresses and shape of the dispatch output (dispatch returns them as tensors)."""
+        self._live()
+        return self._a2a.output()
+
+    def check(self) -> None:
+        """Raises FabricError for the first failure seen (a proxy's transfer, a CUDA kernel's
+        timed-out wait or bad expert index)."""
+        self._live()
+        self._a2a.check()
+
+    def proxy_stats(self) -> ProxyStats:
+        """Steps, writes posted, bytes and CPU ms of this rank's proxy (zeros with one node)."""
+        self._live()
+        return self._a2a.proxy_stats()
+
+    @property
+    def config(self) -> AllToAllConfig:
+        return self._a2a.config
+
+    def close(self) -> None:
+        """Frees every buffer (the tensors dispatch returned must not be used after) and stops the
+        proxy. The engine's close() closes it too."""
+        self._views = None
+        self._a2a.close()
+
+    def __enter__(self) -> "AllToAll":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- the CPU oracle ----
+
+
+def fma_fp32(w: Any, x: Any, acc: Any) -> Any:
+    """fma(w, x, acc) in fp32, elementwise: w * x + acc rounded once to fp32 (to nearest even), as
+    C++ std::fma and CUDA fmaf compute it; torch on the CPU does not fuse. The product of two fp32
+    values is exact in float64, but the float64 sum rounds once more than fma, and rounding it to
+    fp32 can then land on a tie the exact value was not on (double rounding: about 4 in 1000
+    adversarial cases, none in random ones). TwoSum gives the float64 sum's exact error, which
+    breaks such ties the way the exact value does."""
+    p = w.double() * x.double()
+    a = acc.double()
+    s = p + a
+    bb = s - p
+    err = (p - (s - bb)) + (a - bb)  # s + err == p + a exactly
+    r = s.float()
+    d = s - r.double()  # exact: r is s's nearest fp32
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    down = torch.nextafter(r, torch.full_like(r, float("-inf")))
+    # s halfway between r and a neighbour, the exact value past it: the neighbour is the fma.
+    to_up = (d == (up.double() - r.double()) / 2) & (err > 0)
+    to_down = (d == (down.double() - r.double()) / 2) & (err < 0)
+    return torch.where(to_up, up, torch.where(to_down, down, r))
+
+
+def _placements(topk_idxs: Sequence[Any], num_experts: int) -> list:
+    """For every source rank s: [n_s, top-k] int64, the row of each (token, slot) among its
+    expert's rows in the dispatch output (-1 for an unused slot): expert e's rows come from the
+    sources in rank order, each source's by token (an expert appears once per token)."""
+    before = torch.zeros(num_experts, dtype=torch.int64)  # rows of each expert from lower ranks
+    out = []
+    for idx in topk_idxs:
+        idx = idx.cpu().long()
+        used = idx >= 0
+        onehot = torch.zeros(idx.shape[0], num_experts, dtype=torch.int64)
+        onehot.scatter_add_(1, idx.clamp(min=0), used.long())
+        rank_in = torch.cumsum(onehot, 0) - onehot  # tokens before t naming each expert
+        row = before[idx.clamp(min=0)] + rank_in.gather(1, idx.clamp(min=0))
+        out.append(torch.where(used, row, torch.full_like(row, -1)))
+        before += onehot.sum(0)
+    return out
+
+
+def reference_dispatch(inputs: Sequence[tuple], *, num_experts: int, max_tokens: int,
+                       rank: Optional[int] = None) -> Any:
+    """What every rank's dispatch returns, from every rank's inputs: inputs[s] = (x, x_scales,
+    topk_idx, topk_weights) of rank s, x already in the dispatch dtype (float8_e4m3fn with its
+    scales, or BF16 with x_scales None). Returns per rank (or for `rank` only) (recv_x, recv_scales,
+    recv_counts, recv_src) as dispatch's shapes; rows past recv_counts[e] are zero (src -1)."""
+    world = len(inputs)
+    L, M = num_experts // world, world * max_tokens
+    x0, s0 = inputs[0][0], inputs[0][1]
+    hidden = x0.shape[1]
+    rows = _placements([inp[2] for inp in inputs], num_experts)
+
+    def one(d: int) -> tuple:
+        # Rows are moved as bytes: index_put has no float8 kernels.
+        x = torch.zeros(L, M, hidden * x0.element_size(), dtype=torch.uint8)
+        scales = torch.zeros(L, M, hidden // BLOCK, dtype=torch.float32) if s0 is not None else None
+        counts = torch.zeros(L, dtype=torch.int32)
+        src = torch.full((L, M), -1, dtype=torch.int32)
+        for s, (xs, ss, idx, _) in enumerate(inputs):
+            idx = idx.cpu()
+            for el in range(L):
+                t, k = torch.nonzero(idx == d * L + el, as_tuple=True)
+                if t.numel() == 0:
+                    continue
+                r = rows[s][t, k]
+                x[el, r] = xs.cpu().view(torch.uint8)[t]
+                if scales is not None:
+                    scales[el, r] = ss.cpu()[t]
+                src[el, r] = (s * max_tokens + t).int()
+                counts[el] += t.numel()
+        return x.view(x0.dtype), scales, counts, src
+
+    return one(rank) if rank is not None else [one(d) for d in range(world)]
+
+
+def reference_combine_rows(topk_idx: Any, topk_weights: Any, rows: Any) -> Any:
+    """The combine of one rank's tokens from the expert outputs of each (token, slot): rows
+    [n, top-k, hidden] BF16 (unused slots ignored). Sums w * row over the used slots in slot order
+    with fp32 fused multiply-adds (fma_fp32), rounds to BF16 once (nearest even); [n, hidden] BF16."""
+    n, k, h = rows.shape
+    acc = torch.zeros(n, h, dtype=torch.float32)
+    idx, w, y = topk_idx.cpu(), topk_weights.cpu(), rows.cpu().float()
+    for j in range(k):
+        used = (idx[:, j] >= 0).unsqueeze(1)
+        acc = torch.where(used, fma_fp32(w[:, j:j + 1].expand(n, h), y[:, j], acc), acc)
+    return acc.to(torch.bfloat16)
+
+
+def reference_combine(inputs: Sequence[tuple], expert_outs: Sequence[Any], rank: int, *, num_experts: int) -> Any:
+    """What rank `rank`'s combine returns: inputs as for reference_dispatch (topk_idx and
+    topk_weights are used), expert_outs[d] rank d's expert output [local_experts, rows_per_expert,
+    hidden] BF16 in the dispatch layout. [num_tokens of rank, hidden] BF16."""
+    world = len(inputs)
+    L = num_experts // world
+    idx, w = inputs[rank][2].cpu(), inputs[rank][3].cpu()
+    row = _placements([inp[2] for inp in inputs], num_experts)[rank]
+    n, k = idx.shape
+    hidden = expert_outs[0].shape[2]
+    rows = torch.zeros(n, k, hidden, dtype=torch.bfloat16)
+    for t, j in torch.nonzero(idx >= 0).tolist():
+        e = int(idx[t, j])
+        rows[t, j] = expert_outs[e // L][e % L, int(row[t, j])].cpu()
+    return reference_combine_rows(idx, w, rows)

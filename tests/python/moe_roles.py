@@ -1,0 +1,336 @@
+"""MoE ranks as processes, for tests/python/test_moe.py and examples/moe/run.py: each rank builds
+its AllToAll (host kernels) over a TCPStore, runs decode steps of made-up tokens and routing, and
+checks each step against the oracle (fabric_lib.moe.reference_*). Every rank knows every rank's
+inputs (a function of (seed, rank, step)), so each checks its own outputs alone. Results go back
+over the rank's pipe: ("ok", step, times) / ("failed", step, message, seconds) / "bye", or a
+string starting "error" with the traceback."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import numpy as np
+import torch
+
+import fabric_lib as fl
+from fabric_lib import moe as M
+
+
+def make_input(cfg: dict, rank: int, step: int) -> tuple:
+    """(x [n, hidden] BF16, topk_idx [n, k] int64, topk_weights [n, k] float32) of `rank` at
+    `step`: rank 0 sends max_tokens tokens, rank 1 none on odd steps, the others 0 to max_tokens;
+    about 1 slot in 8 is masked (-1) and a third of the picks go to the hot experts 0 and 1."""
+    T, E, K, H = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
+    rng = np.random.default_rng([cfg.get("seed", 7), rank, step])
+    n = T if rank == 0 else 0 if (rank == 1 and step % 2 == 1) else int(rng.integers(0, T + 1))
+    idx = np.full((n, K), -1, dtype=np.int64)
+    for t in range(n):
+        for k in range(K):
+            if rng.integers(0, 8) == 0:
+                continue  # masked slot
+            while True:
+                e = int(rng.integers(0, 2)) if rng.integers(0, 3) == 0 else int(rng.integers(0, E))
+                if e not in idx[t, :k]:
+                    idx[t, k] = e
+                    break
+    g = torch.Generator().manual_seed(int(rng.integers(0, 2**62)))
+    x = (torch.randn(n, H, generator=g) * 2).to(torch.bfloat16)
+    if n > 1:
+        x[1] = 0  # an all-zero token: FP8 scale 1
+    w = torch.rand(n, K, generator=g, dtype=torch.float32)
+    return x, torch.from_numpy(idx), w
+
+
+def expert_fn(xf: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The toy expert: elementwise in the token's values (so the oracle, computing it one token at a
+    time, gets the same bits as the rank computing it over its received rows) and different per
+    expert (so a row combined from the wrong place shows). xf [n, h] fp32, experts [n] -> BF16."""
+    e = experts.float().unsqueeze(1)
+    return (xf * (0.5 + e / 16) + (e * 0.25 - 1)).to(torch.bfloat16)
+
+
+def dispatch_form(cfg: dict, x: torch.Tensor) -> tuple:
+    """x as the dispatch output holds it: (values, scales or None)."""
+    if cfg["dtype"] == "fp8":
+        return M.quantize_fp8_tokens(x)
+    return x, None
+
+
+def values_of(cfg: dict, xd: torch.Tensor, scales) -> torch.Tensor:
+    """fp32 values of dispatched rows (dequantized for FP8)."""
+    return M.dequantize_fp8_tokens(xd, scales) if cfg["dtype"] == "fp8" else xd.float()
+
+
+def engine_of(cfg: dict) -> fl.TransferEngine:
+    provider = cfg["provider"]
+    return fl.TransferEngine(provider=provider, nics=[""] if provider == "shm" else ["127.0.0.1"],
+                             transfer_timeout_s=cfg.get("transfer_timeout_s", 30.0))
+
+
+def build(cfg: dict, engine, rank: int) -> M.AllToAll:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
+    return M.AllToAll(engine, rank=rank, world_size=cfg["ranks"], node_size=cfg["node_size"],
+                      num_experts=cfg["experts"], experts_per_token=cfg["topk"], hidden=cfg["hidden"],
+                      max_tokens=cfg["max_tokens"], dispatch_dtype=cfg["dtype"],
+                      private_rows=cfg.get("private_rows", 32), timeout_s=cfg.get("timeout_s", 60.0),
+                      store=store, job=cfg["job"])
+
+
+class Rank:
+    """One rank's AllToAll with its expert buffer and the per-step checks."""
+
+    def __init__(self, cfg: dict, a2a: M.AllToAll, rank: int) -> None:
+        self.cfg, self.a2a, self.rank = cfg, a2a, rank
+        self.L, self.M = a2a.local_experts, a2a.rows_per_expert
+        self.expert_out = torch.zeros(self.L, self.M, cfg["hidden"], dtype=torch.bfloat16)
+
+    def step(self, step: int, inputs: list, split: bool, prequantized: bool, probe=None) -> tuple:
+        """Runs dispatch, the experts and combine; returns (recv tuple, out, dispatch s, combine s).
+        probe(): called between the experts and combine."""
+        x, idx, w = inputs[self.rank]
+        xs = None
+        if prequantized and self.cfg["dtype"] == "fp8":
+            x, xs = M.quantize_fp8_tokens(x)
+        t0 = time.perf_counter()
+        if split:
+            self.a2a.dispatch(x, xs, idx, w, do_send=True, do_recv=False)
+            recv = self.a2a.dispatch(do_send=False, do_recv=True)
+        else:
+            recv = self.a2a.dispatch(x, xs, idx, w)
+        t1 = time.perf_counter()
+        self.run_experts(recv)
+        if probe:
+            probe()
+        t2 = time.perf_counter()
+        if split:
+            self.a2a.combine(self.expert_out, do_send=True, do_recv=False)
+            out = self.a2a.combine(do_send=False, do_recv=True)
+        else:
+            out = self.a2a.combine(self.expert_out)
+        t3 = time.perf_counter()
+        return recv, out, t1 - t0, t3 - t2
+
+    def run_experts(self, recv: tuple) -> None:
+        rx, rs, counts, _ = recv
+        for el in range(self.L):
+            c = int(counts[el])
+            if c:
+                xf = values_of(self.cfg, rx[el, :c], rs[el, :c] if rs is not None else None)
+                e = torch.full((c,), self.rank * self.L + el, dtype=torch.int64)
+                self.expert_out[el, :c] = expert_fn(xf, e)
+
+    def check(self, step: int, inputs: list, recv: tuple, out: torch.Tensor, full: bool) -> list:
+        """What differs from the oracle (empty: nothing)."""
+        cfg, r, L = self.cfg, self.rank, self.L
+        T, E = cfg["max_tokens"], cfg["experts"]
+        bad = []
+        rx, rs, counts, src = recv
+        forms = [dispatch_form(cfg, x) for x, _, _ in inputs]
+        # Counts: the bincount of every rank's routing over this rank's experts.
+        every = torch.cat([idx.flatten() for _, idx, _ in inputs])
+        want_counts = torch.bincount(every[every >= 0], minlength=E)[r * L:(r + 1) * L].int()
+        if not torch.equal(counts, want_counts):
+            bad.append(f"step {step}: counts {counts.tolist()} != bincount {want_counts.tolist()}")
+            return bad
+        # Every received row is its source token (named by recv_src), with its scales.
+        rows_all = torch.zeros(len(inputs), T, rx.shape[2] * rx.element_size(), dtype=torch.uint8)
+        for s, (xd, _) in enumerate(forms):
+            rows_all[s, :xd.shape[0]] = xd.view(torch.uint8)
+        for el in range(L):
+            c = int(counts[el])
+            s_of, t_of = (src[el, :c] // T).long(), (src[el, :c] % T).long()
+            if not torch.equal(rx[el, :c].view(torch.uint8), rows_all[s_of, t_of]):
+                bad.append(f"step {step} expert {r * L + el}: a received row differs from its source token")
+            if rs is not None:
+                want_s = torch.stack([forms[s][1][t] for s, t in zip(s_of.tolist(), t_of.tolist())]) if c else rs[el, :0]
+                if not torch.equal(rs[el, :c], want_s):
+                    bad.append(f"step {step} expert {r * L + el}: scales differ")
+        # The order (and everything else) against reference_dispatch.
+        ref = M.reference_dispatch([(xd, xs, idx, w) for (xd, xs), (_, idx, w) in zip(forms, inputs)],
+                                   num_experts=E, max_tokens=T, rank=r)
+        for el in range(L):
+            c = int(counts[el])
+            if not (torch.equal(rx[el, :c].view(torch.uint8), ref[0][el, :c].view(torch.uint8))
+                    and torch.equal(src[el, :c], ref[3][el, :c])
+                    and (rs is None or torch.equal(rs[el, :c], ref[1][el, :c]))):
+                bad.append(f"step {step} expert {r * L + el}: rows differ from reference_dispatch")
+        # Combine: the weighted sum of the expert of each slot applied to the token.
+        x, idx, w = inputs[r]
+        xf = values_of(cfg, *forms[r])
+        rows = torch.stack([expert_fn(xf, idx[:, k].clamp(min=0)) for k in range(cfg["topk"])], 1) \
+            if x.shape[0] else torch.zeros(0, cfg["topk"], cfg["hidden"], dtype=torch.bfloat16)
+        want = M.reference_combine_rows(idx, w, rows)
+        if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+            n_bad = int((out.view(torch.int16) != want.view(torch.int16)).sum())
+            bad.append(f"step {step}: combine differs from the oracle in {n_bad} values")
+        if full:
+            bad += self.check_generic_oracle(step, inputs, forms, out)
+        return bad
+
+    def check_generic_oracle(self, step: int, inputs: list, forms: list, out: torch.Tensor) -> list:
+        """reference_combine from every rank's reference expert outputs (the DeepEP-style oracle)."""
+        cfg, E = self.cfg, self.cfg["experts"]
+        ins = [(xd, xs, idx, w) for (xd, xs), (_, idx, w) in zip(forms, inputs)]
+        outs = []
+        for d, (rx, rs, counts, _) in enumerate(M.reference_dispatch(ins, num_experts=E, max_tokens=cfg["max_tokens"])):
+            y = torch.zeros(self.L, self.M, cfg["hidden"], dtype=torch.bfloat16)
+            for el in range(self.L):
+                c = int(counts[el])
+                if c:
+                    y[el, :c] = expert_fn(values_of(cfg, rx[el, :c], rs[el, :c] if rs is not None else None),
+                                          torch.full((c,), d * self.L + el, dtype=torch.int64))
+            outs.append(y)
+        want = M.reference_combine(ins, outs, self.rank, num_experts=E)
+        return [] if torch.equal(out.view(torch.int16), want.view(torch.int16)) else \
+            [f"step {step}: combine differs from reference_combine"]
+
+
+def snapshot(recv: tuple, out: torch.Tensor) -> tuple:
+    """The meaningful part of a step's results (rows up to the counts), copied."""
+    rx, rs, counts, src = recv
+    rows = [rx[el, :int(c)].view(torch.uint8).clone() for el, c in enumerate(counts.tolist())]
+    scales = [rs[el, :int(c)].clone() for el, c in enumerate(counts.tolist())] if rs is not None else []
+    return counts.clone(), rows, scales, src.clone(), out.clone()
+
+
+def same(a: tuple, b: tuple) -> bool:
+    ca, ra, sa, srca, oa = a
+    cb, rb, sb, srcb, ob = b
+    if not torch.equal(ca, cb) or not torch.equal(oa.view(torch.int16), ob.view(torch.int16)):
+        return False
+    for el, c in enumerate(ca.tolist()):
+        if not torch.equal(srca[el, :c], srcb[el, :c]):
+            return False
+    return all(torch.equal(x, y) for x, y in zip(ra + sa, rb + sb))
+
+
+def bad_inputs(cfg: dict, a2a: M.AllToAll) -> list:
+    """Input the AllToAll must refuse, each with the error it must raise; returns the failures."""
+    H, K, T, E = cfg["hidden"], cfg["topk"], cfg["max_tokens"], cfg["experts"]
+    n = 2
+    x = torch.zeros(n, H, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1][:K] + [-1] * (K - 2)] * n, dtype=torch.int64)
+    w = torch.ones(n, K)
+    out_of_range = idx.clone()
+    out_of_range[1, 0] = E
+    twice = idx.clone()
+    twice[0, 1] = 0
+    cases = [
+        ("x float32", TypeError, "x must be", lambda: a2a.dispatch(x.float(), None, idx, w)),
+        ("x wrong hidden", ValueError, "shape", lambda: a2a.dispatch(x[:, :H // 2], None, idx, w)),
+        ("x one-dimensional", ValueError, "x must be", lambda: a2a.dispatch(x[0], None, idx, w)),
+        ("too many tokens", ValueError, "more than max_tokens",
+         lambda: a2a.dispatch(torch.zeros(T + 1, H, dtype=torch.bfloat16), None,
+                              torch.zeros(T + 1, K, dtype=torch.int64), torch.ones(T + 1, K))),
+        ("x not contiguous", ValueError, "contiguous",
+         lambda: a2a.dispatch(torch.zeros(H, n, dtype=torch.bfloat16).t(), None, idx, w)),
+        ("topk_idx int32", TypeError, "topk_idx must be torch.int64", lambda: a2a.dispatch(x, None, idx.int(), w)),
+        ("topk_idx wrong k", ValueError, "topk_idx must have shape", lambda: a2a.dispatch(x, None, idx[:, :1], w)),
+        ("topk_weights float64", TypeError, "topk_weights must be torch.float32",
+         lambda: a2a.dispatch(x, None, idx, w.double())),
+        ("topk_weights missing", TypeError, "topk_weights must be a torch.Tensor", lambda: a2a.dispatch(x, None, idx, None)),
+        ("expert out of range", fl.FabricError, f"= {E}, not below experts {E}",
+         lambda: a2a.dispatch(x, None, out_of_range, w)),
+        ("expert twice", fl.FabricError, "names expert 0 in slots 0 and 1", lambda: a2a.dispatch(x, None, twice, w)),
+        ("combine before dispatch", fl.FabricError, "out of order",
+         lambda: a2a.combine(torch.zeros(a2a.local_experts, a2a.rows_per_expert, H, dtype=torch.bfloat16))),
+    ]
+    if cfg["dtype"] == "fp8":
+        q, s = M.quantize_fp8_tokens(x)
+        cases += [
+            ("fp8 x without scales", ValueError, "needs x_scales", lambda: a2a.dispatch(q, None, idx, w)),
+            ("bf16 x with scales", ValueError, "x_scales is given", lambda: a2a.dispatch(x, s, idx, w)),
+            ("scales wrong shape", ValueError, "x_scales must have shape", lambda: a2a.dispatch(q, s[:, :1], idx, w)),
+        ]
+    else:
+        cases.append(("fp8 x for bf16", TypeError, "x must be torch.bfloat16",
+                      lambda: a2a.dispatch(x.to(torch.float8_e4m3fn), None, idx, w)))
+    return [f for f in (_expect(*c) for c in cases) if f]
+
+
+def bad_combines(cfg: dict, a2a: M.AllToAll, n: int) -> list:
+    """Right after a dispatch of n tokens: combine input the AllToAll must refuse."""
+    L, Mr, H = a2a.local_experts, a2a.rows_per_expert, cfg["hidden"]
+    eo = torch.zeros(L, Mr, H, dtype=torch.bfloat16)
+    cases = [
+        ("expert_out float32", TypeError, "expert_out must be torch.bfloat16", lambda: a2a.combine(eo.float())),
+        ("expert_out wrong shape", ValueError, "expert_out must have shape", lambda: a2a.combine(eo[:, :1])),
+        ("out wrong shape", ValueError, "out must have shape",
+         lambda: a2a.combine(eo, torch.zeros(n + 1, H, dtype=torch.bfloat16))),
+    ]
+    return [f for f in (_expect(*c) for c in cases) if f]
+
+
+def _expect(what: str, kind: type, text: str, call) -> str:
+    try:
+        call()
+    except kind as e:
+        return "" if text in str(e) else f"{what}: {kind.__name__} without {text!r}: {e}"
+    except Exception as e:  # noqa: BLE001 - the wrong error is the failure reported
+        return f"{what}: {type(e).__name__} instead of {kind.__name__}: {e}"
+    return f"{what}: accepted"
+
+
+def rank_main(conn, cfg: dict) -> None:
+    """One rank: cfg has port, job, provider, ranks, node_size, experts, topk, hidden, max_tokens,
+    dtype, steps, and optionally repeat (steps of one same input after the others), kill_step
+    (this rank exits after its dispatch send of that step), bad_inputs, full_oracle_steps."""
+    try:
+        torch.set_num_threads(1)
+        rank = cfg["rank"]
+        with engine_of(cfg) as engine:
+            a2a = build(cfg, engine, rank)
+            me = Rank(cfg, a2a, rank)
+            conn.send("ready")
+            if cfg.get("bad_inputs"):
+                conn.send(("bad_inputs", bad_inputs(cfg, a2a)))
+            run_steps(conn, cfg, me)
+            a2a.close()
+        conn.send("bye")
+    except Exception:  # noqa: BLE001 - the failure goes back to the test
+        conn.send("error " + traceback.format_exc())
+
+
+def run_steps(conn, cfg: dict, me: Rank) -> None:
+    steps = list(range(1, cfg["steps"] + 1))
+    repeat_at = cfg.get("repeat", 0)
+    first = None
+    for i, step in enumerate(steps + [10_000] * repeat_at):
+        repeated = i >= len(steps)
+        inputs = [make_input(cfg, s, step) for s in range(cfg["ranks"])]
+        if step == cfg.get("kill_step") and me.rank == cfg.get("kill_rank"):
+            x, idx, w = inputs[me.rank]
+            me.a2a.dispatch(x, None, idx, w, do_send=True, do_recv=False)
+            os._exit(17)  # mid-step: its rows sent, nothing more
+        t0 = time.monotonic()
+        try:
+            probe = None
+            if cfg.get("bad_inputs") and step == 1:
+                def probe():
+                    conn.send(("bad_combines", bad_combines(cfg, me.a2a, inputs[me.rank][0].shape[0])))
+            recv, out, d_s, c_s = me.step(step, inputs, split=step % 2 == 0, prequantized=step % 3 == 0,
+                                          probe=probe)
+        except fl.FabricError as e:
+            conn.send(("failed", step, str(e), time.monotonic() - t0, _refusal(me.a2a)))
+            return
+        if repeated:
+            snap = snapshot(recv, out)
+            first = first or snap
+            conn.send(("repeat", step, same(first, snap)))
+            continue
+        bad = [] if cfg.get("light") else me.check(step, inputs, recv, out, step in cfg.get("full_oracle_steps", ()))
+        stats = me.a2a.proxy_stats()
+        conn.send(("ok", step, dict(dispatch_s=d_s, combine_s=c_s, bad=bad, writes=stats.writes)))
+
+
+def _refusal(a2a: M.AllToAll) -> str:
+    """What a call on an AllToAll that failed raises (it must refuse every later call)."""
+    try:
+        a2a.dispatch(do_send=False, do_recv=True)
+    except fl.FabricError as e:
+        return str(e)
+    return "accepted"
