@@ -44,6 +44,7 @@ from ._fabric_lib import (
     MoeKernelSide as KernelSide,
     MoeProxyStats as ProxyStats,
 )
+from ._stores import store_of
 
 __all__ = ["AllToAll", "AllToAllConfig", "Dtype", "KernelSide", "ProxyStats", "DispatchOutput",
            "quantize_fp8_tokens", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
@@ -108,16 +109,6 @@ def _view(ptr: int, dtype: Any, shape: tuple, device: Any) -> Any:
 
 
 # ---- the all-gather over a store ----
-
-
-def _store_of(store: Any) -> Any:
-    if store is not None:
-        return store
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise ValueError("no store given and torch.distributed is not initialized")
-    return dist.distributed_c10d._get_default_store()
 
 
 def _delete(store: Any, key: str) -> None:
@@ -228,7 +219,7 @@ class AllToAll:
                              timeout_s=timeout_s, side=KernelSide.CUDA if cuda else KernelSide.HOST,
                              cuda_device=self.device.index if cuda else 0, job=job,
                              proxy_busy_poll=proxy_busy_poll)
-        gather = _StoreAllGather(_store_of(store), job, rank, world_size, init_timeout_s)
+        gather = _StoreAllGather(store_of(store), job, rank, world_size, init_timeout_s)
         # The C++ side allocates on the current CUDA device.
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             self._a2a = _c.AllToAll(engine, cfg, gather)

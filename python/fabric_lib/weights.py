@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 
 from . import _fabric_lib as _c
 from ._fabric_lib import Box, Manifest, Placement, TensorSpec, UpdatePlan, UnitWork
+from ._stores import store_of
 
 __all__ = ["Param", "Piece", "Trainer", "Inference", "fsdp_rows", "even_split", "quantize_fp8_blocks",
            "UpdatePlan", "UnitWork"]
@@ -116,16 +117,6 @@ def _align(x: int) -> int:
     return (x + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _store_of(store: Any) -> Any:
-    if store is not None:
-        return store
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise ValueError("no store given and torch.distributed is not initialized")
-    return dist.distributed_c10d._get_default_store()
-
-
 class _Side:
     """What both roles share: the params, the store protocol and the plan."""
 
@@ -136,7 +127,7 @@ class _Side:
         self.index = {p.name: i for i, p in enumerate(self.params)}
         if len(self.index) != len(self.params):
             raise ValueError("two params share a name")
-        self.store = _store_of(store)
+        self.store = store_of(store)
         self.job = job
         self.train_world, self.infer_world = train_world, infer_world
         self.owner_rows = owner_rows

@@ -38,6 +38,22 @@ const uint32_t* counts_of(const Views& v, uint32_t s) {
   return at<uint32_t>(v.recv, v.lay.recv.routing) + uint64_t{s} * d.experts;
 }
 
+// Calls f(el, e, s, row_s, c, m) for every local expert el (global e) and source s in rank
+// order: s's counts row, its c rows of e, and m, the first of them among e's output rows.
+template <typename F>
+void for_each_source_run(const Views& v, F&& f) {
+  const Dims& d = v.lay.dims;
+  for (uint32_t el = 0; el < d.local_experts; ++el) {
+    const uint32_t e = v.rank * d.local_experts + el;
+    uint64_t m = 0;
+    for (uint32_t s = 0; s < d.ranks; ++s) {
+      const uint32_t* row_s = counts_of(v, s);
+      f(el, e, s, row_s, row_s[e], m);
+      m += row_s[e];
+    }
+  }
+}
+
 // Spins, then yields, then sleeps, until every rank's `ready(rank)` holds; throws kTimeout
 // naming the ranks still missing, or the failure the proxy counted.
 template <typename Ready>
@@ -149,7 +165,7 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
 
 void dispatch_recv(const Views& v, uint64_t step) {
   const Dims& d = v.lay.dims;
-  const uint32_t N = d.node_size, L = d.local_experts, me = v.rank;
+  const uint32_t N = d.node_size, me = v.rank;
   std::byte* node = own_node(v);
   wait_all(v, "dispatch", step, [&](uint32_t s) {
     if (d.same_node(s, me)) return word(node, v.lay.node.dispatch_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
@@ -160,58 +176,45 @@ void dispatch_recv(const Views& v, uint64_t step) {
   const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
   int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
-  for (uint32_t el = 0; el < L; ++el) {
-    const uint32_t e = me * L + el;
-    uint64_t m = 0;
-    for (uint32_t s = 0; s < d.ranks; ++s) {
-      const uint32_t* row_s = counts_of(v, s);
-      const uint32_t c = row_s[e];
-      const PrivateSplit split = private_split(d, expert_start(d, row_s, e), c);
-      const uint64_t base = d.same_node(s, me) ? 0 : shared_base(d, routing, e, s, me);
-      for (uint32_t j = 0; j < c; ++j, ++m) {
-        const std::byte* row;
-        if (d.same_node(s, me))
-          row = node + v.lay.node.rows + ((uint64_t{el} * N + s % N) * d.max_tokens + j) * R;
-        else if (j < split.rows)
-          row = v.recv + v.lay.recv.priv + (uint64_t{s} * d.private_rows + split.first + j) * R;
-        else
-          row = v.recv + v.lay.recv.shared + (uint64_t{el} * d.shared_rows() + base + j) * R;
-        RowTail tail;
-        std::memcpy(&tail, row + pb + sb, sizeof tail);
-        if (tail.step != static_cast<uint32_t>(step))
-          throw Error(ErrorCode::kMalformed, fmt::format("MoE dispatch step {} on rank {}: row {} of expert {} from rank {} carries step {}",
-                                                         step, me, j, e, s, tail.step));
-        const uint64_t out_row = uint64_t{el} * M + m;
-        std::memcpy(v.out + v.lay.out.x + out_row * pb, row, pb);
-        if (sb) std::memcpy(v.out + v.lay.out.scales + out_row * sb, row + pb, sb);
-        out_src[out_row] = static_cast<int32_t>(s * d.max_tokens + tail.token);
-      }
+  for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
+    const PrivateSplit split = private_split(d, expert_start(d, row_s, e), c);
+    const uint64_t base = d.same_node(s, me) ? 0 : shared_base(d, routing, e, s, me);
+    for (uint32_t j = 0; j < c; ++j) {
+      const std::byte* row;
+      if (d.same_node(s, me))
+        row = node + v.lay.node.rows + ((uint64_t{el} * N + s % N) * d.max_tokens + j) * R;
+      else if (j < split.rows)
+        row = v.recv + v.lay.recv.priv + (uint64_t{s} * d.private_rows + split.first + j) * R;
+      else
+        row = v.recv + v.lay.recv.shared + (uint64_t{el} * d.shared_rows() + base + j) * R;
+      RowTail tail;
+      std::memcpy(&tail, row + pb + sb, sizeof tail);
+      if (tail.step != static_cast<uint32_t>(step))
+        throw Error(ErrorCode::kMalformed, fmt::format("MoE dispatch step {} on rank {}: row {} of expert {} from rank {} carries step {}",
+                                                       step, me, j, e, s, tail.step));
+      const uint64_t out_row = uint64_t{el} * M + m + j;
+      std::memcpy(v.out + v.lay.out.x + out_row * pb, row, pb);
+      if (sb) std::memcpy(v.out + v.lay.out.scales + out_row * sb, row + pb, sb);
+      out_src[out_row] = static_cast<int32_t>(s * d.max_tokens + tail.token);
     }
-    out_counts[el] = static_cast<int32_t>(m);
-  }
+    if (s + 1 == d.ranks) out_counts[el] = static_cast<int32_t>(m + c);
+  });
 }
 
 void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
   const Dims& d = v.lay.dims;
-  const uint32_t N = d.node_size, L = d.local_experts, me = v.rank;
+  const uint32_t N = d.node_size, me = v.rank;
   const uint64_t B = d.combine_row_bytes(), M = d.rows_per_expert();
   const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
-  for (uint32_t el = 0; el < L; ++el) {
-    const uint32_t e = me * L + el;
-    uint64_t m = 0;
-    for (uint32_t s = 0; s < d.ranks; ++s) {
-      const uint32_t* row_s = counts_of(v, s);
-      const uint32_t c = row_s[e];
-      const uint64_t first = expert_start(d, row_s, e);
-      std::byte* dst;
-      if (d.same_node(s, me))
-        dst = v.node[s % N] + v.lay.node.combine + (combine_base(d, row_s, me) + first) * B;
-      else
-        dst = v.send + v.lay.send.cstage + (cstage_base(d, routing, s, me) + first) * B;
-      std::memcpy(dst, a.expert_out + (uint64_t{el} * M + m) * d.hidden, c * B);
-      m += c;
-    }
-  }
+  for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
+    const uint64_t first = expert_start(d, row_s, e);
+    std::byte* dst;
+    if (d.same_node(s, me))
+      dst = v.node[s % N] + v.lay.node.combine + (combine_base(d, row_s, me) + first) * B;
+    else
+      dst = v.send + v.lay.send.cstage + (cstage_base(d, routing, s, me) + first) * B;
+    std::memcpy(dst, a.expert_out + (uint64_t{el} * M + m) * d.hidden, c * B);
+  });
   for (uint32_t i = 0; i < N; ++i) word(v.node[i], v.lay.node.combine_flag + kLine * (me % N)).store(step, std::memory_order_release);
   if (d.ranks > N) word(v.signals, v.lay.signals.combine_sent).store(step, std::memory_order_release);
 }
