@@ -104,7 +104,9 @@ struct CombineArgs {
   void* stream = nullptr;
 };
 
-// What one rank's proxy did (for the benchmark): writes posted, and CPU time its thread used.
+// What one rank's proxy did (for the benchmark): steps, WRITEs and bytes posted, and the time its
+// thread spent handling steps (registering expectations, building and submitting scatters; the
+// polling between steps is not counted).
 struct ProxyStats {
   uint64_t steps = 0;
   uint64_t writes = 0;
