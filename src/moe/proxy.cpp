@@ -1,8 +1,6 @@
 // The MoE host proxy (proxy.h).
 #include "proxy.h"
 
-#include <time.h>
-
 #include <chrono>
 
 #include "util/log.h"
