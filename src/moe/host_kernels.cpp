@@ -129,8 +129,18 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   *at<uint64_t>(v.local, v.lay.local.step) = step;
   *at<uint32_t>(v.local, v.lay.local.tokens) = a.num_tokens;
 
+  // Per expert, once: where its row 0 goes among the combine positions (rows of the experts
+  // below it) and in the stage for the other nodes (rows of the other nodes' experts below it).
   uint32_t* rank_in_expert = at<uint32_t>(v.local, v.lay.local.scratch);
-  std::memset(rank_in_expert, 0, 4ull * d.experts);
+  uint32_t* before = rank_in_expert + d.experts;
+  uint32_t* remote_before = before + d.experts;
+  uint32_t all = 0, remote = 0;
+  for (uint32_t e = 0; e < d.experts; ++e) {
+    rank_in_expert[e] = 0;
+    before[e] = all, remote_before[e] = remote;
+    all += counts[e];
+    if (!d.same_node(d.rank_of_expert(e), me)) remote += counts[e];
+  }
   for (uint32_t t = 0; t < a.num_tokens; ++t)
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
@@ -141,14 +151,13 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
         continue;
       }
       const uint32_t e = static_cast<uint32_t>(e64), dst = d.rank_of_expert(e), j = rank_in_expert[e]++;
-      const uint32_t e0 = expert_start(d, counts, e);
-      pos[slot] = static_cast<int32_t>(combine_base(d, counts, dst) + e0 + j);
+      pos[slot] = static_cast<int32_t>(before[e] + j);
       dst_of[slot] = static_cast<int32_t>(dst);
       std::byte* row;
       if (d.same_node(dst, me))
         row = v.node[dst % N] + v.lay.node.rows + ((uint64_t{e % L} * N + me % N) * d.max_tokens + j) * R;
       else
-        row = v.send + v.lay.send.stage + (stage_base(d, counts, me, dst) + e0 + j) * R;
+        row = v.send + v.lay.send.stage + (uint64_t{remote_before[e]} + j) * R;
       write_row(d, a, t, k, step, row);
     }
   // The counts row, then the flag: a node-mate that sees the flag (acquire) sees rows and counts.

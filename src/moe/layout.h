@@ -137,7 +137,7 @@ struct LocalLayout {
   uint64_t dst = 0;        // [T][K] i32: rank holding slot (t, k)'s expert, -1 for a masked slot
   uint64_t step = 0;       // u64: the last dispatch step (GPU kernels keep it here)
   uint64_t tokens = 0;     // u32: tokens of the last dispatch
-  uint64_t scratch = 0;    // [max(E, H)] 4-byte words for host kernels (nothing allocated per call)
+  uint64_t scratch = 0;    // [max(3E, H)] 4-byte words for host kernels (nothing allocated per call)
   uint64_t bytes = 0;
 };
 
@@ -208,7 +208,7 @@ inline Layout make_layout(const Dims& d) {
   l.local.dst = take(4 * TK);
   l.local.step = take(8);
   l.local.tokens = take(4);
-  l.local.scratch = take(4ull * (d.experts > d.hidden ? d.experts : d.hidden));
+  l.local.scratch = take(4ull * (3ull * d.experts > d.hidden ? 3ull * d.experts : d.hidden));
   l.local.bytes = align_up(o, 256);
 
   o = 0;
