@@ -59,28 +59,15 @@ class GpuRank:
 
     def check(self, tag: str, inputs: list, recv: tuple, out: torch.Tensor, exact: bool) -> tuple:
         """(problems, calc_diff of combine against x * sum of weights)."""
-        cfg, r, L, T = self.cfg, self.rank, self.L, self.cfg["max_tokens"]
-        bad = []
+        cfg, r, L = self.cfg, self.rank, self.L
         rx, rs, counts, src = (t.cpu() if t is not None else None for t in recv)
         out = out.cpu()
-        every = torch.cat([idx.flatten() for _, idx, _ in inputs])
-        want_counts = torch.bincount(every[every >= 0], minlength=cfg["experts"])[r * L:(r + 1) * L].int()
-        if not torch.equal(counts, want_counts):
-            return [f"{tag}: counts {counts.tolist()} != bincount {want_counts.tolist()}"], float("nan")
+        bad = R.counts_problem(cfg, r, L, inputs, counts, tag)
+        if bad:
+            return bad, float("nan")
         forms = [R.dispatch_form(cfg, x) for x, _, _ in inputs]
         if exact:
-            rows_all = torch.zeros(len(inputs), T, rx.shape[2] * rx.element_size(), dtype=torch.uint8)
-            for s, (xd, _) in enumerate(forms):
-                rows_all[s, :xd.shape[0]] = xd.view(torch.uint8)
-            for el in range(L):
-                c = int(counts[el])
-                s_of, t_of = (src[el, :c] // T).long(), (src[el, :c] % T).long()
-                if not torch.equal(rx[el, :c].view(torch.uint8), rows_all[s_of, t_of]):
-                    bad.append(f"{tag} expert {r * L + el}: a received row differs from its source token")
-                if rs is not None and c:
-                    want_s = torch.stack([forms[s][1][t] for s, t in zip(s_of.tolist(), t_of.tolist())])
-                    if not torch.equal(rs[el, :c], want_s):
-                        bad.append(f"{tag} expert {r * L + el}: scales differ")
+            bad += R.row_problems(cfg, r, L, forms, (rx, rs, counts, src), tag)
         x, idx, w = inputs[r]
         if torch.isnan(out.float()).any():
             bad.append(f"{tag}: NaN in the combined output")

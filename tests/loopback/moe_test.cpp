@@ -76,6 +76,13 @@ AllToAllConfig config_of(const MoeCase& c, uint32_t rank, const std::string& job
   return cfg;
 }
 
+// One engine per rank.
+std::vector<std::unique_ptr<TransferEngine>> engines_for(const MoeCase& mc) {
+  std::vector<std::unique_ptr<TransferEngine>> engines;
+  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  return engines;
+}
+
 // Step `step`'s input of `rank`: token counts that differ per rank (rank 1 sends none on odd
 // steps), routing where a third of the picks go to two hot experts, ~1 in 8 slots masked.
 ReferenceInput make_input(const AllToAllConfig& c, uint32_t rank, uint32_t step) {
@@ -130,8 +137,7 @@ std::vector<uint16_t> expert_output(const AllToAllConfig& c, uint32_t rank, cons
 // calls. Returns per rank the first failure ("" when none).
 std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, const std::string& job) {
   ThreadGather gather(mc.ranks);
-  std::vector<std::unique_ptr<TransferEngine>> engines;
-  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  const std::vector<std::unique_ptr<TransferEngine>> engines = engines_for(mc);
   std::vector<std::vector<uint16_t>> expert_outs(mc.ranks);  // this step's, for combine's reference
   std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
   std::vector<std::string> failures(mc.ranks);
@@ -248,8 +254,7 @@ INSTANTIATE_TEST_SUITE_P(Loopback, MoeSteps, ::testing::ValuesIn(moe_cases()), m
 TEST(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt) {
   const MoeCase mc{{"tcp;ofi_rxm", 1, false}, 4, 2, 16, 4, 2048, 8, 2, moe::Dtype::kFp8};
   ThreadGather gather(mc.ranks);
-  std::vector<std::unique_ptr<TransferEngine>> engines;
-  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  const std::vector<std::unique_ptr<TransferEngine>> engines = engines_for(mc);
   std::vector<std::string> errors(mc.ranks);
   std::vector<double> seconds(mc.ranks, 0);
   std::atomic<int> done{0};
@@ -298,8 +303,7 @@ TEST(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt
 TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
   const MoeCase mc{{"shm", 1, false}, 2, 2, 8, 2, 256, 4, 2, moe::Dtype::kBf16};
   ThreadGather gather(mc.ranks);
-  std::vector<std::unique_ptr<TransferEngine>> engines;
-  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  const std::vector<std::unique_ptr<TransferEngine>> engines = engines_for(mc);
   std::vector<std::string> failures(mc.ranks);
   auto rank_main = [&](uint32_t r) {
     const AllToAllConfig cfg = config_of(mc, r, "moe-errors");

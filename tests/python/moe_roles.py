@@ -80,6 +80,35 @@ def build(cfg: dict, engine, rank: int) -> M.AllToAll:
                       store=store, job=cfg["job"])
 
 
+def counts_problem(cfg: dict, r: int, L: int, inputs: list, counts: torch.Tensor, tag: str) -> list:
+    """Rank r's received counts against the bincount of every rank's routing over its experts."""
+    every = torch.cat([idx.flatten() for _, idx, _ in inputs])
+    want = torch.bincount(every[every >= 0], minlength=cfg["experts"])[r * L:(r + 1) * L].int()
+    if torch.equal(counts, want):
+        return []
+    return [f"{tag}: counts {counts.tolist()} != bincount {want.tolist()}"]
+
+
+def row_problems(cfg: dict, r: int, L: int, forms: list, recv: tuple, tag: str) -> list:
+    """Every received row is its source token (named by recv_src), with its scales."""
+    rx, rs, counts, src = recv
+    T = cfg["max_tokens"]
+    bad = []
+    rows_all = torch.zeros(len(forms), T, rx.shape[2] * rx.element_size(), dtype=torch.uint8)
+    for s, (xd, _) in enumerate(forms):
+        rows_all[s, :xd.shape[0]] = xd.view(torch.uint8)
+    for el in range(L):
+        c = int(counts[el])
+        s_of, t_of = (src[el, :c] // T).long(), (src[el, :c] % T).long()
+        if not torch.equal(rx[el, :c].view(torch.uint8), rows_all[s_of, t_of]):
+            bad.append(f"{tag} expert {r * L + el}: a received row differs from its source token")
+        if rs is not None and c:
+            want_s = torch.stack([forms[s][1][t] for s, t in zip(s_of.tolist(), t_of.tolist())])
+            if not torch.equal(rs[el, :c], want_s):
+                bad.append(f"{tag} expert {r * L + el}: scales differ")
+    return bad
+
+
 class Rank:
     """One rank's AllToAll with its expert buffer and the per-step checks."""
 
@@ -127,28 +156,13 @@ class Rank:
         """What differs from the oracle (empty: nothing)."""
         cfg, r, L = self.cfg, self.rank, self.L
         T, E = cfg["max_tokens"], cfg["experts"]
-        bad = []
         rx, rs, counts, src = recv
         forms = [dispatch_form(cfg, x) for x, _, _ in inputs]
-        # Counts: the bincount of every rank's routing over this rank's experts.
-        every = torch.cat([idx.flatten() for _, idx, _ in inputs])
-        want_counts = torch.bincount(every[every >= 0], minlength=E)[r * L:(r + 1) * L].int()
-        if not torch.equal(counts, want_counts):
-            bad.append(f"step {step}: counts {counts.tolist()} != bincount {want_counts.tolist()}")
+        tag = f"step {step}"
+        bad = counts_problem(cfg, r, L, inputs, counts, tag)
+        if bad:
             return bad
-        # Every received row is its source token (named by recv_src), with its scales.
-        rows_all = torch.zeros(len(inputs), T, rx.shape[2] * rx.element_size(), dtype=torch.uint8)
-        for s, (xd, _) in enumerate(forms):
-            rows_all[s, :xd.shape[0]] = xd.view(torch.uint8)
-        for el in range(L):
-            c = int(counts[el])
-            s_of, t_of = (src[el, :c] // T).long(), (src[el, :c] % T).long()
-            if not torch.equal(rx[el, :c].view(torch.uint8), rows_all[s_of, t_of]):
-                bad.append(f"step {step} expert {r * L + el}: a received row differs from its source token")
-            if rs is not None:
-                want_s = torch.stack([forms[s][1][t] for s, t in zip(s_of.tolist(), t_of.tolist())]) if c else rs[el, :0]
-                if not torch.equal(rs[el, :c], want_s):
-                    bad.append(f"step {step} expert {r * L + el}: scales differ")
+        bad += row_problems(cfg, r, L, forms, recv, tag)
         # The order (and everything else) against reference_dispatch.
         ref = M.reference_dispatch([(xd, xs, idx, w) for (xd, xs), (_, idx, w) in zip(forms, inputs)],
                                    num_experts=E, max_tokens=T, rank=r)
