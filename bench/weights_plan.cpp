@@ -138,23 +138,14 @@ int main(int argc, char** argv) {
     return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 1.0;
   };
   const double bw = o.gbps / 8 * 1e9;  // bytes per second per GPU
+  // The executor's cost model (weights_update.h predict_update, which the GPU example feeds with
+  // a measured copy bandwidth): the slowest NIC, the quantizing or the posting, plus the fill.
+  auto shared_plan = std::make_shared<const weights::UpdatePlan>(up);
+  const weights::UpdatePrediction pred =
+      weights::predict_update(shared_plan, {.link_gbs = o.gbps / 8, .quantize_gbs = o.quantize_gbs, .window = o.window});
+  const double lower_bound_ms = pred.lower_bound_ms, predicted_ms = pred.predicted_ms, fill_ms = pred.fill_ms;
+  const double busiest = static_cast<double>(pred.busiest_bytes);
   const uint64_t total_dst = std::accumulate(dst_in.begin(), dst_in.end(), uint64_t{0});
-  const double lower_bound_ms = static_cast<double>(total_dst) / (m.dst_ranks * bw) * 1e3;
-  // Pipeline: every NIC streams what it carries; the slowest one sets the pace, and the first unit
-  // of each rank (its gather and quantization) is the fill before its NIC starts sending.
-  const double busiest = static_cast<double>(std::max({*std::max_element(dst_in.begin(), dst_in.end()),
-                                                       *std::max_element(out.begin(), out.end()),
-                                                       *std::max_element(in.begin(), in.end())}));
-  double fill_ms = 0;
-  std::vector<bool> seen(m.src_ranks, false);
-  for (const auto& q : up.quantize) {  // the largest first unit of any rank
-    if (seen[q.rank]) continue;
-    seen[q.rank] = true;
-    const auto& spec = m.tensors[q.tensor];
-    const double unit = static_cast<double>((q.r1 - q.r0) * spec.cols * spec.elem_bytes);
-    fill_ms = std::max(fill_ms, ((q.gathered ? unit / bw : 0) + unit / (o.quantize_gbs * 1e9)) * 1e3);
-  }
-  const double predicted_ms = busiest / bw * 1e3 + fill_ms;
   const auto busiest_rank = static_cast<uint32_t>(std::max_element(wrs.begin(), wrs.end()) - wrs.begin());
   fmt::print("training ranks: WRITEs max {} (rank {}) mean {:.0f}; bytes out max {:.2f} GB mean {:.2f} GB "
              "(gather {:.2f} GB of it in all ranks: {:.1f} TB); in max {:.2f} GB\n",

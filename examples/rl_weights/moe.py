@@ -1,92 +1,138 @@
 """Training and inference ranks as processes, for examples/rl_weights/run.py and the weight-update
-tests (tests/python/test_weights.py, tests/gpu/test_weights_gpu.py): a small MoE transformer
-(2 layers, 8 experts, hidden 256), held by 4 training ranks (non-expert tensors FSDP over 4, experts
+tests (tests/python/test_weights.py, tests/gpu/test_weights_gpu.py): a MoE transformer (by default
+small: 2 layers, 8 experts, hidden 256; any size through Model), held by 4 training ranks (non-expert tensors FSDP over 4, experts
 EP 2 x FSDP 2, shards as FSDP2 cuts them: torch.chunk along dim 0) and needed by 2 inference ranks
 (TP 2 attention with fused qkv, EP 2 experts with fused gate_up, FP8 block-quantized matrices, BF16
 embeddings, norms and routers). Every step's weights are a function of (step, tensor), so each side
 knows them: training ranks write their shards, inference ranks check every byte they received
-against the reference transform of the full tensors."""
+against the reference transform of the full tensors (on the arenas' device: CUDA ranks draw and
+quantize the reference on the GPU, so a GiB-sized model is checked every step in milliseconds)."""
 
 from __future__ import annotations
 
 import os
 import traceback
+from dataclasses import dataclass
 
 import torch
 
 import fabric_lib as fl
 from fabric_lib import weights as W
 
-HIDDEN, INTER, VOCAB, EXPERTS, LAYERS = 256, 256, 512, 8, 2
-Q_ROWS, KV_ROWS = 512, 256
 TRAIN, INFER = 4, 2
 
 
-def params() -> list:
-    ps = [W.Param("embed", (VOCAB, HIDDEN))]
-    for l in range(LAYERS):
-        ps += [W.Param(f"l{l}.attn_norm", (HIDDEN,)),
-               W.Param(f"l{l}.q", (Q_ROWS, HIDDEN), fp8=True),
-               W.Param(f"l{l}.k", (KV_ROWS, HIDDEN), fp8=True),
-               W.Param(f"l{l}.v", (KV_ROWS, HIDDEN), fp8=True),
-               W.Param(f"l{l}.o", (HIDDEN, Q_ROWS), fp8=True),
-               W.Param(f"l{l}.mlp_norm", (HIDDEN,)),
-               W.Param(f"l{l}.router", (EXPERTS, HIDDEN))]
-        for e in range(EXPERTS):
-            ps += [W.Param(f"l{l}.e{e}.gate", (INTER, HIDDEN), fp8=True),
-                   W.Param(f"l{l}.e{e}.up", (INTER, HIDDEN), fp8=True),
-                   W.Param(f"l{l}.e{e}.down", (HIDDEN, INTER), fp8=True)]
-    ps += [W.Param("norm", (HIDDEN,)), W.Param("lm_head", (VOCAB, HIDDEN))]
-    return ps
+@dataclass(frozen=True)
+class Model:
+    """The transformer's dimensions. The default is the small example; scaled(n) multiplies every
+    width by n (about n^2 the bytes)."""
+
+    hidden: int = 256
+    inter: int = 256
+    vocab: int = 512
+    layers: int = 2
+    experts: int = 8
+    q_rows: int = 512
+    kv_rows: int = 256
+
+    def scaled(self, n: int) -> "Model":
+        return Model(self.hidden * n, self.inter * n, self.vocab * n, self.layers, self.experts, self.q_rows * n,
+                     self.kv_rows * n)
+
+    def check(self) -> None:
+        """Every FP8 piece must be cut on 128 x 128 blocks, and the splits must be even."""
+        for name in ("hidden", "inter", "q_rows", "kv_rows"):
+            if getattr(self, name) % (128 * INFER):
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of {128 * INFER}")
+        if self.vocab % INFER or self.experts % INFER or self.experts % 2 or self.layers < 1:
+            raise ValueError(f"vocab and experts must split over {INFER} ranks and layers >= 1")
+
+    def params(self) -> list:
+        h, q, kv = self.hidden, self.q_rows, self.kv_rows
+        ps = [W.Param("embed", (self.vocab, h))]
+        for l in range(self.layers):
+            ps += [W.Param(f"l{l}.attn_norm", (h,)),
+                   W.Param(f"l{l}.q", (q, h), fp8=True),
+                   W.Param(f"l{l}.k", (kv, h), fp8=True),
+                   W.Param(f"l{l}.v", (kv, h), fp8=True),
+                   W.Param(f"l{l}.o", (h, q), fp8=True),
+                   W.Param(f"l{l}.mlp_norm", (h,)),
+                   W.Param(f"l{l}.router", (self.experts, h))]
+            for e in range(self.experts):
+                ps += [W.Param(f"l{l}.e{e}.gate", (self.inter, h), fp8=True),
+                       W.Param(f"l{l}.e{e}.up", (self.inter, h), fp8=True),
+                       W.Param(f"l{l}.e{e}.down", (h, self.inter), fp8=True)]
+        ps += [W.Param("norm", (h,)), W.Param("lm_head", (self.vocab, h))]
+        return ps
+
+    def train_pieces(self, rank: int) -> list:
+        out = []
+        for p in self.params():
+            if is_expert(p.name):
+                e = int(p.name.split(".")[1][1:])
+                if e // (self.experts // 2) != rank // 2:
+                    continue  # EP 2: the first half of the experts on ranks 0-1, the rest on ranks 2-3
+                r = W.fsdp_rows(p.rows, 2, rank % 2)
+            else:
+                r = W.fsdp_rows(p.rows, TRAIN, rank)
+            if r[1] > r[0]:
+                out.append(W.Piece(p.name, rows=r))
+        return out
+
+    def infer_pieces(self, rank: int) -> list:
+        q, kv = self.q_rows, self.kv_rows
+        out = [W.Piece("embed", rows=W.even_split(self.vocab, INFER, rank))]
+        for l in range(self.layers):
+            out.append(W.Piece(f"l{l}.attn_norm"))
+            out += [W.Piece(f"l{l}.q", rows=W.even_split(q, INFER, rank), buffer=f"l{l}.qkv"),
+                    W.Piece(f"l{l}.k", rows=W.even_split(kv, INFER, rank), buffer=f"l{l}.qkv"),
+                    W.Piece(f"l{l}.v", rows=W.even_split(kv, INFER, rank), buffer=f"l{l}.qkv")]
+            out.append(W.Piece(f"l{l}.o", cols=W.even_split(q, INFER, rank)))
+            out += [W.Piece(f"l{l}.mlp_norm"), W.Piece(f"l{l}.router")]
+            for e in range(rank * self.experts // INFER, (rank + 1) * self.experts // INFER):
+                out += [W.Piece(f"l{l}.e{e}.gate", buffer=f"l{l}.e{e}.gate_up"),
+                        W.Piece(f"l{l}.e{e}.up", buffer=f"l{l}.e{e}.gate_up"),
+                        W.Piece(f"l{l}.e{e}.down")]
+        out += [W.Piece("norm"), W.Piece("lm_head", rows=W.even_split(self.vocab, INFER, rank))]
+        return out
+
+    def param_count(self) -> int:
+        return sum(p.rows * p.cols for p in self.params())
 
 
 def is_expert(name: str) -> bool:
     return ".e" in name and name.split(".")[1].startswith("e")
 
 
+def _model(cfg: dict) -> Model:
+    return Model(**cfg["model"]) if cfg.get("model") else Model()
+
+
+# The default model's, for callers that need no other size.
+def params() -> list:
+    return Model().params()
+
+
 def train_pieces(rank: int) -> list:
-    out = []
-    for p in params():
-        if is_expert(p.name):
-            e = int(p.name.split(".")[1][1:])
-            if e // (EXPERTS // 2) != rank // 2:
-                continue  # EP: experts 0-3 on ranks 0-1, 4-7 on ranks 2-3
-            r = W.fsdp_rows(p.rows, 2, rank % 2)
-        else:
-            r = W.fsdp_rows(p.rows, TRAIN, rank)
-        if r[1] > r[0]:
-            out.append(W.Piece(p.name, rows=r))
-    return out
+    return Model().train_pieces(rank)
 
 
 def infer_pieces(rank: int) -> list:
-    out = [W.Piece("embed", rows=W.even_split(VOCAB, INFER, rank))]
-    for l in range(LAYERS):
-        out.append(W.Piece(f"l{l}.attn_norm"))
-        out += [W.Piece(f"l{l}.q", rows=W.even_split(Q_ROWS, INFER, rank), buffer=f"l{l}.qkv"),
-                W.Piece(f"l{l}.k", rows=W.even_split(KV_ROWS, INFER, rank), buffer=f"l{l}.qkv"),
-                W.Piece(f"l{l}.v", rows=W.even_split(KV_ROWS, INFER, rank), buffer=f"l{l}.qkv")]
-        out.append(W.Piece(f"l{l}.o", cols=W.even_split(Q_ROWS, INFER, rank)))
-        out += [W.Piece(f"l{l}.mlp_norm"), W.Piece(f"l{l}.router")]
-        for e in range(rank * EXPERTS // INFER, (rank + 1) * EXPERTS // INFER):
-            out += [W.Piece(f"l{l}.e{e}.gate", buffer=f"l{l}.e{e}.gate_up"),
-                    W.Piece(f"l{l}.e{e}.up", buffer=f"l{l}.e{e}.gate_up"),
-                    W.Piece(f"l{l}.e{e}.down")]
-    out += [W.Piece("norm"), W.Piece("lm_head", rows=W.even_split(VOCAB, INFER, rank))]
-    return out
+    return Model().infer_pieces(rank)
 
 
-def full_weight(step: int, index: int, p: W.Param) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 100_003 + index)
-    return (torch.randn(p.rows, p.cols, generator=g) * 0.05).to(torch.bfloat16)
+def full_weight(step: int, index: int, p: W.Param, device: str = "cpu") -> torch.Tensor:
+    """Tensor `index` at `step`, drawn on `device` (the same bits wherever the same device draws it)."""
+    g = torch.Generator(device=device).manual_seed(step * 100_003 + index)
+    return (torch.randn(p.rows, p.cols, generator=g, device=device) * 0.05).to(torch.bfloat16)
 
 
-def expected_buffers(step: int, rank: int) -> dict:
+def expected_buffers(step: int, rank: int, model: Model = Model(), device: str = "cpu") -> dict:
     """What each buffer of inference rank `rank` must hold after `step`: (bytes, scale bytes)."""
-    ps = params()
+    ps = model.params()
     index = {p.name: i for i, p in enumerate(ps)}
     parts, scales, order = {}, {}, []
-    for piece in infer_pieces(rank):
+    for piece in model.infer_pieces(rank):
         p = ps[index[piece.param]]
         b = piece.buffer or piece.param
         if b not in parts:
@@ -94,7 +140,7 @@ def expected_buffers(step: int, rank: int) -> dict:
             parts[b], scales[b] = [], []
         r0, r1 = piece.rows or (0, p.rows)
         c0, c1 = piece.cols or (0, p.cols)
-        full = full_weight(step, index[p.name], p)
+        full = full_weight(step, index[p.name], p, device)
         if p.fp8:
             q, s = W.quantize_fp8_blocks(full)
             parts[b].append(q[r0:r1, c0:c1].contiguous().view(torch.uint8))
@@ -123,6 +169,18 @@ def _store(cfg: dict):
     return dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
 
 
+def _step_barrier(store, cfg: dict, step: int) -> None:
+    """Every rank of both sides waits here before step `step` (cfg["step_barrier"]): the training
+    ranks have written their shards and the inference ranks have checked the last step and said
+    ready, so an update's time is the update's alone, not the reference's drawing or checking."""
+    if not cfg.get("step_barrier"):
+        return
+    key = f"{cfg['job']}/step/{step}"
+    if store.add(key + "/arrived", 1) == TRAIN + INFER:
+        store.set(key + "/go", "1")
+    store.wait([key + "/go"])
+
+
 class _KillingTrainer(W.Trainer):
     """Dies (os._exit) in the middle of step kill_step, after quantizing its first unit."""
 
@@ -138,27 +196,43 @@ class _KillingTrainer(W.Trainer):
                 os._exit(17)
 
 
+def predict(t: W.Trainer, engine: fl.TransferEngine, machine: dict, posted: list) -> dict:
+    """The executor's cost model (fabric_lib.weights.predict_update) for this plan, fed with the
+    machine's measured copy bandwidth (machine["link_gbs"]) and the submit cost per request this
+    rank measured (the median over the steps)."""
+    post_us = sorted(posted)[len(posted) // 2] if posted else 0.0
+    p = fl._fabric_lib.weights_predict_update(t.plan, link_gbs=machine["link_gbs"], post_us=post_us,
+                                              one_device=machine.get("one_device", False), window=t.window,
+                                              nics=engine.nic_count)
+    p["post_us"] = post_us
+    return p
+
+
 def trainer(conn, cfg: dict) -> None:
     try:
         torch.set_num_threads(1)
-        rank = cfg["rank"]
+        rank, model, device = cfg["rank"], _model(cfg), _device(cfg)
+        store = _store(cfg)
         with _engine(cfg) as engine:
             kind = _KillingTrainer if cfg.get("kill_step", -1) >= 0 else W.Trainer
-            t = kind(engine, params(), train_pieces(rank), rank=rank, world=TRAIN, infer_world=INFER,
-                     store=_store(cfg), job=cfg["job"], window=cfg.get("window", 2), owner_rows=cfg.get("owner_rows", 0),
-                     timeout_s=cfg.get("timeout_s", 60.0), hook=cfg.get("hook", "auto"), device=_device(cfg))
+            t = kind(engine, model.params(), model.train_pieces(rank), rank=rank, world=TRAIN, infer_world=INFER,
+                     store=store, job=cfg["job"], window=cfg.get("window", 2), owner_rows=cfg.get("owner_rows", 0),
+                     timeout_s=cfg.get("timeout_s", 60.0), hook=cfg.get("hook", "auto"), device=device,
+                     trace=cfg.get("trace", False))
             t.kill_step = cfg.get("kill_step", -1)
             problem = fl._fabric_lib.weights_check_update(t.manifest, t.plan)
             conn.send("ready" if problem == "" else "error: the plan does not check: " + problem)
-            ps = params()
+            ps = model.params()
             index = {p.name: i for i, p in enumerate(ps)}
+            posted = []  # per step: microseconds of submit per request
             for step in cfg["steps"]:
-                for piece in train_pieces(rank):
+                for piece in model.train_pieces(rank):
                     p = ps[index[piece.param]]
                     r0, r1 = piece.rows
-                    t.shard(p.name).copy_(full_weight(step, index[p.name], p)[r0:r1])
+                    t.shard(p.name).copy_(full_weight(step, index[p.name], p, device)[r0:r1])
                 if cfg.get("gpu"):
                     torch.cuda.synchronize()
+                _step_barrier(store, cfg, step)
                 t.step = step
                 try:
                     times = t.update(step)
@@ -166,21 +240,24 @@ def trainer(conn, cfg: dict) -> None:
                     conn.send(("failed", step, str(e)))
                     break
                 conn.send(("ok", step, times))
+                posted.append(times["post_ms"] * 1e3 / max(1, times["requests"]))
+            if cfg.get("predict") and rank == 0:
+                conn.send(("predicted", predict(t, engine, cfg["predict"], posted)))
             t.close()
         conn.send("bye")
     except Exception:
         conn.send("error " + traceback.format_exc())
 
 
-def _check(inf: W.Inference, step: int, buffer_set: int, rank: int) -> list:
-    """Buffers of `buffer_set` that differ from step's reference."""
+def _check(inf: W.Inference, step: int, buffer_set: int, rank: int, model: Model, device: str) -> list:
+    """Buffers of `buffer_set` that differ from step's reference (compared on `device`)."""
     bad = []
-    for name, (want, want_scale) in expected_buffers(step, rank).items():
-        got = inf.buffer(name, buffer_set).cpu()
+    for name, (want, want_scale) in expected_buffers(step, rank, model, device).items():
+        got = inf.buffer(name, buffer_set)
         got = got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got
         if not torch.equal(got, want):
             bad.append(name)
-        if want_scale is not None and not torch.equal(inf.scale(name, buffer_set).cpu(), want_scale):
+        if want_scale is not None and not torch.equal(inf.scale(name, buffer_set), want_scale):
             bad.append(name + ".scale")
     return bad
 
@@ -188,27 +265,30 @@ def _check(inf: W.Inference, step: int, buffer_set: int, rank: int) -> list:
 def inference(conn, cfg: dict) -> None:
     try:
         torch.set_num_threads(1)
-        rank = cfg["rank"]
+        rank, model, device = cfg["rank"], _model(cfg), _device(cfg)
+        store = _store(cfg)
         with _engine(cfg) as engine:
-            inf = W.Inference(engine, params(), infer_pieces(rank), rank=rank, world=INFER, train_world=TRAIN,
-                              store=_store(cfg), job=cfg["job"], owner_rows=cfg.get("owner_rows", 0),
-                              device=_device(cfg))
+            inf = W.Inference(engine, model.params(), model.infer_pieces(rank), rank=rank, world=INFER,
+                              train_world=TRAIN, store=store, job=cfg["job"],
+                              owner_rows=cfg.get("owner_rows", 0), device=device)
             conn.send("ready")
             last_ok = None
             for step in cfg["steps"]:
                 try:
-                    s = inf.update(step, timeout_s=cfg.get("timeout_s", 60.0))
+                    inf.ready(step)
+                    _step_barrier(store, cfg, step)
+                    s = inf.wait_update(step, timeout_s=cfg.get("timeout_s", 60.0))
                 except fl.FabricError as e:
                     # The other set still holds the last complete step's weights.
-                    kept = _check(inf, last_ok, last_ok % 2, rank) if last_ok is not None else []
+                    kept = _check(inf, last_ok, last_ok % 2, rank, model, device) if last_ok is not None else []
                     conn.send(("failed", step, str(e), kept))
                     if cfg.get("rejoin"):
                         inf.reconnect(cfg["rejoin"]["job"])
                         for again in cfg["rejoin"]["steps"]:
                             s = inf.update(again, timeout_s=60.0)
-                            conn.send(("ok", again, _check(inf, again, s, rank)))
+                            conn.send(("ok", again, _check(inf, again, s, rank, model, device)))
                     break
-                conn.send(("ok", step, _check(inf, step, s, rank)))
+                conn.send(("ok", step, _check(inf, step, s, rank, model, device)))
                 last_ok = step
             inf.close()
         conn.send("bye")

@@ -66,6 +66,12 @@ struct UnitWork {
 // GPU arena: the caller's kernels, finished before it returns).
 using UnitHook = std::function<void(const UnitWork&)>;
 
+// The hook for an arena in CUDA device memory (`arena`: its device pointer): a unit's local copies
+// and its block quantization (one kernel, bit for bit fp8::quantize_blocks) on a stream of the
+// hook's own, synchronised before it returns. Throws kInvalidArgument for memory that is not CUDA
+// device memory, kUnsupported in a build without CUDA, and kProvider when a CUDA call fails.
+UnitHook cuda_unit_hook(std::byte* arena);
+
 struct WeightSenderConfig {
   std::shared_ptr<const UpdatePlan> plan{};
   uint32_t rank = 0;
@@ -76,13 +82,47 @@ struct WeightSenderConfig {
   uint32_t window = 2;                             // the same on every training rank
   std::chrono::milliseconds timeout{60000};        // per update
   UnitHook hook{};                                 // empty: the host hook on arena_ptr
+  bool trace = false;                              // UpdateTimes::units: a timeline per unit
 };
 
-// Where one update's time went on a training rank (milliseconds).
-struct UpdateTimes {
-  double total_ms = 0, gather_wait_ms = 0, quantize_ms = 0, ready_wait_ms = 0, drain_ms = 0;
-  uint64_t writes = 0, bytes = 0;
+// One unit of a traced update (WeightSenderConfig::trace), in ms from the update's start: when the
+// executor's loop first saw its gather complete, when its hook started and returned, and when its
+// sends were all submitted.
+struct UnitTrace {
+  uint32_t unit = 0;
+  double input_ms = 0, start_ms = 0, quantized_ms = 0, posted_ms = 0;
 };
+
+// Where one update's time went on a training rank (milliseconds). gather_wait and ready_wait are
+// the times the next unit waited for its input and for its inference ranks; quantize is the time
+// in the unit hook (copies, quantizing and the hook's stream synchronisation); post is the
+// calling thread's time inside TransferEngine::submit; drain, from the last submit to the last
+// completion. writes: WRITEs (a run of a column split's rows counts one per row); requests:
+// what was submitted for them (a run is one PagedWrites).
+struct UpdateTimes {
+  double total_ms = 0, gather_wait_ms = 0, quantize_ms = 0, ready_wait_ms = 0, drain_ms = 0, post_ms = 0;
+  uint64_t writes = 0, requests = 0, bytes = 0;
+  std::vector<UnitTrace> units{};  // trace only
+};
+
+// The executor's cost model, for a plan and a machine: each GPU's links move link_gbs GB/s (its
+// NICs; or, with one_device, the one GPU every rank of both sides shares, its copy bandwidth),
+// a unit hook quantizes quantize_gbs GB/s of BF16 input (0: link_gbs), and submitting one request
+// costs post_us of a training rank's thread. The pipeline overlaps the three, so an update takes
+// the slowest of them plus the fill (the first unit's gather and quantizing, before any send).
+struct UpdateCost {
+  double link_gbs = 0, quantize_gbs = 0, post_us = 0;
+  bool one_device = false;
+  uint32_t window = 2;
+  size_t nics = 1;  // NICs per GPU (which WRITEs the executor merges into runs)
+};
+struct UpdatePrediction {
+  double predicted_ms = 0, lower_bound_ms = 0;  // lower bound: the destination bytes over the links alone
+  double link_ms = 0, quantize_ms = 0, post_ms = 0, fill_ms = 0;
+  uint64_t busiest_bytes = 0, requests_max = 0;  // the busiest link's bytes; the most requests of a rank
+};
+// Throws fabric::Error(kInvalidArgument) for no plan or a link_gbs that is not positive.
+UpdatePrediction predict_update(std::shared_ptr<const UpdatePlan> plan, const UpdateCost& cost);
 
 class WeightSender {
  public:

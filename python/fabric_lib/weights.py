@@ -171,16 +171,20 @@ class _Side:
 
 class Trainer(_Side):
     """One training rank. pieces: what it holds (bf16); its arena holds them and its staging
-    window, on `device` ("cpu" or a CUDA device)."""
+    window, on `device` ("cpu" or a CUDA device). hook: how a unit is copied and quantized: "cuda"
+    (the library's kernel, one launch per unit; the default for CUDA arenas), "host" (C++ on the
+    CPU; the default for CPU arenas) or "torch" (torch ops, on either). trace: update() also
+    returns "units", a timeline per unit (unit, input_ms, start_ms, quantized_ms, posted_ms)."""
 
     def __init__(self, engine: Any, params: Sequence[Param], pieces: Sequence[Piece], *, rank: int, world: int,
                  infer_world: int, store: Any = None, job: str = "weights", window: int = 2, sets: int = 2,
-                 owner_rows: int = 0, timeout_s: float = 60.0, device: Any = "cpu", hook: str = "auto") -> None:
+                 owner_rows: int = 0, timeout_s: float = 60.0, device: Any = "cpu", hook: str = "auto",
+                 trace: bool = False) -> None:
         import torch
 
         super().__init__(engine, params, store=store, job=job, train_world=world, infer_world=infer_world,
                          owner_rows=owner_rows)
-        self.rank = rank
+        self.rank, self.window = rank, window
         self._views = {}
         placements, cursor = [], 0
         for piece in pieces:
@@ -201,11 +205,17 @@ class Trainer(_Side):
         if len(dest_sets) != sets:
             raise ValueError(f"the inference ranks registered fewer than {sets} buffer sets")
         on_gpu = self.arena.device.type == "cuda"
-        use_torch = hook == "torch" or (hook == "auto" and on_gpu)
-        self.sender = _c.WeightSender(engine, self.plan, rank=rank, arena=handle,
-                                      arena_ptr=0 if on_gpu else self.arena.data_ptr(), train_arenas=train,
-                                      dest_arenas=dest_sets, window=window, timeout_s=timeout_s,
-                                      hook=self._torch_hook if use_torch else None)
+        if hook not in ("auto", "cuda", "torch", "host"):
+            raise ValueError(f"hook must be auto, cuda, torch or host, not {hook!r}")
+        if hook == "auto":
+            hook = "cuda" if on_gpu else "host"
+        if (hook == "cuda") != on_gpu and hook != "torch":
+            raise ValueError(f"hook={hook!r} does not fit an arena on {self.arena.device}")
+        self.hook = hook
+        self.sender = _c.WeightSender(engine, self.plan, rank=rank, arena=handle, arena_ptr=self.arena.data_ptr(),
+                                      train_arenas=train, dest_arenas=dest_sets, window=window, timeout_s=timeout_s,
+                                      hook=self._torch_hook if hook == "torch" else None,
+                                      cuda_hook=hook == "cuda", trace=trace)
 
     def shard(self, name: str) -> Any:
         """This rank's piece of `name` in its arena, a [rows, cols] bf16 tensor view."""

@@ -104,6 +104,29 @@ void bind_weights(nb::module_& m) {
       },
       "manifest"_a, "owner_rows"_a = 0, "The update plan (throws FabricError for a manifest it cannot cover).");
   m.def(
+      "weights_predict_update",
+      [](std::shared_ptr<const UpdatePlan> plan, double link_gbs, double quantize_gbs, double post_us, bool one_device,
+         uint32_t window, size_t nics) {
+        UpdatePrediction p;
+        {
+          nb::gil_scoped_release release;
+          p = predict_update(std::move(plan), {.link_gbs = link_gbs, .quantize_gbs = quantize_gbs, .post_us = post_us,
+                                               .one_device = one_device, .window = window, .nics = nics});
+        }
+        nb::dict d;
+        d["predicted_ms"] = p.predicted_ms;
+        d["lower_bound_ms"] = p.lower_bound_ms;
+        d["link_ms"] = p.link_ms;
+        d["quantize_ms"] = p.quantize_ms;
+        d["post_ms"] = p.post_ms;
+        d["fill_ms"] = p.fill_ms;
+        d["busiest_bytes"] = p.busiest_bytes;
+        d["requests_max"] = p.requests_max;
+        return d;
+      },
+      "plan"_a, nb::kw_only(), "link_gbs"_a, "quantize_gbs"_a = 0.0, "post_us"_a = 0.0, "one_device"_a = false,
+      "window"_a = 2, "nics"_a = 1, "The executor's cost model (include/fabric/weights_update.h, predict_update).");
+  m.def(
       "weights_check_update",
       [](const Manifest& manifest, const UpdatePlan& plan) {
         nb::gil_scoped_release release;
@@ -133,13 +156,17 @@ void bind_weights(nb::module_& m) {
       .def("__init__",
            [](PyWeights<WeightSender>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
               MrHandle arena, uintptr_t arena_ptr, std::vector<MrDesc> train_arenas,
-              std::vector<std::vector<MrDesc>> dest_arenas, uint32_t window, double timeout_s, nb::handle hook) {
+              std::vector<std::vector<MrDesc>> dest_arenas, uint32_t window, double timeout_s, nb::handle hook,
+              bool cuda_hook, bool trace) {
              new (self) PyWeights<WeightSender>();
              TransferEngine& eng = engine.get();
+             auto* base = reinterpret_cast<std::byte*>(arena_ptr);
+             if (cuda_hook && !hook.is_none()) throw nb::value_error("give a hook or cuda_hook=True, not both");
              WeightSenderConfig cfg{.plan = std::move(plan), .rank = rank, .arena = arena,
-                                    .arena_ptr = reinterpret_cast<std::byte*>(arena_ptr),
+                                    .arena_ptr = cuda_hook ? nullptr : base,
                                     .train_arenas = std::move(train_arenas), .dest_arenas = std::move(dest_arenas),
-                                    .window = window, .timeout = ms(timeout_s), .hook = python_hook(hook)};
+                                    .window = window, .timeout = ms(timeout_s),
+                                    .hook = cuda_hook ? cuda_unit_hook(base) : python_hook(hook), .trace = trace};
              {
                nb::gil_scoped_release release;
                self->h->obj = std::make_unique<WeightSender>(eng, std::move(cfg));
@@ -147,7 +174,10 @@ void bind_weights(nb::module_& m) {
              engine.add_dependent(self->h);
            },
            "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "arena"_a, "arena_ptr"_a, "train_arenas"_a,
-           "dest_arenas"_a, "window"_a = 2, "timeout_s"_a = 60.0, "hook"_a = nb::none(), nb::keep_alive<1, 2>())
+           "dest_arenas"_a, "window"_a = 2, "timeout_s"_a = 60.0, "hook"_a = nb::none(), "cuda_hook"_a = false,
+           "trace"_a = false, nb::keep_alive<1, 2>(),
+           "arena_ptr: the arena's address (a device pointer with cuda_hook=True: the library's CUDA unit hook); "
+           "hook: a Python callable(UnitWork) instead; trace: update() also returns a timeline per unit.")
       .def("update",
            [](PyWeights<WeightSender>& s, uint64_t step) {
              WeightSender& tx = s.get();
@@ -162,8 +192,16 @@ void bind_weights(nb::module_& m) {
              d["quantize_ms"] = t.quantize_ms;
              d["ready_wait_ms"] = t.ready_wait_ms;
              d["drain_ms"] = t.drain_ms;
+             d["post_ms"] = t.post_ms;
              d["writes"] = t.writes;
+             d["requests"] = t.requests;
              d["bytes"] = t.bytes;
+             if (!t.units.empty()) {
+               nb::list units;
+               for (const UnitTrace& u : t.units)
+                 units.append(nb::make_tuple(u.unit, u.input_ms, u.start_ms, u.quantized_ms, u.posted_ms));
+               d["units"] = units;  // (unit, input_ms, start_ms, quantized_ms, posted_ms)
+             }
              return d;
            },
            "step"_a, "Runs one step; returns where its time went. Raises FabricError (a timeout names what it waited for).")

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "fabric/fp8.h"
+#include "fabric/transfer_engine.h"
 #include "fabric/weights_update.h"
 #include "plan_support.h"
 
@@ -39,6 +40,33 @@ struct RankRanges {
 };
 
 }  // namespace
+
+std::vector<WriteRun> merge_runs(const std::vector<ScheduledWrite>& writes, const std::vector<uint32_t>& idx,
+                                 size_t nics) {
+  std::vector<WriteRun> runs;
+  for (uint32_t k = 0; k < idx.size(); k++) {
+    const ScheduledWrite& w = writes[idx[k]];
+    if (!runs.empty()) {
+      WriteRun& r = runs.back();
+      const bool one_imm = single_write_imm_count(w.len, nics, false) == 1;
+      // The next WRITE of r, if it goes on: the second one fixes the strides.
+      if (one_imm && w.dst_rank == r.dst_rank && w.len == r.len && w.src_offset > r.src_offset &&
+          w.dst_offset > r.dst_offset && single_write_imm_count(r.len, nics, false) == 1 &&
+          (r.count == 1 || (w.src_offset == r.src_offset + r.count * r.src_stride &&
+                            w.dst_offset == r.dst_offset + r.count * r.dst_stride))) {
+        if (r.count == 1) {
+          r.src_stride = w.src_offset - r.src_offset;
+          r.dst_stride = w.dst_offset - r.dst_offset;
+        }
+        r.count++;
+        continue;
+      }
+    }
+    runs.push_back({.dst_rank = w.dst_rank, .count = 1, .first = k, .len = w.len, .src_offset = w.src_offset,
+                    .dst_offset = w.dst_offset});
+  }
+  return runs;
+}
 
 Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window) {
   if (window == 0) throw invalid("the window must hold at least one unit");

@@ -48,6 +48,21 @@ struct Schedule {
   }
 };
 
+// WRITEs i = 0 .. count-1 of len bytes each, from src_offset + i * src_stride to dst_offset +
+// i * dst_stride on dst_rank: one request (a PagedWrites when count > 1), where the schedule had
+// `count` WRITEs (a column split's rows, say). Indices into the list it came from: [first, +count).
+struct WriteRun {
+  uint32_t dst_rank = 0, count = 1, first = 0;
+  uint64_t len = 0, src_offset = 0, src_stride = 0, dst_offset = 0, dst_stride = 0;
+};
+
+// The WRITEs writes[idx[k]], in that order, merged into runs: consecutive WRITEs to one rank, of
+// one length, whose source and destination both advance by a constant stride. Only WRITEs that
+// deliver one immediate each as single WRITEs are merged (single_write_imm_count(len, nics) == 1),
+// so a run delivers, one per page, exactly the immediates its WRITEs would have.
+std::vector<WriteRun> merge_runs(const std::vector<ScheduledWrite>& writes, const std::vector<uint32_t>& idx,
+                                 size_t nics);
+
 // Throws fabric::Error(kInvalidArgument) for a window of 0 or more than 2^16 units on one rank.
 Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window);
 

@@ -70,19 +70,38 @@ struct WeightSender::State {
   std::vector<RemoteMr> train;                 // per training rank
   std::vector<std::vector<RemoteMr>> dest;     // [set][inference rank]
   std::vector<uint32_t> my_dsts;               // inference ranks this rank writes to
-  std::vector<std::vector<uint32_t>> credit_units;  // per quantizer: the units of its this rank fills, in order
-  std::vector<std::vector<uint32_t>> gather_to;     // per quantizer: our gather WRITEs into it, by unit
+  // Per quantizer: the units of its this rank fills, in order, each with our gather WRITEs into
+  // it as runs (one request each).
+  struct UnitRuns {
+    uint32_t unit;
+    std::vector<detail::WriteRun> runs;
+  };
+  std::vector<std::vector<UnitRuns>> gather_to;
   std::vector<std::vector<RemoteMr>> unit_contributors;  // per own unit
   std::vector<std::vector<uint32_t>> unit_dsts;          // per own unit: inference ranks its sends reach
-  std::vector<std::vector<uint32_t>> bf16_by_dst;        // per inference rank: indices into sched.send
+  std::vector<std::vector<detail::WriteRun>> unit_sends;  // per own unit: its FP8 sends as runs
+  std::vector<std::vector<detail::WriteRun>> bf16_by_dst;  // per inference rank: BF16 sends as runs
+  std::vector<uint32_t> iota;  // 0, 1, ...: the page indices of every run
 
   State(TransferEngine& e, WeightSenderConfig c)
       : engine(e), cfg(std::move(c)), sched(detail::schedule_update(cfg.plan, cfg.window)), me(sched.ranks.at(cfg.rank)) {}
 
   size_t imms(uint64_t len) const { return single_write_imm_count(len, engine.nic_count(), false); }
 
-  void post(const detail::ScheduledWrite& w, RemoteMr dst, uint32_t imm, OnDone done) {
-    engine.submit(SingleWrite{.len = w.len, .src = {cfg.arena, w.src_offset}, .dst = {dst, w.dst_offset}, .imm = imm},
+  // One run as one request: a SingleWrite, or a PagedWrites of its `count` pages.
+  void post(const detail::WriteRun& r, RemoteMr dst, uint32_t imm, OnDone done) {
+    if (r.count == 1) {
+      engine.submit(SingleWrite{.len = r.len, .src = {cfg.arena, r.src_offset}, .dst = {dst, r.dst_offset}, .imm = imm},
+                    std::move(done));
+      return;
+    }
+    const std::span<const uint32_t> pages(iota.data(), r.count);
+    engine.submit(PagedWrites{.page_len = r.len,
+                              .src = cfg.arena,
+                              .src_pages = {.indices = pages, .stride = r.src_stride, .offset = r.src_offset},
+                              .dst = dst,
+                              .dst_pages = {.indices = pages, .stride = r.dst_stride, .offset = r.dst_offset},
+                              .imm = imm},
                   std::move(done));
   }
 };
@@ -112,23 +131,37 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
     s.dest.emplace_back();
     for (const MrDesc& d : set) s.dest.back().push_back(engine.add_remote(d));
   }
-  s.credit_units.resize(ranks);
-  s.gather_to.resize(ranks);  // gather_out is ordered by (dst, unit, offset): so is each list
-  for (uint32_t i : s.me.gather_out) {
-    const detail::ScheduledWrite& w = s.sched.gather[i];
-    s.gather_to[w.dst_rank].push_back(i);
-    auto& units = s.credit_units[w.dst_rank];
-    if (units.empty() || units.back() != w.unit) units.push_back(w.unit);
+  const size_t nics = engine.nic_count();
+  uint32_t longest = 1;
+  auto runs = [&](const std::vector<detail::ScheduledWrite>& writes, const std::vector<uint32_t>& idx) {
+    std::vector<detail::WriteRun> out = detail::merge_runs(writes, idx, nics);
+    for (const detail::WriteRun& r : out) longest = std::max(longest, r.count);
+    return out;
+  };
+  // gather_out is ordered by (quantizer, unit, offset): each quantizer's units come in its order.
+  s.gather_to.resize(ranks);
+  for (size_t k = 0; k < s.me.gather_out.size();) {
+    const detail::ScheduledWrite& first = s.sched.gather[s.me.gather_out[k]];
+    std::vector<uint32_t> idx;
+    for (; k < s.me.gather_out.size(); k++) {
+      const detail::ScheduledWrite& w = s.sched.gather[s.me.gather_out[k]];
+      if (w.dst_rank != first.dst_rank || w.unit != first.unit) break;
+      idx.push_back(s.me.gather_out[k]);
+    }
+    s.gather_to[first.dst_rank].push_back({first.unit, runs(s.sched.gather, idx)});
   }
   s.bf16_by_dst.resize(dsts);
   std::vector<bool> writes_to(dsts, false);
-  for (uint32_t i : s.me.bf16_out) {
-    s.bf16_by_dst[s.sched.send[i].dst_rank].push_back(i);
-    writes_to[s.sched.send[i].dst_rank] = true;
+  std::vector<std::vector<uint32_t>> bf16(dsts);
+  for (uint32_t i : s.me.bf16_out) bf16[s.sched.send[i].dst_rank].push_back(i);
+  for (uint32_t d = 0; d < dsts; d++) {
+    s.bf16_by_dst[d] = runs(s.sched.send, bf16[d]);
+    writes_to[d] = !bf16[d].empty();
   }
   for (const detail::ScheduledUnit& u : s.me.units) {
     s.unit_contributors.emplace_back();
     for (uint32_t g : u.contributors) s.unit_contributors.back().push_back(s.train[g]);
+    // send_writes is ordered by (destination, source offset): each destination's WRITEs together.
     s.unit_dsts.emplace_back();
     for (uint32_t i : u.send_writes) {
       const uint32_t d = s.sched.send[i].dst_rank;
@@ -136,9 +169,12 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
       if (std::find(s.unit_dsts.back().begin(), s.unit_dsts.back().end(), d) == s.unit_dsts.back().end())
         s.unit_dsts.back().push_back(d);
     }
+    s.unit_sends.push_back(runs(s.sched.send, u.send_writes));
   }
   for (uint32_t d = 0; d < dsts; d++)
     if (writes_to[d]) s.my_dsts.push_back(d);
+  s.iota.resize(longest);
+  for (uint32_t i = 0; i < longest; i++) s.iota[i] = i;
 }
 
 WeightSender::~WeightSender() = default;
@@ -158,12 +194,11 @@ class WeightSender::Step {
         pr_(*progress_),
         slot_posted_(pr_.slot_done.size(), 0),
         next_credit_unit_(ranks_, 0),
-        gather_cursor_(ranks_, 0),
         bf16_posted_(s.bf16_by_dst.size(), false) {}
 
   UpdateTimes run() {
-    const auto t0 = Clock::now();
-    deadline_ = t0 + s_.cfg.timeout;
+    t0_ = Clock::now();
+    deadline_ = t0_ + s_.cfg.timeout;
     try {
       arm();
       for (;;) {
@@ -182,7 +217,7 @@ class WeightSender::Step {
       for (const ImmExpectation& e : armed_) s_.engine.cancel_imm_expectation(e);
       throw;
     }
-    times_.total_ms = ms_since(t0);
+    times_.total_ms = ms_since(t0_);
     return times_;
   }
 
@@ -203,10 +238,13 @@ class WeightSender::Step {
     posted_++;
   }
 
-  void post(const detail::ScheduledWrite& w, RemoteMr dst, uint32_t imm, OnDone done) {
-    s_.post(w, dst, imm, std::move(done));
-    times_.writes++;
-    times_.bytes += w.len;
+  void post(const detail::WriteRun& r, RemoteMr dst, uint32_t imm, OnDone done) {
+    const auto t = Clock::now();
+    s_.post(r, dst, imm, std::move(done));
+    times_.post_ms += ms_since(t);
+    times_.requests++;
+    times_.writes += r.count;
+    times_.bytes += r.count * r.len;
   }
 
   // Readiness of our inference ranks, each own unit's gather, the credits of the quantizers we
@@ -220,7 +258,7 @@ class WeightSender::Step {
       else expect(update_imm(ImmKind::kGather, step_, u), count, OnDone::flag(&pr_.gathered[u]));
     }
     for (uint32_t r = 0; r < ranks_; r++)
-      for (size_t k = 0; k < s_.credit_units[r].size(); k++)
+      for (size_t k = 0; k < s_.gather_to[r].size(); k++)
         expect(update_imm(ImmKind::kCredit, step_, r), 1, OnDone::counter(&pr_.credits[r]));
     for (uint32_t u = 0; u < std::min<size_t>(window_, units_); u++) credit(u);
   }
@@ -237,12 +275,10 @@ class WeightSender::Step {
     bool moved = false;
     for (uint32_t r = 0; r < ranks_; r++) {
       const uint64_t released = pr_.credits[r].load(std::memory_order_acquire);
-      while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.credit_units[r].size()) {
-        const uint32_t unit = s_.credit_units[r][next_credit_unit_[r]++];
-        const std::vector<uint32_t>& list = s_.gather_to[r];
-        while (gather_cursor_[r] < list.size() && s_.sched.gather[list[gather_cursor_[r]]].unit == unit) {
-          post(s_.sched.gather[list[gather_cursor_[r]++]], s_.train[r], update_imm(ImmKind::kGather, step_, unit),
-               count_done());
+      while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.gather_to[r].size()) {
+        const State::UnitRuns& u = s_.gather_to[r][next_credit_unit_[r]++];
+        for (const detail::WriteRun& run : u.runs) {
+          post(run, s_.train[r], update_imm(ImmKind::kGather, step_, u.unit), count_done());
           posted_++;
         }
         moved = true;
@@ -256,8 +292,8 @@ class WeightSender::Step {
     bool moved = false;
     for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) {
       if (bf16_posted_[d] || s_.bf16_by_dst[d].empty() || !ready(d)) continue;
-      for (uint32_t i : s_.bf16_by_dst[d]) {
-        post(s_.sched.send[i], dest_[d], update_imm(ImmKind::kData, step_, me_), count_done());
+      for (const detail::WriteRun& run : s_.bf16_by_dst[d]) {
+        post(run, dest_[d], update_imm(ImmKind::kData, step_, me_), count_done());
         posted_++;
       }
       bf16_posted_[d] = true;
@@ -277,6 +313,10 @@ class WeightSender::Step {
     const bool in = pr_.gathered[u].load(std::memory_order_acquire) == kDoneSucceeded;
     const bool free = pr_.slot_done[slot].load(std::memory_order_acquire) == slot_posted_[slot];
     const bool dsts_ready = std::all_of(s_.unit_dsts[u].begin(), s_.unit_dsts[u].end(), [&](uint32_t d) { return ready(d); });
+    if (s_.cfg.trace && in && input_seen_ <= u) {  // the first time this loop sees it gathered
+      input_seen_ = u + 1;
+      input_ms_ = ms_since(t0_);
+    }
     if (!(in && free && dsts_ready)) {
       if (waiting_ == kIdle) {
         waiting_ = !in ? kGather : !dsts_ready ? kReady : kSlot;
@@ -291,13 +331,18 @@ class WeightSender::Step {
     if (s_.cfg.hook) s_.cfg.hook(work);
     else host_hook(s_.cfg.arena_ptr, work);
     times_.quantize_ms += ms_since(tq);
+    if (s_.cfg.trace)
+      times_.units.push_back({.unit = u,
+                              .input_ms = input_seen_ > u ? input_ms_ : ms_since(t0_),
+                              .start_ms = std::chrono::duration<double, std::milli>(tq - t0_).count(),
+                              .quantized_ms = ms_since(t0_)});
     credit(u + window_);  // its input area may be refilled
-    for (uint32_t i : su.send_writes) {
-      const detail::ScheduledWrite& w = s_.sched.send[i];
-      post(w, dest_[w.dst_rank], update_imm(ImmKind::kData, step_, me_),
+    for (const detail::WriteRun& run : s_.unit_sends[u]) {
+      post(run, dest_[run.dst_rank], update_imm(ImmKind::kData, step_, me_),
            keep(OnDone::counter(&pr_.slot_done[slot], &pr_.slot_failed)));
       slot_posted_[slot]++;
     }
+    if (s_.cfg.trace) times_.units.back().posted_ms = ms_since(t0_);
     next_unit_++;
     return true;
   }
@@ -311,7 +356,7 @@ class WeightSender::Step {
 
   bool all_posted() const {
     bool all = next_unit_ == units_;
-    for (uint32_t r = 0; r < ranks_; r++) all &= gather_cursor_[r] == s_.gather_to[r].size();
+    for (uint32_t r = 0; r < ranks_; r++) all &= next_credit_unit_[r] == s_.gather_to[r].size();
     for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) all &= bf16_posted_[d] || s_.bf16_by_dst[d].empty();
     return all;
   }
@@ -332,7 +377,7 @@ class WeightSender::Step {
     }
     std::vector<uint32_t> r_missing, d_missing;
     for (uint32_t r = 0; r < ranks_; r++)
-      if (gather_cursor_[r] < s_.gather_to[r].size()) r_missing.push_back(r);
+      if (next_credit_unit_[r] < s_.gather_to[r].size()) r_missing.push_back(r);
     for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++)
       if (!bf16_posted_[d] && !s_.bf16_by_dst[d].empty()) d_missing.push_back(d);
     std::string what;
@@ -367,15 +412,16 @@ class WeightSender::Step {
   const std::vector<RemoteMr>& dest_;
   std::shared_ptr<Progress> progress_;
   Progress& pr_;
-  Clock::time_point deadline_{};
+  Clock::time_point t0_{}, deadline_{};
   std::vector<ImmExpectation> armed_;
   UpdateTimes times_;
   uint64_t posted_ = 0;                // gathers, BF16 sends and barriers
   std::vector<uint64_t> slot_posted_;  // per slot: sends posted from it
-  std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled
-  std::vector<size_t> gather_cursor_;     // per quantizer: position in State::gather_to
+  std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled (State::gather_to)
   std::vector<bool> bf16_posted_;
   size_t next_unit_ = 0;
+  size_t input_seen_ = 0;  // trace: units up to this one were seen gathered, the last at input_ms_
+  double input_ms_ = 0;
   enum { kIdle, kGather, kReady, kSlot } waiting_ = kIdle;
   Clock::time_point waiting_since_{};
 };

@@ -9,6 +9,8 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
+# FABRIC_GPU_ONLY="weights-bench cuda-ipc": build, then only those steps (the RL weight updates at
+# 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh; the cuda_ipc benchmark).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -70,6 +72,23 @@ moe_steps() {
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   grep -E "^moe-bench" "$OUT/moe_bench.txt" || true
 }
+weights_bench_steps() {
+  python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; return; }
+  tests/gpu/weights_bench.sh || status=1
+}
+cuda_ipc_steps() {
+  $BUILD/tests/cuda_ipc_bench --json /tmp/cuda_ipc_bench.json 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
+}
+if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
+  for step in $FABRIC_GPU_ONLY; do
+    case $step in
+      weights-bench) weights_bench_steps ;;
+      cuda-ipc) cuda_ipc_steps ;;
+      *) echo "unknown step $step"; status=1 ;;
+    esac
+  done
+  exit $status
+fi
 # FABRIC_GPU_MOE_ONLY=1: only the Python package and the MoE steps (a short lease).
 if [ -n "${FABRIC_GPU_MOE_ONLY:-}" ]; then
   moe_steps
@@ -110,9 +129,7 @@ if ! skip topo-pass; then
   FABRIC_GPU_FROM_TOPOLOGY=1 ctest --test-dir $BUILD -L gpu --timeout 300 > /tmp/gpu_tests_topo.log 2>&1 || status=1
   echo "from the topology:"; grep -E "tests passed|Failed|\*\*\*" /tmp/gpu_tests_topo.log || true
 fi
-if ! skip cuda-ipc; then
-  $BUILD/tests/cuda_ipc_bench --json /tmp/cuda_ipc_bench.json 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
-fi
+if ! skip cuda-ipc; then cuda_ipc_steps; fi
 if ! skip post; then
   # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
   bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1

@@ -1,6 +1,9 @@
 // cuda_ipc Domain. A WRITE is queued at post time and handed to the GPU at the next poll: writes
-// of 1 MiB or more each become one cudaMemcpyAsync (a copy engine), smaller ones are gathered
-// into one kernel launch per batch. A batch's event marks its local completion; only then does
+// of 8 MiB or more each become one cudaMemcpyAsync (a copy engine), smaller ones are gathered
+// into one kernel launch per batch, cut into descriptors of at most 256 KiB so that a few large
+// WRITEs still spread over every SM (one cudaMemcpyAsync per 1-4 MiB WRITE cost ~5 us of host time
+// each: the "1 MiB dip"). Batches alternate between two streams, so one batch's last blocks
+// overlap the next batch's first instead of leaving SMs idle between launches. A batch's event marks its local completion; only then does
 // its immediate go to the peer's inbox, so a peer that sees the immediate sees the data.
 // post_write_batch (the pages of a paged transfer, up to kBatchMax at once) is handed to the GPU
 // at post time: its descriptors go straight into descriptor blocks, one gather launch per block,
@@ -31,12 +34,15 @@
 namespace fabric {
 namespace {
 
-constexpr size_t kDescBlock = 2048;      // copies per gather launch
+constexpr size_t kDescBlock = 4096;      // copies per gather launch
 constexpr size_t kDescBlocks = 32;       // gather launches in flight
 constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
 constexpr size_t kBatchBlocks = (kBatchMax + kDescBlock - 1) / kDescBlock;
 constexpr uint32_t kBatchKick = 256;     // an idle GPU gets a batch's first pages this early
-constexpr uint64_t kCopyEngineMin = 1 << 20;  // a WRITE this large goes to a copy engine alone
+constexpr uint64_t kCopyEngineMin = 8 << 20;  // a single WRITE this large goes to a copy engine alone
+constexpr uint64_t kBatchCopyEngineMin = 1 << 20;  // a page of a post_write_batch, likewise (pages are not cut)
+constexpr uint64_t kChunk = 256 << 10;        // a single WRITE's bytes per descriptor
+constexpr size_t kStreams = 2;
 
 static_assert(sizeof(cudaIpcMemHandle_t) == ipc::kHandleBytes);
 
@@ -119,7 +125,8 @@ class CudaIpcDomain final : public Domain {
     cuda::use_device(device_);
     cuda::check("cudaDeviceGetAttribute",
                 cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
-    cuda::check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (cudaStream_t& st : streams_)
+      cuda::check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     void* descs = nullptr;
     cuda::check("cudaHostAlloc(descriptors)",
                 cudaHostAlloc(&descs, kDescBlock * kDescBlocks * sizeof(cuda::CopyDesc),
@@ -143,7 +150,7 @@ class CudaIpcDomain final : public Domain {
   ~CudaIpcDomain() override {
     inbox_.header().closed.store(1, std::memory_order_release);  // peers' new posts fail at once
     shm::LocalEndpoints::remove(shm_.nonce());
-    cudaStreamSynchronize(stream_);
+    sync_streams();
     for (auto& b : inflight_) {
       for (auto& [region, generation] : b.holds) region->release();
       cudaEventDestroy(b.event);
@@ -161,7 +168,7 @@ class CudaIpcDomain final : public Domain {
     }
     for (auto& [key, a] : opened_) cudaIpcCloseMemHandle(a.base);
     for (auto e : free_events_) cudaEventDestroy(e);
-    cudaStreamDestroy(stream_);
+    for (cudaStream_t st : streams_) cudaStreamDestroy(st);
     cudaFreeHost(descs_);
   }
 
@@ -268,7 +275,7 @@ class CudaIpcDomain final : public Domain {
     for (auto it = gone; it != pending_.end(); ++it)
       ready_.push_back(error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
     pending_.erase(gone, pending_.end());
-    if (!inflight_.empty()) cudaStreamSynchronize(stream_);
+    if (!inflight_.empty()) sync_streams();
     peers_[slot].epoch++;  // `id` is unknown from here on
     complete_batches();    // every batch has completed: holds on the peer's regions go now
     for (auto& [region_slot, m] : peer->regions) unmap(m);
@@ -331,6 +338,7 @@ class CudaIpcDomain final : public Domain {
     Batch b;
     b.group = ctx;
     b.group_peer = id;
+    cudaStream_t stream = next_stream();
     if (ops[0].has_imm) b.imms.reserve(ops.size());  // a paged transfer: all or none have one
     b.event = take_event();
     std::string failure;
@@ -348,7 +356,7 @@ class CudaIpcDomain final : public Domain {
     // after a whole block (the rest of the block follows in a second launch).
     bool kick = inflight_.empty();
     auto launch = [&] {
-      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream_);
+      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream);
       issued = true;
       if (rc != cudaSuccess && failure.empty())
         failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
@@ -381,8 +389,8 @@ class CudaIpcDomain final : public Domain {
         src_readable = r && r->device_readable;
         src_known = true;
       }
-      if (op.len >= kCopyEngineMin || !src_readable) {
-        cudaError_t rc = cudaMemcpyAsync(dst, op.src, op.len, cudaMemcpyDefault, stream_);
+      if (op.len >= kBatchCopyEngineMin || !src_readable) {
+        cudaError_t rc = cudaMemcpyAsync(dst, op.src, op.len, cudaMemcpyDefault, stream);
         if (rc != cudaSuccess) {
           cudaGetLastError();
           failure = fmt::format("cuda_ipc: cudaMemcpyAsync of {} bytes failed: {}", op.len,
@@ -412,7 +420,7 @@ class CudaIpcDomain final : public Domain {
     }
     if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
-    cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream_));
+    cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
     inflight_.push_back(std::move(b));
     return PostResult::kPosted;
   }
@@ -651,12 +659,18 @@ class CudaIpcDomain final : public Domain {
     if (!m.handle_key.empty()) {
       auto it = opened_.find(m.handle_key);
       if (it != opened_.end() && --it->second.refs == 0) {
-        cudaStreamSynchronize(stream_);  // no copy of ours may still use the mapping
+        sync_streams();  // no copy of ours may still use the mapping
         cudaIpcCloseMemHandle(it->second.base);
         opened_.erase(it);
       }
     }
     m = {};
+  }
+
+  // Batches take the streams in turn.
+  cudaStream_t next_stream() { return streams_[next_stream_++ % kStreams]; }
+  void sync_streams() {
+    for (cudaStream_t st : streams_) cudaStreamSynchronize(st);
   }
 
   cudaEvent_t take_event() {
@@ -734,9 +748,12 @@ class CudaIpcDomain final : public Domain {
     while (i < pending_.size()) {
       Batch b;
       uint32_t descs = 0;
+      const cudaStream_t stream = next_stream();
       for (; i < pending_.size() && b.ops.size() < kDescBlock; i++) {
         const PendingOp& op = pending_[i];
         bool engine = op.len >= kCopyEngineMin || !op.kernel_ok;
+        const uint64_t chunks = engine ? 0 : (op.len + kChunk - 1) / kChunk;
+        if (descs + chunks > kDescBlock) break;  // the next batch takes it
         if (op.len > 0 && !engine && b.desc_block < 0) {
           if (free_blocks_.empty()) break;  // the rest waits for a completed launch
           b.desc_block = free_blocks_.back();
@@ -747,10 +764,13 @@ class CudaIpcDomain final : public Domain {
           continue;
         }
         if (op.len > 0 && engine) {
-          if (!issue(cudaMemcpyAsync(op.dst, op.src, op.len, cudaMemcpyDefault, stream_), "cudaMemcpyAsync", op))
+          if (!issue(cudaMemcpyAsync(op.dst, op.src, op.len, cudaMemcpyDefault, stream), "cudaMemcpyAsync", op))
             continue;
         } else if (op.len > 0) {
-          descs_[b.desc_block * kDescBlock + descs++] = {op.src, op.dst, op.len};
+          for (uint64_t at = 0; at < op.len; at += kChunk)
+            descs_[b.desc_block * kDescBlock + descs++] = {static_cast<const uint8_t*>(op.src) + at,
+                                                           static_cast<uint8_t*>(op.dst) + at,
+                                                           std::min(kChunk, op.len - at)};
         }
         b.ops.push_back(op);
       }
@@ -761,13 +781,13 @@ class CudaIpcDomain final : public Domain {
       }
       if (descs > 0) {
         cudaError_t rc = cuda::launch_gather_copy(descs_ + b.desc_block * kDescBlock, descs,
-                                                  sm_count_, stream_);
+                                                  sm_count_, stream);
         // The batch's copy-engine WRITEs may still run: fail it once its event says they are done.
         if (rc != cudaSuccess)
           b.failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
       }
       b.event = take_event();
-      cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream_));
+      cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
       inflight_.push_back(std::move(b));
     }
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(i));
@@ -876,14 +896,15 @@ class CudaIpcDomain final : public Domain {
   }
 
   const std::string name_ = "cuda_ipc";
-  // GPU memory is all it writes; a WRITE is bounded only by its destination region (1 MiB and
+  // GPU memory is all it writes; a WRITE is bounded only by its destination region (8 MiB and
   // more go to cudaMemcpyAsync whole); nothing is sent inline; no link of its own; single WRITEs
   // and immediates move at poll().
   const DomainCaps caps_{name_, /*gpu_memory=*/true, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
                          /*link_gbps=*/0.0, /*manual_progress=*/true};
   int device_;
   int sm_count_ = 0;
-  cudaStream_t stream_ = nullptr;
+  std::array<cudaStream_t, kStreams> streams_{};
+  size_t next_stream_ = 0;
   cuda::CopyDesc* descs_ = nullptr;
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
