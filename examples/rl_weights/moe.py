@@ -196,15 +196,46 @@ class _KillingTrainer(W.Trainer):
                 os._exit(17)
 
 
-def predict(t: W.Trainer, engine: fl.TransferEngine, machine: dict, posted: list) -> dict:
-    """The executor's cost model (fabric_lib.weights.predict_update) for this plan, fed with the
-    machine's measured copy bandwidth (machine["link_gbs"]) and the submit cost per request this
-    rank measured (the median over the steps)."""
-    post_us = sorted(posted)[len(posted) // 2] if posted else 0.0
-    p = fl._fabric_lib.weights_predict_update(t.plan, link_gbs=machine["link_gbs"], post_us=post_us,
-                                              one_device=machine.get("one_device", False), window=t.window,
-                                              nics=engine.nic_count)
-    p["post_us"] = post_us
+# Immediates of the round-trip calibration: kind 0 (gather), step 16383, units 0xF000 and 0xF001,
+# which no update of this example uses (its steps are few, its units far fewer than 0xF000).
+_PING, _PONG = 0x3FFFF000, 0x3FFFF001
+
+
+def write_rtt_us(engine: fl.TransferEngine, t: W.Trainer, rounds: int = 200) -> float:
+    """Training ranks 0 and 1: the median round trip of a zero-byte WRITE with an immediate (rank 0
+    sends, rank 1 answers), the latency every credit -> gather of an update pays. Rank 1 returns 0."""
+    import time
+
+    me, peer = (0, 1) if t.rank == 0 else (1, 0)
+    times = []
+    for _ in range(rounds):
+        got = fl.DoneFlag()
+        engine.expect_imm_count(_PONG if me == 0 else _PING, 1, got, timeout_s=10.0)
+        t0 = time.perf_counter()
+        if me == 0:
+            engine.submit_barrier(dsts=[t.train_descs[peer]], imm=_PING)
+        if not got.wait(timeout=10) or not got.ok:
+            raise RuntimeError("the round-trip calibration between training ranks 0 and 1 timed out")
+        if me == 1:
+            engine.submit_barrier(dsts=[t.train_descs[peer]], imm=_PONG)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[len(times) // 2] if me == 0 else 0.0
+
+
+def predict(t: W.Trainer, engine: fl.TransferEngine, machine: dict, rtt_us: float, steps: list) -> dict:
+    """The executor's cost model (weights_predict_update, include/fabric/weights_update.h) for this
+    plan, fed with what was measured on this machine: the copy bandwidth (machine["link_gbs"], a
+    contiguous device copy), the WRITE round trip (write_rtt_us, before the steps), and this rank's
+    submit time per request and hook time per unit (medians over the steps' own timers)."""
+    def median(xs):
+        return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+    post_us = median([x["post_ms"] * 1e3 / max(1, x["requests"]) for x in steps])
+    unit_us = median([x["quantize_ms"] * 1e3 / max(1, x["units_quantized"]) for x in steps])
+    p = fl._fabric_lib.weights_predict_update(t.plan, link_gbs=machine["link_gbs"], post_us=post_us, unit_us=unit_us,
+                                              write_rtt_us=rtt_us, one_device=machine.get("one_device", False),
+                                              window=t.window, nics=engine.nic_count)
+    p.update(post_us=post_us, unit_us=unit_us, write_rtt_us=rtt_us)
     return p
 
 
@@ -224,7 +255,8 @@ def trainer(conn, cfg: dict) -> None:
             conn.send("ready" if problem == "" else "error: the plan does not check: " + problem)
             ps = model.params()
             index = {p.name: i for i, p in enumerate(ps)}
-            posted = []  # per step: microseconds of submit per request
+            measured = []  # this rank's UpdateTimes, per step
+            rtt_us = write_rtt_us(engine, t) if cfg.get("predict") and rank in (0, 1) else 0.0
             for step in cfg["steps"]:
                 for piece in model.train_pieces(rank):
                     p = ps[index[piece.param]]
@@ -240,9 +272,9 @@ def trainer(conn, cfg: dict) -> None:
                     conn.send(("failed", step, str(e)))
                     break
                 conn.send(("ok", step, times))
-                posted.append(times["post_ms"] * 1e3 / max(1, times["requests"]))
+                measured.append(times)
             if cfg.get("predict") and rank == 0:
-                conn.send(("predicted", predict(t, engine, cfg["predict"], posted)))
+                conn.send(("predicted", predict(t, engine, cfg["predict"], rtt_us, measured)))
             t.close()
         conn.send("bye")
     except Exception:

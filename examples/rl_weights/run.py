@@ -136,11 +136,13 @@ def main() -> int:
     if machine and predicted:
         print(f"weights-gpu params={model.param_count()} bytes_per_step={total_bytes} update_ms_p50={p50:.2f} "
               f"gbps={total_bytes / p50 / 1e6:.2f} predicted_ms={predicted['predicted_ms']:.2f} "
-              f"measured_over_predicted={p50 / predicted['predicted_ms']:.2f} copy_gbs={machine['link_gbs']:.0f} "
-              f"post_us={predicted['post_us']:.2f} (model: link {predicted['link_ms']:.2f} + quantize "
-              f"{predicted['quantize_ms']:.2f} ms, post {predicted['post_ms']:.2f} ms, fill {predicted['fill_ms']:.2f} ms, "
-              f"{predicted['requests_max']} requests on the busiest rank) mps={args.mps if args.mps is not None else '?'} "
-              f"hook={args.hook}")
+              f"measured_over_predicted={p50 / predicted['predicted_ms']:.2f}")
+        print(f"  the model: chain {predicted['chain_ms']:.2f} ms (the slowest rank's units), link "
+              f"{predicted['link_ms']:.2f} + quantize {predicted['quantize_ms']:.2f} + fill {predicted['fill_ms']:.2f} ms, "
+              f"post {predicted['post_ms']:.2f} ms ({predicted['requests_max']} requests on the busiest rank); fed with "
+              f"copy {machine['link_gbs']:.0f} GB/s, WRITE round trip {predicted['write_rtt_us']:.1f} us, "
+              f"{predicted['unit_us']:.1f} us per unit hook, {predicted['post_us']:.2f} us per request; "
+              f"mps={args.mps if args.mps is not None else '?'} hook={args.hook} window={args.window}")
     return 0 if exact else 1
 
 

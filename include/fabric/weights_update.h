@@ -101,7 +101,7 @@ struct UnitTrace {
 // what was submitted for them (a run is one PagedWrites).
 struct UpdateTimes {
   double total_ms = 0, gather_wait_ms = 0, quantize_ms = 0, ready_wait_ms = 0, drain_ms = 0, post_ms = 0;
-  uint64_t writes = 0, requests = 0, bytes = 0;
+  uint64_t writes = 0, requests = 0, bytes = 0, units_quantized = 0;
   std::vector<UnitTrace> units{};  // trace only
 };
 
@@ -110,8 +110,14 @@ struct UpdateTimes {
 // a unit hook quantizes quantize_gbs GB/s of BF16 input (0: link_gbs), and submitting one request
 // costs post_us of a training rank's thread. The pipeline overlaps the three, so an update takes
 // the slowest of them plus the fill (the first unit's gather and quantizing, before any send).
+// Latency, where given: a unit's hook costs at least unit_us (its launch and synchronisation), and
+// a WRITE's round trip (submitted here, its immediate seen there, an answer seen here) is
+// write_rtt_us. A training rank then runs its n units one after another, each at least
+// max(h, (h + rtt) / window) apart (h: the unit's hook time; unit k + window's gather is released
+// by unit k's credit, a round trip before it lands), after a fill of one round trip and its first
+// unit, and the last sends land half a round trip later.
 struct UpdateCost {
-  double link_gbs = 0, quantize_gbs = 0, post_us = 0;
+  double link_gbs = 0, quantize_gbs = 0, post_us = 0, unit_us = 0, write_rtt_us = 0;
   bool one_device = false;
   uint32_t window = 2;
   size_t nics = 1;  // NICs per GPU (which WRITEs the executor merges into runs)
@@ -119,6 +125,7 @@ struct UpdateCost {
 struct UpdatePrediction {
   double predicted_ms = 0, lower_bound_ms = 0;  // lower bound: the destination bytes over the links alone
   double link_ms = 0, quantize_ms = 0, post_ms = 0, fill_ms = 0;
+  double chain_ms = 0;  // the slowest rank's units one after another (the latency terms; 0 without them)
   uint64_t busiest_bytes = 0, requests_max = 0;  // the busiest link's bytes; the most requests of a rank
 };
 // Throws fabric::Error(kInvalidArgument) for no plan or a link_gbs that is not positive.

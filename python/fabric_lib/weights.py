@@ -201,6 +201,7 @@ class Trainer(_Side):
         handle, desc = engine.register_tensor(self.arena)
         self._publish(f"t{rank}/arena", {"descs": [desc.to_bytes().hex()]})
         train = [d[0] for d in self._descs("t", world)]
+        self.train_descs = train  # every training rank's arena (its own included)
         dest_sets = list(map(list, zip(*self._descs("i", infer_world, sets))))
         if len(dest_sets) != sets:
             raise ValueError(f"the inference ranks registered fewer than {sets} buffer sets")

@@ -105,12 +105,13 @@ void bind_weights(nb::module_& m) {
       "manifest"_a, "owner_rows"_a = 0, "The update plan (throws FabricError for a manifest it cannot cover).");
   m.def(
       "weights_predict_update",
-      [](std::shared_ptr<const UpdatePlan> plan, double link_gbs, double quantize_gbs, double post_us, bool one_device,
-         uint32_t window, size_t nics) {
+      [](std::shared_ptr<const UpdatePlan> plan, double link_gbs, double quantize_gbs, double post_us, double unit_us,
+         double write_rtt_us, bool one_device, uint32_t window, size_t nics) {
         UpdatePrediction p;
         {
           nb::gil_scoped_release release;
           p = predict_update(std::move(plan), {.link_gbs = link_gbs, .quantize_gbs = quantize_gbs, .post_us = post_us,
+                                               .unit_us = unit_us, .write_rtt_us = write_rtt_us,
                                                .one_device = one_device, .window = window, .nics = nics});
         }
         nb::dict d;
@@ -120,11 +121,13 @@ void bind_weights(nb::module_& m) {
         d["quantize_ms"] = p.quantize_ms;
         d["post_ms"] = p.post_ms;
         d["fill_ms"] = p.fill_ms;
+        d["chain_ms"] = p.chain_ms;
         d["busiest_bytes"] = p.busiest_bytes;
         d["requests_max"] = p.requests_max;
         return d;
       },
-      "plan"_a, nb::kw_only(), "link_gbs"_a, "quantize_gbs"_a = 0.0, "post_us"_a = 0.0, "one_device"_a = false,
+      "plan"_a, nb::kw_only(), "link_gbs"_a, "quantize_gbs"_a = 0.0, "post_us"_a = 0.0, "unit_us"_a = 0.0,
+      "write_rtt_us"_a = 0.0, "one_device"_a = false,
       "window"_a = 2, "nics"_a = 1, "The executor's cost model (include/fabric/weights_update.h, predict_update).");
   m.def(
       "weights_check_update",
@@ -195,6 +198,7 @@ void bind_weights(nb::module_& m) {
              d["post_ms"] = t.post_ms;
              d["writes"] = t.writes;
              d["requests"] = t.requests;
+             d["units_quantized"] = t.units_quantized;
              d["bytes"] = t.bytes;
              if (!t.units.empty()) {
                nb::list units;

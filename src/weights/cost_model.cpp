@@ -57,6 +57,20 @@ UpdatePrediction predict_update(std::shared_ptr<const UpdatePlan> plan, const Up
       fill = std::max(fill, (u.task.gathered ? bytes / link : 0) + bytes / quant);
     }
   }
+  // The latency chain: each rank's units in order, paced by the hook and by the credit round trip.
+  if (cost.unit_us > 0 || cost.write_rtt_us > 0) {
+    const double rtt = cost.write_rtt_us * 1e-6;
+    for (uint32_t r = 0; r < srcs; r++) {
+      const detail::RankSchedule& rs = s.ranks[r];
+      double chain = rs.units.empty() ? 0 : rtt;  // the first credit and gather
+      for (const detail::ScheduledUnit& u : rs.units) {
+        const TensorSpec& t = tensors[u.task.tensor];
+        const double h = std::max(cost.unit_us * 1e-6, static_cast<double>((u.task.r1 - u.task.r0) * t.cols * t.elem_bytes) / quant);
+        chain += u.contributors.empty() ? h : std::max(h, (h + rtt) / cost.window);
+      }
+      p.chain_ms = std::max(p.chain_ms, (chain + rtt / 2) * 1e3);
+    }
+  }
   const auto sum = [](const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); };
   const auto max = [](const std::vector<uint64_t>& v) { return v.empty() ? uint64_t{0} : *std::max_element(v.begin(), v.end()); };
   p.requests_max = max(requests);
@@ -69,14 +83,14 @@ UpdatePrediction predict_update(std::shared_ptr<const UpdatePlan> plan, const Up
     p.link_ms = static_cast<double>(p.busiest_bytes) / link * 1e3;
     p.quantize_ms = static_cast<double>(sum(quantized)) / quant * 1e3;
     p.lower_bound_ms = static_cast<double>(sum(dst_in)) / link * 1e3;
-    p.predicted_ms = std::max(p.link_ms + p.quantize_ms, p.post_ms) + p.fill_ms;
+    p.predicted_ms = std::max({p.link_ms + p.quantize_ms + p.fill_ms, p.post_ms + p.fill_ms, p.chain_ms});
   } else {
     // Every NIC streams what it carries; the slowest sets the pace; the ranks quantize in parallel.
     p.busiest_bytes = std::max({max(dst_in), max(out), max(in)});
     p.link_ms = static_cast<double>(p.busiest_bytes) / link * 1e3;
     p.quantize_ms = static_cast<double>(max(quantized)) / quant * 1e3;
     p.lower_bound_ms = static_cast<double>(sum(dst_in)) / (dsts * link) * 1e3;
-    p.predicted_ms = std::max({p.link_ms, p.quantize_ms, p.post_ms}) + p.fill_ms;
+    p.predicted_ms = std::max(std::max({p.link_ms, p.quantize_ms, p.post_ms}) + p.fill_ms, p.chain_ms);
   }
   return p;
 }

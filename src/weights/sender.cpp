@@ -198,6 +198,7 @@ class WeightSender::Step {
 
   UpdateTimes run() {
     t0_ = Clock::now();
+    last_move_ = t0_;
     deadline_ = t0_ + s_.cfg.timeout;
     try {
       arm();
@@ -210,7 +211,12 @@ class WeightSender::Step {
         if (Clock::now() > deadline_)
           throw Error(ErrorCode::kTimeout, fmt::format("weight update step {} on training rank {}: not done after {} ms: {}",
                                                        step_, me_, s_.cfg.timeout.count(), awaited()));
-        if (!moved) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        // Idle: poll again at once for a while (the next immediate is usually microseconds
+        // away: each 20 us sleep would add to every credit -> gather round trip), then sleep.
+        const auto now = Clock::now();
+        if (moved) last_move_ = now;
+        else if (now - last_move_ > std::chrono::microseconds(200)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        else std::this_thread::yield();
       }
       drain();
     } catch (...) {
@@ -218,6 +224,7 @@ class WeightSender::Step {
       throw;
     }
     times_.total_ms = ms_since(t0_);
+    times_.units_quantized = next_unit_;
     return times_;
   }
 
@@ -412,7 +419,7 @@ class WeightSender::Step {
   const std::vector<RemoteMr>& dest_;
   std::shared_ptr<Progress> progress_;
   Progress& pr_;
-  Clock::time_point t0_{}, deadline_{};
+  Clock::time_point t0_{}, deadline_{}, last_move_{};
   std::vector<ImmExpectation> armed_;
   UpdateTimes times_;
   uint64_t posted_ = 0;                // gathers, BF16 sends and barriers

@@ -98,6 +98,13 @@ TEST(WeightsRuns, ThePredictionCountsTheExecutorsRequestsAndBoundsItsTime) {
   EXPECT_GT(one.fill_ms, 0);
   const UpdatePrediction many = predict_update(plan, {.link_gbs = 100, .post_us = 10});
   EXPECT_LT(many.link_ms, one.link_ms) << "bytes spread over every rank's links";
+  // Latency: one gathered unit whose hook takes 50 us, a round trip of 100 us: the fill's round
+  // trip, then the unit at max(h, (h + rtt) / window), then half a round trip for its sends.
+  const UpdatePrediction slow =
+      predict_update(plan, {.link_gbs = 100, .unit_us = 50, .write_rtt_us = 100, .one_device = true, .window = 2});
+  EXPECT_NEAR(slow.chain_ms, (100 + 75 + 50) / 1e3, 1e-9);
+  EXPECT_GE(slow.predicted_ms, slow.chain_ms);
+  EXPECT_EQ(one.chain_ms, 0) << "no latency terms given";
   EXPECT_THROW(predict_update(plan, {.link_gbs = 0}), Error);
   EXPECT_THROW(predict_update(nullptr, {.link_gbs = 1}), Error);
 }
