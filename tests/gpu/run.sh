@@ -9,8 +9,9 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench cuda-ipc": build, then only those steps (the RL weight updates at
-# 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh; the cuda_ipc benchmark).
+# FABRIC_GPU_ONLY="weights-bench python-gpu cuda-ipc gpu-tests": build, then only those steps (the RL
+# weight updates at 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh; the weight-update GPU
+# test; the cuda_ipc benchmark; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -52,6 +53,8 @@ python_steps() {
   { python3 examples/rl_weights/run.py --gpu && python3 examples/rl_weights/run.py --provider shm &&
     $BUILD/bench/fabric-weights-plan && $BUILD/bench/fabric-weights-plan --busy; } > "$OUT/weights.txt" 2>&1 || status=1
   grep -E "^weights |^plan |^ +[0-9]+ " "$OUT/weights.txt" | tail -30 || true
+  # At the sizes users run: >= 300 MiB and >= 2 GiB per step, under MPS (`weights-gpu ...` lines).
+  tests/gpu/weights_bench.sh || status=1
 }
 # MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
@@ -84,6 +87,12 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
     case $step in
       weights-bench) weights_bench_steps ;;
       cuda-ipc) cuda_ipc_steps ;;
+      gpu-tests)  # the C++ GPU tests (cuda_ipc batches among them)
+        ctest --test-dir $BUILD -L gpu --timeout 300 > "$OUT/gpu_tests.log" 2>&1 || status=1
+        grep -E "tests passed|Failed|\*\*\*" "$OUT/gpu_tests.log" || true ;;
+      python-gpu)  # the weight-update GPU test (the package must be installed: weights-bench first)
+        python3 -m pytest -s -v tests/gpu/test_weights_gpu.py > "$OUT/python_gpu.txt" 2>&1 || status=1
+        grep -E "weights-gpu|passed|failed|error" "$OUT/python_gpu.txt" | tail -4 || true ;;
       *) echo "unknown step $step"; status=1 ;;
     esac
   done

@@ -5,8 +5,9 @@
 # SM share (they then run at once, as on separate GPUs); without MPS they time-slice the GPU.
 # Each run ends with its `weights ...` and `weights-gpu ...` lines; the full output goes to
 # $OUT/weights_gpu.txt.
-#   WEIGHTS_RUNS="1:300m:auto 1:2g:auto"   which runs, each MPS:SIZE:HOOK (MPS 1: under MPS where it
-#                                          starts, 0: time-sliced; SIZE 300m or 2g; HOOK auto, cuda or torch)
+#   WEIGHTS_RUNS="1:300m:auto 1:2g:auto"   which runs, each MPS:SIZE:HOOK[:WINDOW] (MPS 1: under MPS where
+#                                          it starts, 0: time-sliced; SIZE 300m or 2g; HOOK auto, cuda or
+#                                          torch; WINDOW staging slots, default 2)
 #   WEIGHTS_EXTRA=""                       more arguments for examples/rl_weights/run.py (--trace, say)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,12 +32,13 @@ stop_mps() {
   if [ $mps_up = 1 ]; then echo quit | nvidia-cuda-mps-control; mps_up=0; sleep 1; fi
 }
 for run in ${WEIGHTS_RUNS:-1:300m:auto 1:2g:auto}; do
-  IFS=: read -r mps size hook <<< "$run"
+  IFS=: read -r mps size hook window <<< "$run"
+  window=${window:-2}
   if [ "$mps" = 1 ]; then start_mps || { echo "weights-gpu: MPS did not start" | tee -a "$log"; continue; }
   else stop_mps; fi
-  echo "== size=$size mps=$mps hook=$hook" >> "$log"
+  echo "== size=$size mps=$mps hook=$hook window=$window" >> "$log"
   # shellcheck disable=SC2086
-  timeout 300 python3 examples/rl_weights/run.py --gpu --hook "$hook" ${SIZE[$size]} --mps "$mps" \
+  timeout 300 python3 examples/rl_weights/run.py --gpu --hook "$hook" --window "$window" ${SIZE[$size]} --mps "$mps" \
     ${WEIGHTS_EXTRA:-} >> "$log" 2>&1 || { status=1; echo "weights-gpu size=$size mps=$mps hook=$hook: FAILED" >> "$log"; }
 done
 stop_mps
