@@ -118,6 +118,49 @@ def test_a_trainer_killed_mid_update_fails_the_step_and_a_restarted_job_lands_wh
             assert got == [("ok", 10, [])], got
 
 
+# A model of 24 M parameters, 48 MiB moved per step (hidden 512, vocab 8192): the executor at a size
+# where a column split's rows are runs of 512 and the gathers several MiB, on the 2-core machine.
+SCALED = dict(hidden=512, inter=512, vocab=8192, layers=2, q_rows=1024, kv_rows=512)
+
+
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_a_48_mib_model_lands_bit_for_bit_every_step(peer, store_port, provider):
+    steps = [0, 1, 2]
+    common = dict(provider=provider, steps=steps, model=SCALED)
+    ranks = _start_all(peer, store_port, uuid.uuid4().hex, dict(window=2, **common), common)
+    for side, r, conn, _ in ranks:
+        got = _results(conn, len(steps))
+        assert [m[0] for m in got] == ["ok"] * len(steps), (side, r, got[-1])
+        if side == "i":
+            for _, step, bad in got:
+                assert bad == [], f"inference rank {r} step {step}: {bad} differ from the reference"
+        else:
+            for _, _, times in got:
+                assert times["bytes"] > 10 << 20 and times["requests"] < times["writes"], times
+
+
+def test_a_trainer_killed_mid_update_of_a_48_mib_model_fails_every_rank_in_bounded_time(peer, store_port):
+    """Training rank 1 dies after quantizing two units of step 1: the three other training ranks
+    and both inference ranks end step 1 with an error (none hangs), within the 8 s timeout plus
+    slack, and the inference ranks keep step 0's weights whole in the other buffer set."""
+    common = dict(provider="tcp;ofi_rxm", timeout_s=8.0, steps=[0, 1], model=SCALED)
+    ranks = _start_all(peer, store_port, uuid.uuid4().hex, dict(hook="torch", **common), common,
+                       overrides={1: dict(kill_step=1)})
+    dead = next(p for side, r, _, p in ranks if side == "t" and r == 1)
+    t0 = time.monotonic()
+    dead.join(timeout=120)
+    assert dead.exitcode == 17, "rank 1 should have died mid-update"
+    for side, r, conn, _ in ranks:
+        if side == "t" and r == 1:
+            continue
+        got = _results(conn, 2, timeout=60)
+        assert got[0][0] == "ok", (side, r, got)
+        assert got[1][0] == "failed" and got[1][1] == 1, (side, r, got[1])
+        if side == "i":
+            assert got[0][2] == [] and got[1][3] == [], f"inference rank {r}: step 0's set changed: {got[1][3]}"
+    assert time.monotonic() - t0 < 40, "the failure took longer than the 8 s timeouts allow"
+
+
 def test_bad_pieces_are_rejected_with_a_clear_error(store_port):
     ps = R.params()
     with fl.TransferEngine(provider="tcp;ofi_rxm", nics=["127.0.0.1"]) as e:
