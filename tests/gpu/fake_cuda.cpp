@@ -262,6 +262,19 @@ cudaError_t launch_gather_copy(const CopyDesc* d, uint32_t n, int, cudaStream_t 
   run(s, [copy] { for (auto& c : copy) memcpy(c.dst, c.src, c.len); });
   return cudaSuccess;
 }
+// The fed launch: copies descriptors as they are published, ends once the feed is closed.
+cudaError_t launch_fed_gather_copy(const CopyDesc* d, const CopyFeed* feed, uint32_t, int, cudaStream_t s) {
+  run(s, [d, feed] {
+    uint32_t done = 0;
+    for (;;) {
+      const uint32_t w = std::atomic_ref<const uint32_t>(feed->published).load(std::memory_order_acquire);
+      for (; done < (w & ~kFeedClosed); done++) memcpy(d[done].dst, d[done].src, d[done].len);
+      if (w & kFeedClosed) break;
+      std::this_thread::yield();
+    }
+  });
+  return cudaSuccess;
+}
 }  // namespace fabric::cuda
 namespace fabric::gpu_test {
 static void sum_words(const uint8_t* data, uint64_t len, uint64_t* out) {

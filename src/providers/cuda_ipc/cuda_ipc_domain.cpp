@@ -6,8 +6,9 @@
 // overlap the next batch's first instead of leaving SMs idle between launches. A batch's event marks its local completion; only then does
 // its immediate go to the peer's inbox, so a peer that sees the immediate sees the data.
 // post_write_batch (the pages of a paged transfer, up to kBatchMax at once) is handed to the GPU
-// at post time: its descriptors go straight into descriptor blocks, one gather launch per block,
-// one event and one completion for the whole batch, its immediates pushed in one go.
+// at post time: one gather launch, started with its first page, copies the batch's descriptors
+// as the host writes them into a descriptor block (the launch's feed, gather_copy.h), one event
+// and one completion for the whole batch, its immediates pushed in one go.
 // Writers hold a peer's region while their copies into it run (ipc_shared.h), so deregistration
 // waits for them; peers can be removed, their mappings closed, with operations still in flight.
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -37,8 +39,9 @@ namespace {
 constexpr size_t kDescBlock = 4096;      // copies per gather launch
 constexpr size_t kDescBlocks = 32;       // gather launches in flight
 constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
-constexpr size_t kBatchBlocks = (kBatchMax + kDescBlock - 1) / kDescBlock;
-constexpr uint32_t kBatchKick = 256;     // an idle GPU gets a batch's first pages this early
+constexpr size_t kBatchBlocks = 1;  // a post_write_batch fills one descriptor block
+static_assert(kBatchMax <= kDescBlock);
+constexpr uint32_t kFeedEvery = 64;      // descriptors written between two publications of a batch's feed
 constexpr uint64_t kCopyEngineMin = 8 << 20;  // a single WRITE this large goes to a copy engine alone
 constexpr uint64_t kBatchCopyEngineMin = 1 << 20;  // a page of a post_write_batch, likewise (pages are not cut)
 constexpr uint64_t kChunk = 256 << 10;        // a single WRITE's bytes per descriptor
@@ -132,6 +135,10 @@ class CudaIpcDomain final : public Domain {
                 cudaHostAlloc(&descs, kDescBlock * kDescBlocks * sizeof(cuda::CopyDesc),
                               cudaHostAllocMapped | cudaHostAllocPortable));
     descs_ = static_cast<cuda::CopyDesc*>(descs);
+    void* feeds = nullptr;
+    cuda::check("cudaHostAlloc(feeds)", cudaHostAlloc(&feeds, kDescBlocks * sizeof(cuda::CopyFeed),
+                                                      cudaHostAllocMapped | cudaHostAllocPortable));
+    feeds_ = new (feeds) cuda::CopyFeed[kDescBlocks];
     for (size_t b = kDescBlocks; b-- > 0;) free_blocks_.push_back(static_cast<int>(b));
 
     ShmSegment::remove_stale();
@@ -170,6 +177,7 @@ class CudaIpcDomain final : public Domain {
     for (auto e : free_events_) cudaEventDestroy(e);
     for (cudaStream_t st : streams_) cudaStreamDestroy(st);
     cudaFreeHost(descs_);
+    cudaFreeHost(feeds_);
   }
 
   const std::string& provider_name() const override { return name_; }
@@ -309,8 +317,9 @@ class CudaIpcDomain final : public Domain {
 
   // The pages of a paged transfer to one peer, handed to the GPU now: each destination region is
   // held (and its generation checked) before the first copy into it, descriptors are written
-  // into at most kBatchBlocks descriptor blocks (a launch as each fills), WRITEs of 1 MiB or more
-  // and those from memory no kernel can read go to a copy engine, and one event ends the batch.
+  // into one descriptor block that a launch started with the first of them copies as they come
+  // (published every kFeedEvery, closed at the end on every path), pages of 1 MiB or more and
+  // those from memory no kernel can read go to a copy engine, and one event ends the batch.
   // When it has completed: the holds go, the immediates go into the peer's inbox in one go, and
   // ctx completes once. An invalid WRITE refuses the whole batch (kFailed) when nothing of it
   // has reached the GPU yet; found after a launch, it fails the batch once its event completes.
@@ -331,9 +340,8 @@ class CudaIpcDomain final : public Domain {
       return PostResult::kFailed;
     }
     if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
-    // Descriptor blocks for every WRITE (those that go to a copy engine give theirs back).
-    const size_t need = (ops.size() + kDescBlock - 1) / kDescBlock;
-    if (free_blocks_.size() < need) return PostResult::kRetry;  // wait for launches to complete
+    // One descriptor block for the batch (kBatchMax fits one), fed to one launch as it fills.
+    if (free_blocks_.empty()) return PostResult::kRetry;  // wait for launches to complete
 
     Batch b;
     b.group = ctx;
@@ -351,20 +359,36 @@ class CudaIpcDomain final : public Domain {
     bool src_readable = false;
     bool src_known = false;
     cuda::CopyDesc* block = nullptr;
-    uint32_t descs = 0, launched = 0;  // in the current block: written, handed to the GPU
-    // Nothing of ours runs on the GPU: launch the first kBatchKick pages at once instead of
-    // after a whole block (the rest of the block follows in a second launch).
-    bool kick = inflight_.empty();
-    auto launch = [&] {
-      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream);
-      issued = true;
-      if (rc != cudaSuccess && failure.empty())
-        failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
-      launched = descs;
-      if (descs == kDescBlock) {
-        block = nullptr;
-        descs = launched = 0;
+    cuda::CopyFeed* feed = nullptr;
+    uint32_t descs = 0;
+    // Every WRITE checked before anything reaches the GPU (the launch below starts with the first
+    // page): an invalid one refuses the whole batch with nothing posted.
+    for (const WriteOp& op : ops) {
+      if (op.peer != id) {
+        failure = "cuda_ipc: the WRITEs of a batch must go to one peer";
+        break;
       }
+      if (op.len == 0) continue;
+      if (map_base == nullptr || op.rkey != map_rkey) {
+        if (!map_batch_destination(*peer, b, op.rkey, map_base, map_len, failure)) break;
+        map_rkey = op.rkey;
+      }
+      if (op.remote_addr > map_len || op.len > map_len - op.remote_addr) {
+        failure = fmt::format("cuda_ipc: [{}, +{}) is outside the remote region of {} bytes",
+                              op.remote_addr, op.len, map_len);
+        break;
+      }
+    }
+    if (!failure.empty()) {
+      release(b);
+      free_events_.push_back(b.event);
+      last_error_ = std::move(failure);
+      return PostResult::kFailed;
+    }
+    map_base = nullptr;
+    // The launch starts with the first descriptor; the GPU copies while the rest are written.
+    auto publish = [&](uint32_t word) {
+      std::atomic_ref<uint32_t>(feed->published).store(word, std::memory_order_release);
     };
     for (const WriteOp& op : ops) {
       if (op.peer != id) {
@@ -400,25 +424,30 @@ class CudaIpcDomain final : public Domain {
         issued = true;
         continue;
       }
-      if (!block) {  // reserved above: never empty here
-        int k = free_blocks_.back();
+      if (!block) {  // the first page for the kernel: take the block, launch on its feed
+        const int k = free_blocks_.back();
         free_blocks_.pop_back();
         b.group_blocks[b.group_block_count++] = k;
         block = descs_ + static_cast<size_t>(k) * kDescBlock;
+        feed = feeds_ + k;
+        publish(0);
+        cudaError_t rc = cuda::launch_fed_gather_copy(block, feed, static_cast<uint32_t>(ops.size()), sm_count_, stream);
+        issued = true;
+        if (rc != cudaSuccess) {
+          failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
+          break;
+        }
       }
       block[descs++] = {op.src, dst, op.len};
-      if (descs == kDescBlock || (kick && descs == kBatchKick)) {
-        kick = false;
-        launch();
-      }
+      if (descs % kFeedEvery == 0) publish(descs);
     }
+    if (feed) publish(descs | cuda::kFeedClosed);  // every path: the launch must end
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
       release(b);
       free_events_.push_back(b.event);
       last_error_ = std::move(failure);
       return PostResult::kFailed;
     }
-    if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
     cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
     inflight_.push_back(std::move(b));
@@ -906,6 +935,7 @@ class CudaIpcDomain final : public Domain {
   std::array<cudaStream_t, kStreams> streams_{};
   size_t next_stream_ = 0;
   cuda::CopyDesc* descs_ = nullptr;
+  cuda::CopyFeed* feeds_ = nullptr;  // per descriptor block: the feed of a post_write_batch's launch
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
   ShmSegment shm_;

@@ -19,4 +19,19 @@ struct CopyDesc {
 cudaError_t launch_gather_copy(const CopyDesc* descs, uint32_t count, int sm_count,
                                cudaStream_t stream);
 
+// A gather launch fed while it runs (cuda_ipc's post_write_batch): it is launched before the first
+// descriptor is written, the host then writes descriptors and publishes how many it has written
+// in `published` (release order, every few descriptors), and sets kFeedClosed in it once no more
+// come. The GPU copies while the host is still building the batch, and one launch serves the
+// whole batch. `feed` and `descs` in pinned, device-mapped host memory; at most max_count
+// descriptors. A launch whose feed is never closed gives up after kFeedWaitNs without a new
+// descriptor (a host bug; it then leaves the rest uncopied, never hangs the GPU).
+struct alignas(64) CopyFeed {
+  uint32_t published = 0;
+};
+inline constexpr uint32_t kFeedClosed = 1u << 31;
+inline constexpr uint64_t kFeedWaitNs = 10'000'000'000ull;
+cudaError_t launch_fed_gather_copy(const CopyDesc* descs, const CopyFeed* feed, uint32_t max_count, int sm_count,
+                                   cudaStream_t stream);
+
 }  // namespace fabric::cuda
