@@ -263,13 +263,16 @@ cudaError_t launch_gather_copy(const CopyDesc* d, uint32_t n, int, cudaStream_t 
   return cudaSuccess;
 }
 // The fed launch: copies descriptors as they are published, ends once the feed is closed.
-cudaError_t launch_fed_gather_copy(const CopyDesc* d, const CopyFeed* feed, uint32_t, int, cudaStream_t s) {
-  run(s, [d, feed] {
+cudaError_t launch_fed_gather_copy(const CopyDesc* d, CopyFeed* feed, FeedMirror*, uint32_t seq, uint32_t, int,
+                                   cudaStream_t s) {
+  run(s, [d, feed, seq] {
     uint32_t done = 0;
     for (;;) {
-      const uint32_t w = std::atomic_ref<const uint32_t>(feed->published).load(std::memory_order_acquire);
-      for (; done < (w & ~kFeedClosed); done++) memcpy(d[done].dst, d[done].src, d[done].len);
-      if (w & kFeedClosed) break;
+      const uint64_t w = std::atomic_ref<const uint64_t>(feed->published).load(std::memory_order_acquire);
+      if ((w >> 32) == seq) {
+        for (; done < (w & (kFeedClosed - 1)); done++) memcpy(d[done].dst, d[done].src, d[done].len);
+        if (w & kFeedClosed) break;
+      }
       std::this_thread::yield();
     }
   });

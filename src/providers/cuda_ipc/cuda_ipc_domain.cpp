@@ -85,6 +85,7 @@ struct Batch {
   std::array<int, kBatchBlocks> group_blocks{};
   size_t group_block_count = 0;
   std::vector<uint32_t> imms;
+  uint32_t feed_seq = 0;  // its fed launch's sequence number (0: none)
 };
 
 // A completed post_write_batch whose immediates did not all fit into the peer's inbox yet.
@@ -139,6 +140,10 @@ class CudaIpcDomain final : public Domain {
     cuda::check("cudaHostAlloc(feeds)", cudaHostAlloc(&feeds, kDescBlocks * sizeof(cuda::CopyFeed),
                                                       cudaHostAllocMapped | cudaHostAllocPortable));
     feeds_ = new (feeds) cuda::CopyFeed[kDescBlocks];
+    void* mirrors = nullptr;
+    cuda::check("cudaMalloc(feed mirrors)", cudaMalloc(&mirrors, kDescBlocks * sizeof(cuda::FeedMirror)));
+    mirrors_ = static_cast<cuda::FeedMirror*>(mirrors);
+    cuda::check("cudaMemset(feed mirrors)", cudaMemset(mirrors_, 0, kDescBlocks * sizeof(cuda::FeedMirror)));
     for (size_t b = kDescBlocks; b-- > 0;) free_blocks_.push_back(static_cast<int>(b));
 
     ShmSegment::remove_stale();
@@ -178,6 +183,7 @@ class CudaIpcDomain final : public Domain {
     for (cudaStream_t st : streams_) cudaStreamDestroy(st);
     cudaFreeHost(descs_);
     cudaFreeHost(feeds_);
+    cudaFree(mirrors_);
   }
 
   const std::string& provider_name() const override { return name_; }
@@ -387,8 +393,9 @@ class CudaIpcDomain final : public Domain {
     }
     map_base = nullptr;
     // The launch starts with the first descriptor; the GPU copies while the rest are written.
-    auto publish = [&](uint32_t word) {
-      std::atomic_ref<uint32_t>(feed->published).store(word, std::memory_order_release);
+    const uint32_t seq = ++feed_seq_;
+    auto publish = [&](uint32_t count, bool closed) {
+      std::atomic_ref<uint64_t>(feed->published).store(cuda::feed_word(seq, count, closed), std::memory_order_release);
     };
     for (const WriteOp& op : ops) {
       if (op.peer != id) {
@@ -430,8 +437,10 @@ class CudaIpcDomain final : public Domain {
         b.group_blocks[b.group_block_count++] = k;
         block = descs_ + static_cast<size_t>(k) * kDescBlock;
         feed = feeds_ + k;
-        publish(0);
-        cudaError_t rc = cuda::launch_fed_gather_copy(block, feed, static_cast<uint32_t>(ops.size()), sm_count_, stream);
+        publish(0, false);
+        b.feed_seq = seq;
+        cudaError_t rc = cuda::launch_fed_gather_copy(block, feed, mirrors_ + k, seq,
+                                                      static_cast<uint32_t>(ops.size()), sm_count_, stream);
         issued = true;
         if (rc != cudaSuccess) {
           failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
@@ -439,9 +448,9 @@ class CudaIpcDomain final : public Domain {
         }
       }
       block[descs++] = {op.src, dst, op.len};
-      if (descs % kFeedEvery == 0) publish(descs);
+      if (descs % kFeedEvery == 0) publish(descs, false);
     }
-    if (feed) publish(descs | cuda::kFeedClosed);  // every path: the launch must end
+    if (feed) publish(descs, true);  // every path: the launch must end
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
       release(b);
       free_events_.push_back(b.event);
@@ -860,6 +869,9 @@ class CudaIpcDomain final : public Domain {
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
       } else if (!b.failure.empty()) {
         fail_batch(b, b.failure);
+      } else if (b.feed_seq && feeds_[b.group_blocks[0]].gave_up == b.feed_seq) {
+        fail_batch(b, "cuda_ipc: the batch's gather launch stopped waiting for descriptors (an engine bug: "
+                      "its feed was never closed)");
       } else if (b.group) {
         release(b);  // the copies are done: their regions' owners may deregister now
         HeldGroup g{b.group, b.group_peer, std::move(b.imms)};
@@ -936,6 +948,8 @@ class CudaIpcDomain final : public Domain {
   size_t next_stream_ = 0;
   cuda::CopyDesc* descs_ = nullptr;
   cuda::CopyFeed* feeds_ = nullptr;  // per descriptor block: the feed of a post_write_batch's launch
+  cuda::FeedMirror* mirrors_ = nullptr;  // per descriptor block, device memory: the feed as the GPU last read it
+  uint32_t feed_seq_ = 0;            // the last batch's sequence number (in its feed words)
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
   ShmSegment shm_;
