@@ -202,7 +202,7 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
   json += "],\n";
   // paged through post_write_batch on a cuda_ipc Domain of our own, against the same contiguous
   // copy as above (rc), in the same run
-  std::vector<double> bp, bpi, bs, gk;
+  std::vector<double> bp, bpi, bs, gk, gk1, host_share;
   uint64_t batch_imms_sent = 0;
   size_t batch_size = 0;
   {
@@ -216,10 +216,12 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
     bsend.paged_batches(so, doff, kPage, false);  // warm-up: mappings, events, descriptor pages
     for (int rep = 0; rep < 5; rep++) {
       bp.push_back(bsend.paged_batches(so, doff, kPage, false));
+      host_share.push_back(bsend.last_host_share);
       bpi.push_back(bsend.paged_batches(so, doff, kPage, true));
       batch_imms_sent += kPages;
       bs.push_back(bsend.paged_single_posts(so, doff, kPage));
       gk.push_back(bench::gather_kernel_alone(src.ptr, static_cast<uint8_t*>(raw_dst), so, doff, kPage, 2048, stream));
+      gk1.push_back(bench::gather_kernel_alone(src.ptr, static_cast<uint8_t*>(raw_dst), so, doff, kPage, kPages, stream));
     }
   }
   double batch_ratio = median(bp) / median(rc);
@@ -230,6 +232,9 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
   std::printf("  the same pages, one post_write each: %.1f GB/s (ratio %.3f); the gather kernel alone "
               "(5 launches of 2048, event-timed): %.1f GB/s (ratio %.3f)\n",
               median(bs), median(bs) / median(rc), median(gk), median(gk) / median(rc));
+  std::printf("  the gather kernel alone in one launch of %u: %.1f GB/s (ratio %.3f); the batch row's host "
+              "side (WriteOps, checks, descriptors) ended at %.0f%% of its time\n",
+              kPages, median(gk1), median(gk1) / median(rc), 100 * median(host_share));
   std::snprintf(buf, sizeof buf,
                 "  \"paged_64k_x10000_batch\": {\"batch\": %zu, \"batch_gbps\": %.2f, \"batch_imm_gbps\": %.2f, "
                 "\"single_posts_gbps\": %.2f, \"gather_kernel_gbps\": %.2f, \"raw_contiguous_gbps\": %.2f, "

@@ -124,9 +124,15 @@ class BatchSender {
       if (r != PostResult::kPosted) throw std::runtime_error("post_write_batch: " + domain_->last_error());
       done += poll();
     }
+    const auto posted = BenchClock::now();
     while (done < ctx.size()) done += poll();
-    return double(page) * pages / std::chrono::duration<double>(BenchClock::now() - t0).count() / 1e9;
+    const double total = std::chrono::duration<double>(BenchClock::now() - t0).count();
+    last_host_share = std::chrono::duration<double>(posted - t0).count() / total;
+    return double(page) * pages / total / 1e9;
   }
+  // Of the last paged_batches: the share of its time until the last batch was posted (the host
+  // building WriteOps and descriptors), the rest waiting for the GPU.
+  double last_host_share = 0;
 
   // The same pages through one post_write and one OpContext each (the path before batches).
   double paged_single_posts(const std::vector<uint64_t>& src_off, const std::vector<uint64_t>& dst_off,
