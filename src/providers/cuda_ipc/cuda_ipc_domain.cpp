@@ -397,21 +397,13 @@ class CudaIpcDomain final : public Domain {
     auto publish = [&](uint32_t count, bool closed) {
       std::atomic_ref<uint64_t>(feed->published).store(cuda::feed_word(seq, count, closed), std::memory_order_release);
     };
+    // Checked above: the peer, the keys (mapped and held), the bounds.
     for (const WriteOp& op : ops) {
-      if (op.peer != id) {
-        failure = "cuda_ipc: the WRITEs of a batch must go to one peer";
-        break;
-      }
       if (op.has_imm) b.imms.push_back(op.imm);
       if (op.len == 0) continue;  // an immediate only
       if (map_base == nullptr || op.rkey != map_rkey) {
         if (!map_batch_destination(*peer, b, op.rkey, map_base, map_len, failure)) break;
         map_rkey = op.rkey;
-      }
-      if (op.remote_addr > map_len || op.len > map_len - op.remote_addr) {
-        failure = fmt::format("cuda_ipc: [{}, +{}) is outside the remote region of {} bytes",
-                              op.remote_addr, op.len, map_len);
-        break;
       }
       uint8_t* dst = map_base + op.remote_addr;
       if (!src_known || op.desc != src_desc) {
