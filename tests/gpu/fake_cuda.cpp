@@ -262,22 +262,6 @@ cudaError_t launch_gather_copy(const CopyDesc* d, uint32_t n, int, cudaStream_t 
   run(s, [copy] { for (auto& c : copy) memcpy(c.dst, c.src, c.len); });
   return cudaSuccess;
 }
-// The fed launch: copies descriptors as they are published, ends once the feed is closed.
-cudaError_t launch_fed_gather_copy(const CopyDesc* d, CopyFeed* feed, FeedMirror*, uint32_t seq, uint32_t, int,
-                                   cudaStream_t s) {
-  run(s, [d, feed, seq] {
-    uint32_t done = 0;
-    for (;;) {
-      const uint64_t w = std::atomic_ref<const uint64_t>(feed->published).load(std::memory_order_acquire);
-      if ((w >> 32) == seq) {
-        for (; done < (w & (kFeedClosed - 1)); done++) memcpy(d[done].dst, d[done].src, d[done].len);
-        if (w & kFeedClosed) break;
-      }
-      std::this_thread::yield();
-    }
-  });
-  return cudaSuccess;
-}
 }  // namespace fabric::cuda
 namespace fabric::gpu_test {
 static void sum_words(const uint8_t* data, uint64_t len, uint64_t* out) {

@@ -3,12 +3,12 @@
 // into one kernel launch per batch, cut into descriptors of at most 256 KiB so that a few large
 // WRITEs still spread over every SM (one cudaMemcpyAsync per 1-4 MiB WRITE cost ~5 us of host time
 // each: the "1 MiB dip"). Batches alternate between two streams, so one batch's last blocks
-// overlap the next batch's first instead of leaving SMs idle between launches. A batch's event marks its local completion; only then does
-// its immediate go to the peer's inbox, so a peer that sees the immediate sees the data.
+// overlap the next batch's first instead of leaving SMs idle between launches. A batch's event
+// marks its local completion; only then does its immediate go to the peer's inbox, so a peer
+// that sees the immediate sees the data (batches complete in posting order).
 // post_write_batch (the pages of a paged transfer, up to kBatchMax at once) is handed to the GPU
-// at post time: one gather launch, started with its first page, copies the batch's descriptors
-// as the host writes them into a descriptor block (the launch's feed, gather_copy.h), one event
-// and one completion for the whole batch, its immediates pushed in one go.
+// at post time: its descriptors go straight into a descriptor block, at most two gather launches,
+// one event and one completion for the whole batch, its immediates pushed in one go.
 // Writers hold a peer's region while their copies into it run (ipc_shared.h), so deregistration
 // waits for them; peers can be removed, their mappings closed, with operations still in flight.
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -41,7 +40,7 @@ constexpr size_t kDescBlocks = 32;       // gather launches in flight
 constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
 constexpr size_t kBatchBlocks = 1;  // a post_write_batch fills one descriptor block
 static_assert(kBatchMax <= kDescBlock);
-constexpr uint32_t kFeedEvery = 64;      // descriptors written between two publications of a batch's feed
+constexpr uint32_t kBatchKick = 256;     // an idle GPU gets a batch's first pages this early
 constexpr uint64_t kCopyEngineMin = 8 << 20;  // a single WRITE this large goes to a copy engine alone
 constexpr uint64_t kBatchCopyEngineMin = 1 << 20;  // a page of a post_write_batch, likewise (pages are not cut)
 constexpr uint64_t kChunk = 256 << 10;        // a single WRITE's bytes per descriptor
@@ -85,7 +84,6 @@ struct Batch {
   std::array<int, kBatchBlocks> group_blocks{};
   size_t group_block_count = 0;
   std::vector<uint32_t> imms;
-  uint32_t feed_seq = 0;  // its fed launch's sequence number (0: none)
 };
 
 // A completed post_write_batch whose immediates did not all fit into the peer's inbox yet.
@@ -136,14 +134,6 @@ class CudaIpcDomain final : public Domain {
                 cudaHostAlloc(&descs, kDescBlock * kDescBlocks * sizeof(cuda::CopyDesc),
                               cudaHostAllocMapped | cudaHostAllocPortable));
     descs_ = static_cast<cuda::CopyDesc*>(descs);
-    void* feeds = nullptr;
-    cuda::check("cudaHostAlloc(feeds)", cudaHostAlloc(&feeds, kDescBlocks * sizeof(cuda::CopyFeed),
-                                                      cudaHostAllocMapped | cudaHostAllocPortable));
-    feeds_ = new (feeds) cuda::CopyFeed[kDescBlocks];
-    void* mirrors = nullptr;
-    cuda::check("cudaMalloc(feed mirrors)", cudaMalloc(&mirrors, kDescBlocks * sizeof(cuda::FeedMirror)));
-    mirrors_ = static_cast<cuda::FeedMirror*>(mirrors);
-    cuda::check("cudaMemset(feed mirrors)", cudaMemset(mirrors_, 0, kDescBlocks * sizeof(cuda::FeedMirror)));
     for (size_t b = kDescBlocks; b-- > 0;) free_blocks_.push_back(static_cast<int>(b));
 
     ShmSegment::remove_stale();
@@ -182,8 +172,6 @@ class CudaIpcDomain final : public Domain {
     for (auto e : free_events_) cudaEventDestroy(e);
     for (cudaStream_t st : streams_) cudaStreamDestroy(st);
     cudaFreeHost(descs_);
-    cudaFreeHost(feeds_);
-    cudaFree(mirrors_);
   }
 
   const std::string& provider_name() const override { return name_; }
@@ -323,12 +311,13 @@ class CudaIpcDomain final : public Domain {
 
   // The pages of a paged transfer to one peer, handed to the GPU now: each destination region is
   // held (and its generation checked) before the first copy into it, descriptors are written
-  // into one descriptor block that a launch started with the first of them copies as they come
-  // (published every kFeedEvery, closed at the end on every path), pages of 1 MiB or more and
-  // those from memory no kernel can read go to a copy engine, and one event ends the batch.
-  // When it has completed: the holds go, the immediates go into the peer's inbox in one go, and
-  // ctx completes once. An invalid WRITE refuses the whole batch (kFailed) when nothing of it
-  // has reached the GPU yet; found after a launch, it fails the batch once its event completes.
+  // into one descriptor block (the first kBatchKick launched at once when the domain's GPU work is
+  // idle, the rest in a second launch at the end), pages of 1 MiB or more and those from memory no
+  // kernel can read go to a copy engine, and one event ends the batch. When it has completed: the
+  // holds go, the immediates go into the peer's inbox in one go, and ctx completes once. Every
+  // WRITE is checked before anything is launched: an invalid one anywhere refuses the whole batch
+  // (kFailed) with nothing posted; a CUDA call that fails after a launch fails the batch once its
+  // event completes.
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
     if (ops.size() > kBatchMax) {
       last_error_ = fmt::format("cuda_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}",
@@ -346,7 +335,7 @@ class CudaIpcDomain final : public Domain {
       return PostResult::kFailed;
     }
     if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
-    // One descriptor block for the batch (kBatchMax fits one), fed to one launch as it fills.
+    // One descriptor block for the batch (kBatchMax fits one; copy-engine pages leave it unused).
     if (free_blocks_.empty()) return PostResult::kRetry;  // wait for launches to complete
 
     Batch b;
@@ -365,10 +354,12 @@ class CudaIpcDomain final : public Domain {
     bool src_readable = false;
     bool src_known = false;
     cuda::CopyDesc* block = nullptr;
-    cuda::CopyFeed* feed = nullptr;
-    uint32_t descs = 0;
-    // Every WRITE checked before anything reaches the GPU (the launch below starts with the first
-    // page): an invalid one refuses the whole batch with nothing posted.
+    uint32_t descs = 0, launched = 0;  // in the current block: written, handed to the GPU
+    // Nothing of ours runs on the GPU: launch the first kBatchKick pages at once instead of
+    // after a whole block (the rest of the block follows in a second launch).
+    bool kick = inflight_.empty();
+    // Every WRITE checked before anything reaches the GPU: an invalid one refuses the whole batch
+    // with nothing posted, wherever it is.
     for (const WriteOp& op : ops) {
       if (op.peer != id) {
         failure = "cuda_ipc: the WRITEs of a batch must go to one peer";
@@ -392,13 +383,18 @@ class CudaIpcDomain final : public Domain {
       return PostResult::kFailed;
     }
     map_base = nullptr;
-    // The launch starts with the first descriptor; the GPU copies while the rest are written.
-    const uint32_t seq = ++feed_seq_;
-    auto publish = [&](uint32_t count, bool closed) {
-      std::atomic_ref<uint64_t>(feed->published).store(cuda::feed_word(seq, count, closed), std::memory_order_release);
+    auto launch = [&] {
+      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream);
+      issued = true;
+      if (rc != cudaSuccess && failure.empty())
+        failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
+      launched = descs;
+      if (descs == kDescBlock) {
+        block = nullptr;
+        descs = launched = 0;
+      }
     };
-    // Checked above: the peer, the keys (mapped and held), the bounds.
-    for (const WriteOp& op : ops) {
+    for (const WriteOp& op : ops) {  // checked above: the peer, the keys, the bounds
       if (op.has_imm) b.imms.push_back(op.imm);
       if (op.len == 0) continue;  // an immediate only
       if (map_base == nullptr || op.rkey != map_rkey) {
@@ -423,32 +419,25 @@ class CudaIpcDomain final : public Domain {
         issued = true;
         continue;
       }
-      if (!block) {  // the first page for the kernel: take the block, launch on its feed
-        const int k = free_blocks_.back();
+      if (!block) {  // reserved above: never empty here (one block: kBatchMax <= kDescBlock)
+        int k = free_blocks_.back();
         free_blocks_.pop_back();
         b.group_blocks[b.group_block_count++] = k;
         block = descs_ + static_cast<size_t>(k) * kDescBlock;
-        feed = feeds_ + k;
-        publish(0, false);
-        b.feed_seq = seq;
-        cudaError_t rc = cuda::launch_fed_gather_copy(block, feed, mirrors_ + k, seq,
-                                                      static_cast<uint32_t>(ops.size()), sm_count_, stream);
-        issued = true;
-        if (rc != cudaSuccess) {
-          failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
-          break;
-        }
       }
       block[descs++] = {op.src, dst, op.len};
-      if (descs % kFeedEvery == 0) publish(descs, false);
+      if (descs == kDescBlock || (kick && descs == kBatchKick)) {
+        kick = false;
+        launch();
+      }
     }
-    if (feed) publish(descs, true);  // every path: the launch must end
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
       release(b);
       free_events_.push_back(b.event);
       last_error_ = std::move(failure);
       return PostResult::kFailed;
     }
+    if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
     cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
     inflight_.push_back(std::move(b));
@@ -861,9 +850,6 @@ class CudaIpcDomain final : public Domain {
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
       } else if (!b.failure.empty()) {
         fail_batch(b, b.failure);
-      } else if (b.feed_seq && feeds_[b.group_blocks[0]].gave_up == b.feed_seq) {
-        fail_batch(b, "cuda_ipc: the batch's gather launch stopped waiting for descriptors (an engine bug: "
-                      "its feed was never closed)");
       } else if (b.group) {
         release(b);  // the copies are done: their regions' owners may deregister now
         HeldGroup g{b.group, b.group_peer, std::move(b.imms)};
@@ -939,9 +925,6 @@ class CudaIpcDomain final : public Domain {
   std::array<cudaStream_t, kStreams> streams_{};
   size_t next_stream_ = 0;
   cuda::CopyDesc* descs_ = nullptr;
-  cuda::CopyFeed* feeds_ = nullptr;  // per descriptor block: the feed of a post_write_batch's launch
-  cuda::FeedMirror* mirrors_ = nullptr;  // per descriptor block, device memory: the feed as the GPU last read it
-  uint32_t feed_seq_ = 0;            // the last batch's sequence number (in its feed words)
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
   ShmSegment shm_;
