@@ -63,7 +63,7 @@ struct UnitWork {
   std::vector<Copy> local_copies{};
 };
 // Runs a unit's copies and quantization on the arena (host: memcpy and fp8::quantize_blocks; a
-// GPU arena: the caller's kernels, finished before it returns).
+// GPU arena: cuda_unit_hook, or the caller's kernels, finished before it returns).
 using UnitHook = std::function<void(const UnitWork&)>;
 
 // The hook for an arena in CUDA device memory (`arena`: its device pointer): a unit's local copies
