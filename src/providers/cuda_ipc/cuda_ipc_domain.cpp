@@ -355,9 +355,11 @@ class CudaIpcDomain final : public Domain {
     bool src_known = false;
     cuda::CopyDesc* block = nullptr;
     uint32_t descs = 0, launched = 0;  // in the current block: written, handed to the GPU
-    // Nothing of ours runs on the GPU: launch the first kBatchKick pages at once instead of
-    // after a whole block (the rest of the block follows in a second launch).
-    bool kick = inflight_.empty();
+    // Nothing of ours runs on the GPU: launch the first kBatchKick pages at once, then each time
+    // the pages written since double (256, 512, 1024, ...), so that the GPU copies while the host
+    // writes the rest instead of idling until the block is full (a busy GPU gets the block in one
+    // launch at the end).
+    uint32_t next_launch = inflight_.empty() ? kBatchKick : static_cast<uint32_t>(kDescBlock);
     // Every WRITE checked before anything reaches the GPU: an invalid one refuses the whole batch
     // with nothing posted, wherever it is.
     for (const WriteOp& op : ops) {
@@ -426,9 +428,9 @@ class CudaIpcDomain final : public Domain {
         block = descs_ + static_cast<size_t>(k) * kDescBlock;
       }
       block[descs++] = {op.src, dst, op.len};
-      if (descs == kDescBlock || (kick && descs == kBatchKick)) {
-        kick = false;
+      if (descs == next_launch || descs == kDescBlock) {
         launch();
+        next_launch = std::min<uint32_t>(2 * next_launch, kDescBlock);
       }
     }
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
