@@ -1,7 +1,5 @@
 // predict_update (include/fabric/weights_update.h): the executor's cost model, from the schedule
 // every rank builds (so requests are counted as the executor merges them into runs).
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <numeric>
 
@@ -28,47 +26,32 @@ UpdatePrediction predict_update(std::shared_ptr<const UpdatePlan> plan, const Up
     out[w.src_rank] += w.len;
     dst_in[w.dst_rank] += w.len;
   }
+  // A unit's BF16 input bytes.
+  const auto unit_bytes = [&](const detail::ScheduledUnit& u) {
+    const TensorSpec& t = tensors[u.task.tensor];
+    return (u.task.r1 - u.task.r0) * t.cols * t.elem_bytes;
+  };
   UpdatePrediction p;
   double fill = 0;
+  const double rtt = cost.write_rtt_us * 1e-6;
+  const bool latency = cost.unit_us > 0 || cost.write_rtt_us > 0;
   for (uint32_t r = 0; r < srcs; r++) {
     const detail::RankSchedule& rs = s.ranks[r];
     // The requests the executor submits: its runs, and a credit barrier per gathered unit.
-    std::vector<std::vector<uint32_t>> gathers(srcs), bf16(dsts);
-    for (uint32_t i : rs.gather_out) gathers[s.gather[i].dst_rank].push_back(i);  // runs never span units:
-    for (auto& g : gathers) {                                                       // count per unit
-      for (size_t k = 0; k < g.size();) {
-        std::vector<uint32_t> unit;
-        const uint32_t u = s.gather[g[k]].unit;
-        for (; k < g.size() && s.gather[g[k]].unit == u; k++) unit.push_back(g[k]);
-        requests[r] += detail::merge_runs(s.gather, unit, cost.nics).size();
-      }
-    }
-    for (uint32_t i : rs.bf16_out) bf16[s.send[i].dst_rank].push_back(i);
-    for (const auto& b : bf16) requests[r] += detail::merge_runs(s.send, b, cost.nics).size();
+    requests[r] = detail::rank_runs(s, r, cost.nics).runs();
+    // The latency chain: the rank's units in order, paced by the hook and the credit round trip.
+    double chain = rs.units.empty() ? 0 : rtt;  // the first credit and gather
     for (const detail::ScheduledUnit& u : rs.units) {
-      requests[r] += detail::merge_runs(s.send, u.send_writes, cost.nics).size() + (u.contributors.empty() ? 0 : 1);
-      const uint64_t bytes = (u.task.r1 - u.task.r0) * tensors[u.task.tensor].cols * tensors[u.task.tensor].elem_bytes;
-      quantized[r] += bytes;
+      if (!u.contributors.empty()) requests[r]++;
+      quantized[r] += unit_bytes(u);
+      const double h = std::max(cost.unit_us * 1e-6, static_cast<double>(unit_bytes(u)) / quant);
+      chain += u.contributors.empty() ? h : std::max(h, (h + rtt) / cost.window);
     }
+    if (latency) p.chain_ms = std::max(p.chain_ms, (chain + rtt / 2) * 1e3);
     if (!rs.units.empty()) {  // the rank's first unit: its gather and quantizing come before any send
       const detail::ScheduledUnit& u = rs.units.front();
-      const double bytes = static_cast<double>((u.task.r1 - u.task.r0) * tensors[u.task.tensor].cols *
-                                               tensors[u.task.tensor].elem_bytes);
+      const auto bytes = static_cast<double>(unit_bytes(u));
       fill = std::max(fill, (u.task.gathered ? bytes / link : 0) + bytes / quant);
-    }
-  }
-  // The latency chain: each rank's units in order, paced by the hook and by the credit round trip.
-  if (cost.unit_us > 0 || cost.write_rtt_us > 0) {
-    const double rtt = cost.write_rtt_us * 1e-6;
-    for (uint32_t r = 0; r < srcs; r++) {
-      const detail::RankSchedule& rs = s.ranks[r];
-      double chain = rs.units.empty() ? 0 : rtt;  // the first credit and gather
-      for (const detail::ScheduledUnit& u : rs.units) {
-        const TensorSpec& t = tensors[u.task.tensor];
-        const double h = std::max(cost.unit_us * 1e-6, static_cast<double>((u.task.r1 - u.task.r0) * t.cols * t.elem_bytes) / quant);
-        chain += u.contributors.empty() ? h : std::max(h, (h + rtt) / cost.window);
-      }
-      p.chain_ms = std::max(p.chain_ms, (chain + rtt / 2) * 1e3);
     }
   }
   const auto sum = [](const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), uint64_t{0}); };

@@ -68,6 +68,43 @@ std::vector<WriteRun> merge_runs(const std::vector<ScheduledWrite>& writes, cons
   return runs;
 }
 
+RankRuns rank_runs(const Schedule& s, uint32_t rank, size_t nics) {
+  const RankSchedule& me = s.ranks.at(rank);
+  RankRuns out;
+  auto runs = [&](const std::vector<ScheduledWrite>& writes, const std::vector<uint32_t>& idx) {
+    std::vector<WriteRun> merged = merge_runs(writes, idx, nics);
+    for (const WriteRun& r : merged) out.longest = std::max(out.longest, r.count);
+    return merged;
+  };
+  // gather_out is ordered by (quantizer, unit, offset): runs never span units.
+  out.gather_to.resize(s.ranks.size());
+  for (size_t k = 0; k < me.gather_out.size();) {
+    const ScheduledWrite& first = s.gather[me.gather_out[k]];
+    std::vector<uint32_t> idx;
+    for (; k < me.gather_out.size(); k++) {
+      const ScheduledWrite& w = s.gather[me.gather_out[k]];
+      if (w.dst_rank != first.dst_rank || w.unit != first.unit) break;
+      idx.push_back(me.gather_out[k]);
+    }
+    out.gather_to[first.dst_rank].push_back({first.unit, runs(s.gather, idx)});
+  }
+  // send_writes and bf16_out are ordered by (destination, source offset).
+  for (const ScheduledUnit& u : me.units) out.unit_sends.push_back(runs(s.send, u.send_writes));
+  std::vector<std::vector<uint32_t>> bf16(s.plan->send_manifest.dst_ranks);
+  for (uint32_t i : me.bf16_out) bf16[s.send[i].dst_rank].push_back(i);
+  for (const std::vector<uint32_t>& idx : bf16) out.bf16_to.push_back(runs(s.send, idx));
+  return out;
+}
+
+size_t RankRuns::runs() const {
+  size_t n = 0;
+  for (const auto& units : gather_to)
+    for (const UnitRuns& u : units) n += u.runs.size();
+  for (const auto& v : unit_sends) n += v.size();
+  for (const auto& v : bf16_to) n += v.size();
+  return n;
+}
+
 Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window) {
   if (window == 0) throw invalid("the window must hold at least one unit");
   const UpdatePlan& p = *plan;

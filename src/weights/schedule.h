@@ -63,6 +63,21 @@ struct WriteRun {
 std::vector<WriteRun> merge_runs(const std::vector<ScheduledWrite>& writes, const std::vector<uint32_t>& idx,
                                  size_t nics);
 
+// What training rank `rank` submits in a step, as runs (merge_runs over `nics` NICs per GPU); the
+// executor posts these and the cost model counts them.
+struct UnitRuns {
+  uint32_t unit = 0;
+  std::vector<WriteRun> runs;
+};
+struct RankRuns {
+  std::vector<std::vector<UnitRuns>> gather_to;  // per quantizer: the units of it this rank fills, in its order
+  std::vector<std::vector<WriteRun>> unit_sends;  // per own unit: its FP8 bytes and scales
+  std::vector<std::vector<WriteRun>> bf16_to;     // per inference rank: BF16 pieces from the shards
+  uint32_t longest = 1;                           // the most pages of any run
+  size_t runs() const;                            // requests for WRITEs (credit barriers aside)
+};
+RankRuns rank_runs(const Schedule& s, uint32_t rank, size_t nics);
+
 // Throws fabric::Error(kInvalidArgument) for a window of 0 or more than 2^16 units on one rank.
 Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window);
 

@@ -70,17 +70,9 @@ struct WeightSender::State {
   std::vector<RemoteMr> train;                 // per training rank
   std::vector<std::vector<RemoteMr>> dest;     // [set][inference rank]
   std::vector<uint32_t> my_dsts;               // inference ranks this rank writes to
-  // Per quantizer: the units of its this rank fills, in order, each with our gather WRITEs into
-  // it as runs (one request each).
-  struct UnitRuns {
-    uint32_t unit;
-    std::vector<detail::WriteRun> runs;
-  };
-  std::vector<std::vector<UnitRuns>> gather_to;
+  detail::RankRuns runs;  // what this rank submits (gathers per quantizer and unit, sends), as runs
   std::vector<std::vector<RemoteMr>> unit_contributors;  // per own unit
   std::vector<std::vector<uint32_t>> unit_dsts;          // per own unit: inference ranks its sends reach
-  std::vector<std::vector<detail::WriteRun>> unit_sends;  // per own unit: its FP8 sends as runs
-  std::vector<std::vector<detail::WriteRun>> bf16_by_dst;  // per inference rank: BF16 sends as runs
   std::vector<uint32_t> iota;  // 0, 1, ...: the page indices of every run
 
   State(TransferEngine& e, WeightSenderConfig c)
@@ -131,37 +123,12 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
     s.dest.emplace_back();
     for (const MrDesc& d : set) s.dest.back().push_back(engine.add_remote(d));
   }
-  const size_t nics = engine.nic_count();
-  uint32_t longest = 1;
-  auto runs = [&](const std::vector<detail::ScheduledWrite>& writes, const std::vector<uint32_t>& idx) {
-    std::vector<detail::WriteRun> out = detail::merge_runs(writes, idx, nics);
-    for (const detail::WriteRun& r : out) longest = std::max(longest, r.count);
-    return out;
-  };
-  // gather_out is ordered by (quantizer, unit, offset): each quantizer's units come in its order.
-  s.gather_to.resize(ranks);
-  for (size_t k = 0; k < s.me.gather_out.size();) {
-    const detail::ScheduledWrite& first = s.sched.gather[s.me.gather_out[k]];
-    std::vector<uint32_t> idx;
-    for (; k < s.me.gather_out.size(); k++) {
-      const detail::ScheduledWrite& w = s.sched.gather[s.me.gather_out[k]];
-      if (w.dst_rank != first.dst_rank || w.unit != first.unit) break;
-      idx.push_back(s.me.gather_out[k]);
-    }
-    s.gather_to[first.dst_rank].push_back({first.unit, runs(s.sched.gather, idx)});
-  }
-  s.bf16_by_dst.resize(dsts);
+  s.runs = detail::rank_runs(s.sched, s.cfg.rank, engine.nic_count());
   std::vector<bool> writes_to(dsts, false);
-  std::vector<std::vector<uint32_t>> bf16(dsts);
-  for (uint32_t i : s.me.bf16_out) bf16[s.sched.send[i].dst_rank].push_back(i);
-  for (uint32_t d = 0; d < dsts; d++) {
-    s.bf16_by_dst[d] = runs(s.sched.send, bf16[d]);
-    writes_to[d] = !bf16[d].empty();
-  }
+  for (uint32_t d = 0; d < dsts; d++) writes_to[d] = !s.runs.bf16_to[d].empty();
   for (const detail::ScheduledUnit& u : s.me.units) {
     s.unit_contributors.emplace_back();
     for (uint32_t g : u.contributors) s.unit_contributors.back().push_back(s.train[g]);
-    // send_writes is ordered by (destination, source offset): each destination's WRITEs together.
     s.unit_dsts.emplace_back();
     for (uint32_t i : u.send_writes) {
       const uint32_t d = s.sched.send[i].dst_rank;
@@ -169,12 +136,11 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
       if (std::find(s.unit_dsts.back().begin(), s.unit_dsts.back().end(), d) == s.unit_dsts.back().end())
         s.unit_dsts.back().push_back(d);
     }
-    s.unit_sends.push_back(runs(s.sched.send, u.send_writes));
   }
   for (uint32_t d = 0; d < dsts; d++)
     if (writes_to[d]) s.my_dsts.push_back(d);
-  s.iota.resize(longest);
-  for (uint32_t i = 0; i < longest; i++) s.iota[i] = i;
+  s.iota.resize(s.runs.longest);
+  for (uint32_t i = 0; i < s.runs.longest; i++) s.iota[i] = i;
 }
 
 WeightSender::~WeightSender() = default;
@@ -194,7 +160,7 @@ class WeightSender::Step {
         pr_(*progress_),
         slot_posted_(pr_.slot_done.size(), 0),
         next_credit_unit_(ranks_, 0),
-        bf16_posted_(s.bf16_by_dst.size(), false) {}
+        bf16_posted_(s.runs.bf16_to.size(), false) {}
 
   UpdateTimes run() {
     t0_ = Clock::now();
@@ -265,7 +231,7 @@ class WeightSender::Step {
       else expect(update_imm(ImmKind::kGather, step_, u), count, OnDone::flag(&pr_.gathered[u]));
     }
     for (uint32_t r = 0; r < ranks_; r++)
-      for (size_t k = 0; k < s_.gather_to[r].size(); k++)
+      for (size_t k = 0; k < s_.runs.gather_to[r].size(); k++)
         expect(update_imm(ImmKind::kCredit, step_, r), 1, OnDone::counter(&pr_.credits[r]));
     for (uint32_t u = 0; u < std::min<size_t>(window_, units_); u++) credit(u);
   }
@@ -282,8 +248,8 @@ class WeightSender::Step {
     bool moved = false;
     for (uint32_t r = 0; r < ranks_; r++) {
       const uint64_t released = pr_.credits[r].load(std::memory_order_acquire);
-      while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.gather_to[r].size()) {
-        const State::UnitRuns& u = s_.gather_to[r][next_credit_unit_[r]++];
+      while (next_credit_unit_[r] < released && next_credit_unit_[r] < s_.runs.gather_to[r].size()) {
+        const detail::UnitRuns& u = s_.runs.gather_to[r][next_credit_unit_[r]++];
         for (const detail::WriteRun& run : u.runs) {
           post(run, s_.train[r], update_imm(ImmKind::kGather, step_, u.unit), count_done());
           posted_++;
@@ -297,9 +263,9 @@ class WeightSender::Step {
   // BF16 pieces straight from the shards, to every inference rank that is ready.
   bool post_bf16() {
     bool moved = false;
-    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) {
-      if (bf16_posted_[d] || s_.bf16_by_dst[d].empty() || !ready(d)) continue;
-      for (const detail::WriteRun& run : s_.bf16_by_dst[d]) {
+    for (uint32_t d = 0; d < s_.runs.bf16_to.size(); d++) {
+      if (bf16_posted_[d] || s_.runs.bf16_to[d].empty() || !ready(d)) continue;
+      for (const detail::WriteRun& run : s_.runs.bf16_to[d]) {
         post(run, dest_[d], update_imm(ImmKind::kData, step_, me_), count_done());
         posted_++;
       }
@@ -344,7 +310,7 @@ class WeightSender::Step {
                               .start_ms = std::chrono::duration<double, std::milli>(tq - t0_).count(),
                               .quantized_ms = ms_since(t0_)});
     credit(u + window_);  // its input area may be refilled
-    for (const detail::WriteRun& run : s_.unit_sends[u]) {
+    for (const detail::WriteRun& run : s_.runs.unit_sends[u]) {
       post(run, dest_[run.dst_rank], update_imm(ImmKind::kData, step_, me_),
            keep(OnDone::counter(&pr_.slot_done[slot], &pr_.slot_failed)));
       slot_posted_[slot]++;
@@ -363,8 +329,8 @@ class WeightSender::Step {
 
   bool all_posted() const {
     bool all = next_unit_ == units_;
-    for (uint32_t r = 0; r < ranks_; r++) all &= next_credit_unit_[r] == s_.gather_to[r].size();
-    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++) all &= bf16_posted_[d] || s_.bf16_by_dst[d].empty();
+    for (uint32_t r = 0; r < ranks_; r++) all &= next_credit_unit_[r] == s_.runs.gather_to[r].size();
+    for (uint32_t d = 0; d < s_.runs.bf16_to.size(); d++) all &= bf16_posted_[d] || s_.runs.bf16_to[d].empty();
     return all;
   }
 
@@ -384,9 +350,9 @@ class WeightSender::Step {
     }
     std::vector<uint32_t> r_missing, d_missing;
     for (uint32_t r = 0; r < ranks_; r++)
-      if (next_credit_unit_[r] < s_.gather_to[r].size()) r_missing.push_back(r);
-    for (uint32_t d = 0; d < s_.bf16_by_dst.size(); d++)
-      if (!bf16_posted_[d] && !s_.bf16_by_dst[d].empty()) d_missing.push_back(d);
+      if (next_credit_unit_[r] < s_.runs.gather_to[r].size()) r_missing.push_back(r);
+    for (uint32_t d = 0; d < s_.runs.bf16_to.size(); d++)
+      if (!bf16_posted_[d] && !s_.runs.bf16_to[d].empty()) d_missing.push_back(d);
     std::string what;
     if (!r_missing.empty()) what = fmt::format("slot credits from training ranks {}", fmt::join(r_missing, ", "));
     if (!d_missing.empty())
@@ -424,7 +390,7 @@ class WeightSender::Step {
   UpdateTimes times_;
   uint64_t posted_ = 0;                // gathers, BF16 sends and barriers
   std::vector<uint64_t> slot_posted_;  // per slot: sends posted from it
-  std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled (State::gather_to)
+  std::vector<size_t> next_credit_unit_;  // per quantizer: its units we have filled (runs.gather_to)
   std::vector<bool> bf16_posted_;
   size_t next_unit_ = 0;
   size_t input_seen_ = 0;  // trace: units up to this one were seen gathered, the last at input_ms_
