@@ -130,12 +130,13 @@ def main() -> int:
         print_trace(per_step[steps[-1]])
     total_bytes = sum(x["bytes"] for x in per_step[steps[0]])
     p50 = statistics.median(totals)
+    gbps = total_bytes / p50 / 1e6
     print(f"weights steps={len(steps)} train={moe.TRAIN} infer={moe.INFER} bytes_per_step={total_bytes} "
-          f"update_ms_p50={p50:.2f} update_ms_max={max(totals):.2f} gbps={total_bytes / p50 / 1e6:.2f} "
+          f"update_ms_p50={p50:.2f} update_ms_max={max(totals):.2f} gbps={gbps:.2f} "
           f"exact={'yes' if exact else 'no'}")
     if machine and predicted:
         print(f"weights-gpu params={model.param_count()} bytes_per_step={total_bytes} update_ms_p50={p50:.2f} "
-              f"gbps={total_bytes / p50 / 1e6:.2f} predicted_ms={predicted['predicted_ms']:.2f} "
+              f"gbps={gbps:.2f} predicted_ms={predicted['predicted_ms']:.2f} "
               f"measured_over_predicted={p50 / predicted['predicted_ms']:.2f}")
         print(f"  the model: chain {predicted['chain_ms']:.2f} ms (the slowest rank's units), link "
               f"{predicted['link_ms']:.2f} + quantize {predicted['quantize_ms']:.2f} + fill {predicted['fill_ms']:.2f} ms, "
