@@ -20,6 +20,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// More than 4 hardware threads: an idle executor may poll instead of sleeping (sender.cpp's loop).
+const bool kSpareCores = std::thread::hardware_concurrency() > 4;
+
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 void host_hook(std::byte* arena, const UnitWork& w) {
@@ -177,11 +180,14 @@ class WeightSender::Step {
         if (Clock::now() > deadline_)
           throw Error(ErrorCode::kTimeout, fmt::format("weight update step {} on training rank {}: not done after {} ms: {}",
                                                        step_, me_, s_.cfg.timeout.count(), awaited()));
-        // Idle: poll again at once for a while (the next immediate is usually microseconds
-        // away: each 20 us sleep would add to every credit -> gather round trip), then sleep.
+        // Idle: where cores are to spare, poll again at once for a while (the next immediate is
+        // usually microseconds away: each 20 us sleep would add to every credit -> gather round
+        // trip), then sleep; on a machine of few cores (CI's 2) the polling would take the CPU
+        // from the engines' own threads, so sleep at once.
         const auto now = Clock::now();
         if (moved) last_move_ = now;
-        else if (now - last_move_ > std::chrono::microseconds(200)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        else if (!kSpareCores || now - last_move_ > std::chrono::microseconds(200))
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
         else std::this_thread::yield();
       }
       drain();
