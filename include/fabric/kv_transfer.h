@@ -47,14 +47,18 @@ struct KvRank {
 inline constexpr uint32_t kMaxLayers = 254;
 inline constexpr uint32_t kExtrasLayer = 255;
 
-// Immediates: the request's tag (its id, 24 bits) and the layer (8 bits), so a decode rank counts
-// each layer of each request on its own.
+// Immediates: the request's tag (its id, 20 bits) and the layer (8 bits), so a decode rank counts
+// each layer of each request on its own. They are local values of the decode rank's immediate
+// range (kKvImmBits wide, reserved by its KvReceiver; its regions' MrDescs carry it), so other
+// users of its engine never count them.
+inline constexpr uint8_t kKvImmBits = 28;
+inline constexpr uint64_t kKvTagMask = (uint64_t{1} << (kKvImmBits - 8)) - 1;
 inline uint32_t layer_imm(uint64_t request, uint32_t layer) {
-  return static_cast<uint32_t>((request & 0xFFFFFF) << 8) | (layer & 0xFF);
+  return static_cast<uint32_t>((request & kKvTagMask) << 8) | (layer & 0xFF);
 }
 
 struct KvAdmit {
-  // Unique among this rank's requests in flight; 24 bits are used (the tag). A request that failed
+  // Unique among this rank's requests in flight; 20 bits are used (the tag). A request that failed
   // keeps its tag for KvReceiverOptions::late_writes (its prefill ranks' WRITEs may still land):
   // admitting the tag again before then throws kInvalidArgument; the first admit (of any id) after
   // the window discards its late immediates. Schedulers that number requests in order never meet
@@ -84,6 +88,10 @@ struct KvReceiverOptions {
   // How long a failed request's tag stays retired: the longest a prefill rank may still write it
   // (its engine's transfer timeout, with margin).
   std::chrono::milliseconds late_writes{60000};
+  // Where this rank's 2^kKvImmBits immediates go in its engine's space (TransferEngine::
+  // reserve_imms; a range that overlaps another user's is refused, naming it); none: the highest
+  // free block.
+  std::optional<uint32_t> imm_base{};
 };
 
 class KvReceiver {
@@ -101,6 +109,10 @@ class KvReceiver {
   std::vector<uint8_t> admit(KvAdmit request);
   // Requests admitted and not ended.
   size_t in_flight() const;
+  // This rank's immediate range, and the immediates of one layer of a request counted there and
+  // not consumed by an expectation (diagnostics and tests; kExtrasLayer for the extras).
+  ImmRange imm_range() const;
+  uint64_t imm_count(uint64_t request, uint32_t layer) const;
 
  private:
   struct State;

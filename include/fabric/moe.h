@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -58,6 +59,9 @@ struct AllToAllConfig {
   int cuda_device = 0;        // KernelSide::kCuda
   std::string job = "moe";    // names the node region: unique per job on a host
   bool proxy_busy_poll = false;  // the proxy thread spins without pause (give it a core) or backs off when idle
+  // Where this rank's 2^28 immediates go in its engine's space (TransferEngine::reserve_imms; two
+  // nodes or more): none, the highest free block. A range that overlaps another user's is refused.
+  std::optional<uint32_t> imm_base{};
 };
 
 // Exchanges each rank's bytes with every rank (an all-gather over torch.distributed, a store, MPI):

@@ -2,7 +2,9 @@
 // initializers, e.g.
 //   engine.submit(SingleWrite{.len = n, .src = {h, 0}, .dst = {remote, 0}, .imm = 7}, on_done);
 // Every request has the same two options: `imm` (a 32-bit immediate carried by each of its
-// WRITEs, counted by the receiver's expect_imm_count) and `nic` (pin every WRITE to that NIC).
+// WRITEs, counted by the receiver's expect_imm_count; for a region registered under an
+// ImmReservation, a local value of that range, below 2^MrDesc::imms().bits) and `nic` (pin every
+// WRITE to that NIC).
 // Spans are read during the call only: the engine copies what it needs. docs/api.md says what
 // each field means and how many immediates each request delivers.
 #pragma once

@@ -16,6 +16,7 @@
 
 #include "fabric/config.h"
 #include "fabric/error.h"
+#include "fabric/imm_range.h"
 #include "fabric/on_done.h"
 #include "fabric/requests.h"
 #include "fabric/types.h"
@@ -23,6 +24,7 @@
 namespace fabric {
 
 class EngineImpl;
+class ImmRegistry;
 
 // A 64-bit word of pinned, device-mapped host memory: GPU kernels (also inside CUDA graphs) use
 // `device`, the CPU uses `host`. Its 64-byte line is its own.
@@ -84,6 +86,45 @@ struct ExpectOptions {
   Device device{};
 };
 
+// A range of this engine's immediate space held by one user (TransferEngine::reserve_imms).
+// Regions registered under it (reg_mr with the reservation) carry the range in their MrDesc, and
+// every WRITE into them is given its immediate in the range's local values: a writer submits
+// local value v (v < 2^bits, else kInvalidArgument at submit) and the immediate on the wire is
+// base + v. The holder counts and discards local values here; nobody else can count or discard
+// them (the engine's raw calls refuse a reserved value, naming the holder). Released when
+// destroyed (or by release()); it must not outlive its engine's destruction (calls then throw
+// kShutdown). Move-only.
+class ImmReservation {
+ public:
+  ImmReservation() = default;  // holds nothing
+  ~ImmReservation();
+  ImmReservation(ImmReservation&& o) noexcept;
+  ImmReservation& operator=(ImmReservation&& o) noexcept;
+  ImmReservation(const ImmReservation&) = delete;
+  ImmReservation& operator=(const ImmReservation&) = delete;
+
+  bool held() const { return registry_ != nullptr; }
+  const ImmRange& range() const { return range_; }
+  const std::string& holder() const { return holder_; }
+  uint32_t imm(uint64_t local) const { return range_.imm(local); }  // its value on the wire
+
+  // TransferEngine::expect_imm_count, imm_count and discard_imm_count of local value `local`
+  // (kInvalidArgument when it is outside the range, kNotFound once released).
+  ImmExpectation expect(uint64_t local, uint64_t count, OnDone on_reached, ExpectOptions opts = {});
+  uint64_t count(uint64_t local);
+  uint64_t discard(uint64_t local);
+  bool cancel(const ImmExpectation& expectation);
+  void release();
+
+ private:
+  friend class EngineImpl;
+  uint32_t checked(uint64_t local, const char* what) const;
+  std::shared_ptr<ImmRegistry> registry_;
+  uint64_t id_ = 0;
+  ImmRange range_{};
+  std::string holder_;
+};
+
 // The immediate accounting rule: every WRITE carries the transfer's immediate, so a receiver
 // expects exactly as many immediates as the initiator posts WRITEs:
 //   SingleWrite:  num_shards if given; else single_write_imm_count(len, nic_count, pinned) (1 if
@@ -119,6 +160,13 @@ class TransferEngine {
 
   // Registers [ptr, ptr+len) with every NIC for local use and remote writes.
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device = Device::host());
+  // The same, for a region whose incoming immediates belong to `imms` (see ImmReservation).
+  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, const ImmReservation& imms);
+
+  // Reserves a range of this engine's immediate space for one user (ImmReservation). Throws
+  // kInvalidArgument for bits outside 1..32, a misaligned base or a range that overlaps one
+  // already held (the error names its holder), kResourceExhausted when no block that large is free.
+  ImmReservation reserve_imms(const ImmReserveRequest& request);
   // Ends remote and local access. Throws kNotFound for an unknown or stale handle.
   void dereg_mr(MrHandle handle);
 
@@ -132,6 +180,8 @@ class TransferEngine {
   // Calls on_reached once immediate `imm` has been received `count` times. Immediates that
   // arrived before this call count toward it. Arrivals beyond `count` stay counted for the next
   // expectation of the same immediate; several expectations of one immediate are met in order.
+  // A value inside a reserved range is refused here and in imm_count and discard_imm_count
+  // (kInvalidArgument naming the holder): its holder counts it through its ImmReservation.
   ImmExpectation expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached,
                                   ExpectOptions opts = {});
   // Ends a pending expectation: its OnDone gets kCancelled and what it had seen stays counted.

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "fabric/imm_range.h"
+
 namespace fabric {
 
 inline constexpr size_t kMaxNics = 4;           // NICs per worker (per GPU), as on AWS p5
@@ -98,7 +100,7 @@ class MrDesc {
  public:
   MrDesc() = default;
   MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
-         std::optional<RemoteKey> local_key = std::nullopt, uint32_t worker = 0);
+         std::optional<RemoteKey> local_key = std::nullopt, uint32_t worker = 0, ImmRange imms = {});
 
   const NetAddr& owner() const { return owner_; }
   uint32_t worker() const { return worker_; }
@@ -108,6 +110,9 @@ class MrDesc {
   uint64_t len() const { return len_; }
   const std::vector<RemoteKey>& keys() const { return keys_; }
   const std::optional<RemoteKey>& local_key() const { return local_key_; }
+  // Whose immediates WRITEs into it carry (ImmReservation): a writer's immediate v goes out as
+  // imms().base + v and must be below 2^imms().bits. The whole space for an unreserved region.
+  const ImmRange& imms() const { return imms_; }
 
   std::vector<uint8_t> to_bytes() const;
   std::string to_hex() const;
@@ -123,6 +128,7 @@ class MrDesc {
   std::vector<RemoteKey> keys_;
   std::optional<RemoteKey> local_key_{};
   uint32_t worker_ = 0;
+  ImmRange imms_{};
 };
 
 // A remote region interned by TransferEngine::add_remote: its owner's addresses are resolved and

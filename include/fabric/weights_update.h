@@ -41,11 +41,17 @@
 
 namespace fabric::weights {
 
-// The immediates an update carries: kind (2 bits), step (14 bits), an index (16 bits): the unit
-// of a gather, the source rank of data, the quantizer of a credit, the inference rank of a ready.
+// The immediates an update carries: kind (2 bits), step (its tag: 10 bits), an index (16 bits):
+// the unit of a gather, the source rank of data, the quantizer of a credit, the inference rank of
+// a ready. They are local values of the receiving rank's immediate range (kUpdateImmBits wide,
+// reserved by the caller, who registers that rank's arena under it: WeightSenderConfig::imms,
+// WeightReceiverConfig::imms), so other users of its engine never count them.
 enum class ImmKind : uint32_t { kGather = 0, kData = 1, kCredit = 2, kReady = 3 };
+inline constexpr uint8_t kUpdateStepBits = 10;
+inline constexpr uint8_t kUpdateImmBits = 2 + kUpdateStepBits + 16;
 inline uint32_t update_imm(ImmKind kind, uint64_t step, uint32_t index) {
-  return (static_cast<uint32_t>(kind) << 30) | static_cast<uint32_t>((step & 0x3FFF) << 16) | (index & 0xFFFF);
+  return (static_cast<uint32_t>(kind) << (kUpdateImmBits - 2)) |
+         static_cast<uint32_t>((step & ((1u << kUpdateStepBits) - 1)) << 16) | (index & 0xFFFF);
 }
 inline constexpr uint32_t kMaxUpdateRanks = 1u << 16;
 
@@ -83,6 +89,10 @@ struct WeightSenderConfig {
   std::chrono::milliseconds timeout{60000};        // per update
   UnitHook hook{};                                 // empty: the host hook on arena_ptr
   bool trace = false;                              // UpdateTimes::units: a timeline per unit
+  // The immediate range (at least kUpdateImmBits wide) that `arena` was registered under
+  // (TransferEngine::reg_mr with it): the gathers, credits and ready notices sent to this rank
+  // are counted there. Not owned: it must outlive the sender.
+  ImmReservation* imms = nullptr;
 };
 
 // One unit of a traced update (WeightSenderConfig::trace), in ms from the update's start: when the
@@ -137,7 +147,7 @@ class WeightSender {
   ~WeightSender();
   WeightSender(const WeightSender&) = delete;
   WeightSender& operator=(const WeightSender&) = delete;
-  // Runs step `step` (its tag: step mod 2^14) and returns when every WRITE of it completed.
+  // Runs step `step` (its tag: step mod 2^kUpdateStepBits) and returns when every WRITE of it completed.
   // Throws fabric::Error: kTimeout naming what was still awaited, or the failed WRITE's error.
   UpdateTimes update(uint64_t step);
 
@@ -152,6 +162,10 @@ struct WeightReceiverConfig {
   uint32_t rank = 0;
   std::vector<MrDesc> train_arenas{};  // per training rank: where ready immediates go
   uint32_t sets = 1;                 // buffer sets the senders alternate over (1 or 2)
+  // The immediate range (at least kUpdateImmBits wide) that this rank's weight arenas were
+  // registered under: the training ranks' data WRITEs are counted there. Not owned: it must
+  // outlive the receiver.
+  ImmReservation* imms = nullptr;
 };
 
 class WeightReceiver {

@@ -13,6 +13,7 @@
 
 #include "cuda/gpu_signals.h"
 #include "engine/callback_thread.h"
+#include "engine/imm_registry.h"
 #include "engine/mr_table.h"
 #include "engine/remote_table.h"
 #include "fabric/transfer_engine.h"
@@ -24,6 +25,7 @@ namespace fabric {
 struct PeerGroup {
   std::vector<uint64_t> lens;  // each member region's length
   bool all_local = true;       // every member is reached through cuda_ipc
+  uint8_t imm_bits = 32;       // the narrowest immediate range among the members
 };
 
 class EngineImpl {
@@ -36,11 +38,16 @@ class EngineImpl {
   size_t nic_count() const { return workers_[0]->nic_count(); }
   size_t worker_count() const { return workers_.size(); }
 
-  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device);
+  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, ImmRange imms = {});
   void dereg_mr(MrHandle handle);
   void send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done);
   void recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv);
+  // The raw calls refuse a reserved immediate; the *_reserved ones are its ImmReservation's.
   ImmExpectation expect(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts);
+  ImmExpectation expect_reserved(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts);
+  uint64_t count_reserved(uint32_t imm);
+  uint64_t discard_reserved(uint32_t imm);
+  ImmReservation reserve_imms(const ImmReserveRequest& request);
   bool cancel_expectation(const ImmExpectation& e);
   void remove_peer(const NetAddr& peer);
   size_t peer_count();
@@ -63,6 +70,7 @@ class EngineImpl {
 
  private:
   void check_open() const;  // throws kShutdown once destruction has begun
+  void check_unreserved(uint32_t imm, const char* what) const;
   // The worker serving memory of `device` (host memory: the first). Throws kInvalidArgument for a
   // GPU no worker serves.
   uint32_t worker_index(Device device, const char* what) const;
@@ -92,6 +100,7 @@ class EngineImpl {
   NetAddr address_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_expectation_id_{1};
+  std::shared_ptr<ImmRegistry> imm_registry_;
   std::mutex control_mu_;  // registration, interning and peer groups only (control path)
   std::unordered_map<std::string, RemoteMr> remote_index_;  // MrDesc bytes: add_remote is idempotent
   static constexpr size_t kMaxGroups = 1024;

@@ -24,6 +24,7 @@ struct RemoteSlot {
   // reuse, which the generation check then reports as stale).
   std::atomic<uint64_t> len{0};
   std::atomic<bool> local{false};  // reached through this engine's cuda_ipc domain, not its NICs
+  std::atomic<uint8_t> imm_bits{32};  // its immediate range's width (MrDesc::imms)
   // Set before the slot is published and cleared after it turns stale, under the engine's
   // control mutex: the descriptor (each worker resolves its owner again after a failure).
   MrDesc desc;
@@ -36,6 +37,7 @@ struct RemoteSlot {
 struct RemoteView {
   uint64_t len = 0;
   bool local = false;
+  uint8_t imm_bits = 32;
 };
 
 // Slots come in chunks, allocated by the worker as interning needs them (a full table of
@@ -89,7 +91,8 @@ class RemoteTable {
     if (!chunk) return std::nullopt;
     const RemoteSlot& s = chunk[r.slot % kChunk];
     if (s.generation.load(std::memory_order_acquire) != r.generation) return std::nullopt;
-    RemoteView v{s.len.load(std::memory_order_relaxed), s.local.load(std::memory_order_relaxed)};
+    RemoteView v{s.len.load(std::memory_order_relaxed), s.local.load(std::memory_order_relaxed),
+                 s.imm_bits.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
     if (s.generation.load(std::memory_order_relaxed) != r.generation) return std::nullopt;
     return v;

@@ -32,6 +32,16 @@ std::string desc_key(const MrDesc& d) {
   return std::string(b.begin(), b.end());
 }
 
+// A WRITE's immediate is a local value of its destination region's range (MrDesc::imms).
+void check_imm(const char* what, std::optional<size_t> dst, std::optional<uint32_t> imm, uint8_t bits) {
+  if (!imm || bits >= 32 || *imm < (uint64_t{1} << bits)) return;
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("{}: immediate {:#x} does not fit the {}-bit immediate range of {} (its owner "
+                          "reserved it: write local values below 2^{})",
+                          what, *imm, bits, dst ? fmt::format("destination {}", *dst) : std::string("the destination"),
+                          bits));
+}
+
 // Explicit shard counts: enough for any NIC layout, few enough that a mistake is caught.
 constexpr uint32_t kMaxShards = 256;
 
@@ -94,7 +104,8 @@ EngineImpl::EngineImpl(EngineConfig config)
       remotes_owner_(std::make_unique<RemoteTable>(config_.max_remotes, worker_configs_.size())),
       remotes_(*remotes_owner_),
       buffers_owner_(std::make_unique<RequestBufferPool>()),
-      buffers_(*buffers_owner_) {
+      buffers_(*buffers_owner_),
+      imm_registry_(std::make_shared<ImmRegistry>(this)) {
   callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
   try {
     for (size_t w = 0; w < worker_configs_.size(); w++)
@@ -117,6 +128,7 @@ EngineImpl::EngineImpl(EngineConfig config)
 }
 
 EngineImpl::~EngineImpl() {
+  imm_registry_->close();  // reservations that outlive the engine throw kShutdown from now on
   for (auto& s : signals_) s.reset();  // watcher callbacks may submit: stop them while the engine still works
   // From here on every call throws kShutdown, callbacks of the failed transfers included (they
   // run below, after the workers are gone but before their objects are).
@@ -162,8 +174,9 @@ void EngineImpl::check_open() const {
                                       "during its destruction?)");
 }
 
-std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device device) {
+std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device device, ImmRange imms) {
   check_open();
+  imms.validate("reg_mr");
   if (!ptr || len == 0)
     throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
   const uint32_t w = worker_index(device, "reg_mr");
@@ -205,7 +218,7 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
     if (worker.has_local() && slot.per_nic[nic_count()].remote_access)
       local_key = slot.per_nic[nic_count()].remote;
     return {MrHandle{*s, gen},
-            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w)};
+            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms)};
   });
 }
 
@@ -351,8 +364,33 @@ void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on
   workers_[0]->call([&] { workers_[0]->add_recv_pool(len, count, std::move(cb)); });
 }
 
-ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done,
-                                  const ExpectOptions& opts) {
+void EngineImpl::check_unreserved(uint32_t imm, const char* what) const {
+  if (auto holder = imm_registry_->holder_of(imm))
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: immediate {:#x} belongs to the reserved range of {}; its holder counts it "
+                            "through its ImmReservation",
+                            what, imm, *holder));
+}
+
+ImmReservation EngineImpl::reserve_imms(const ImmReserveRequest& request) {
+  check_open();
+  auto [id, range] = imm_registry_->reserve(request);
+  ImmReservation r;
+  r.registry_ = imm_registry_;
+  r.id_ = id;
+  r.range_ = range;
+  r.holder_ = request.holder;
+  return r;
+}
+
+ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts) {
+  check_open();
+  check_unreserved(imm, "expect_imm_count");
+  return expect_reserved(imm, count, std::move(on_done), opts);
+}
+
+ImmExpectation EngineImpl::expect_reserved(uint32_t imm, uint64_t count, OnDone on_done,
+                                           const ExpectOptions& opts) {
   check_open();
   const uint32_t w = worker_index(opts.device, "expect_imm_count");
   ExpectRequest r;
@@ -399,12 +437,24 @@ size_t EngineImpl::peer_count() {
 
 uint64_t EngineImpl::imm_count(uint32_t imm) {
   check_open();
+  check_unreserved(imm, "imm_count");
+  return count_reserved(imm);
+}
+
+uint64_t EngineImpl::count_reserved(uint32_t imm) {
+  check_open();
   uint64_t n = 0;
   for (auto& w : workers_) n += w->call([&] { return w->imm_count(imm); });
   return n;
 }
 
 uint64_t EngineImpl::discard_imm_count(uint32_t imm) {
+  check_open();
+  check_unreserved(imm, "discard_imm_count");
+  return discard_reserved(imm);
+}
+
+uint64_t EngineImpl::discard_reserved(uint32_t imm) {
   check_open();
   uint64_t n = 0;
   for (auto& w : workers_) n += w->call([&] { return w->discard_imm_count(imm); });
@@ -464,6 +514,7 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
   // Release, as in reg_mr: a reader that sees these also sees the slot's last removal.
   slot.len.store(desc.len(), std::memory_order_release);
   slot.local.store(slot.target(0).local, std::memory_order_release);  // every worker shares one host
+  slot.imm_bits.store(desc.imms().bits, std::memory_order_release);
   uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
   RemoteMr r{*s, gen};
   remote_index_.emplace(std::move(key), r);
@@ -497,6 +548,7 @@ void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
   if (!in_bounds(w.dst.offset, w.len, d.len))
     out_of_bounds(what, {}, "destination", w.dst.offset, w.len, "the remote region", d.len);
   check_route(s, d.local, what);
+  check_imm(what, {}, w.imm, d.imm_bits);
   if (w.num_shards && (*w.num_shards == 0 || *w.num_shards > kMaxShards))
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{}: num_shards must be 1 to {}, got {}", what, kMaxShards, *w.num_shards));
@@ -535,6 +587,7 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
                               what, d.len));
   }
   check_route(s, d.local, what);
+  check_imm(what, {}, w.imm, d.imm_bits);
   TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.len = w.page_len;
@@ -564,6 +617,7 @@ void EngineImpl::submit(const Scatter& w, OnDone on_done) {
     if (!in_bounds(sl.dst.offset, sl.len, d.len))
       out_of_bounds(what, i, "destination", sl.dst.offset, sl.len, "the remote region", d.len);
     check_route(s, d.local, what);
+    check_imm(what, i, w.imm, d.imm_bits);
   }
   TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
@@ -591,6 +645,7 @@ void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
                     fmt::format("member {}'s region", i), g.lens[i]);
   }
   check_route(s, g.all_local, what);
+  check_imm(what, {}, w.imm, g.imm_bits);
   TransferRequest r = make_request(TransferKind::kGroupScatter, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.group = w.group.id;
@@ -605,7 +660,7 @@ void EngineImpl::submit(const Barrier& w, OnDone on_done) {
   check_open();
   if (w.dsts.size() > UINT32_MAX)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many destinations", what));
-  for (const RemoteMr& d : w.dsts) remote(d, what);
+  for (size_t i = 0; i < w.dsts.size(); i++) check_imm(what, i, w.imm, remote(w.dsts[i], what).imm_bits);
   Worker& worker = *workers_[worker_index(w.device, what)];
   TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
   r.count = static_cast<uint32_t>(w.dsts.size());
@@ -618,6 +673,7 @@ void EngineImpl::submit(const GroupBarrier& w, OnDone on_done) {
   constexpr const char* what = "submit(GroupBarrier)";
   check_open();
   const PeerGroup& g = group(w.group, what);
+  check_imm(what, {}, w.imm, g.imm_bits);
   Worker& worker = *workers_[worker_index(w.device, what)];
   TransferRequest r = make_request(TransferKind::kGroupBarrier, std::move(on_done), w.imm, w.nic, what);
   r.group = w.group.id;
@@ -632,6 +688,7 @@ PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
     RemoteView v = remote(m, "add_peer_group");
     g->lens.push_back(v.len);
     g->all_local &= v.local;
+    g->imm_bits = std::min(g->imm_bits, v.imm_bits);
   }
   std::lock_guard lock(control_mu_);
   if (group_storage_.size() >= kMaxGroups)
@@ -699,6 +756,15 @@ size_t TransferEngine::nic_count() const { return impl_->nic_count(); }
 size_t TransferEngine::worker_count() const { return impl_->worker_count(); }
 std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device) {
   return impl_->reg_mr(ptr, len, device);
+}
+std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device,
+                                                   const ImmReservation& imms) {
+  if (!imms.held())
+    throw Error(ErrorCode::kInvalidArgument, "reg_mr: the immediate reservation is not held");
+  return impl_->reg_mr(ptr, len, device, imms.range());
+}
+ImmReservation TransferEngine::reserve_imms(const ImmReserveRequest& request) {
+  return impl_->reserve_imms(request);
 }
 void TransferEngine::dereg_mr(MrHandle handle) { impl_->dereg_mr(handle); }
 void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {

@@ -7,7 +7,7 @@
 // NetAddr: "FBNA" u8 version u8 provider_len provider u8 worker_count u8 nic_count
 //          { { u16 len, bytes }*nic_count u16 local_len local }*worker_count
 // MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u8 worker u64 addr u64 len
-//          u8 n { u64 rkey u64 base }* u8 has_local [u64 rkey u64 base]
+//          u8 n { u64 rkey u64 base }* u8 has_local [u64 rkey u64 base] u32 imm_base u8 imm_bits
 #include "fabric/types.h"
 
 #include <cstring>
@@ -19,13 +19,14 @@ namespace fabric {
 namespace {
 constexpr char kAddrMagic[4] = {'F', 'B', 'N', 'A'};
 constexpr char kDescMagic[4] = {'F', 'B', 'M', 'D'};
-constexpr uint8_t kVersion = 3;  // 3: several workers per engine
+constexpr uint8_t kAddrVersion = 3;  // 3: several workers per engine
+constexpr uint8_t kDescVersion = 4;  // 4: the immediate range
 
-void check_magic(util::ByteReader& r, const char (&magic)[4]) {
+void check_magic(util::ByteReader& r, const char (&magic)[4], uint8_t version) {
   for (char m : magic)
     if (r.u8("magic") != static_cast<uint8_t>(m)) r.fail("bad magic (not a fabric-lib value)");
   uint8_t v = r.u8("version");
-  if (v != kVersion) r.fail("unsupported version " + std::to_string(v));
+  if (v != version) r.fail("unsupported version " + std::to_string(v));
 }
 
 void validate_nic_count(size_t n, const char* what) {
@@ -86,7 +87,7 @@ NetAddr NetAddr::worker(size_t w) const {
 std::vector<uint8_t> NetAddr::to_bytes() const {
   util::ByteWriter w;
   w.raw(kAddrMagic, 4);
-  w.u8(kVersion);
+  w.u8(kAddrVersion);
   w.u8(static_cast<uint8_t>(provider_.size()));
   w.raw(provider_.data(), provider_.size());
   w.u8(static_cast<uint8_t>(nics_.size()));
@@ -103,7 +104,7 @@ std::vector<uint8_t> NetAddr::to_bytes() const {
 }
 
 static NetAddr read_net_addr(util::ByteReader& r) {
-  check_magic(r, kAddrMagic);
+  check_magic(r, kAddrMagic, kAddrVersion);
   uint8_t plen = r.u8("provider length");
   if (plen == 0 || plen > kMaxProviderNameLen) r.fail("provider name length " + std::to_string(plen));
   std::string provider = r.text(plen, "provider");
@@ -137,10 +138,28 @@ NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {
 std::string NetAddr::to_hex() const { return util::to_hex(to_bytes()); }
 NetAddr NetAddr::from_hex(std::string_view hex) { return from_bytes(util::from_hex(hex, "NetAddr")); }
 
+uint32_t ImmRange::imm(uint64_t local) const {
+  if (!fits(local))
+    throw Error(ErrorCode::kInvalidArgument, "immediate " + std::to_string(local) + " does not fit in its range of " +
+                                                 std::to_string(bits) + " bits at " + std::to_string(base));
+  return static_cast<uint32_t>(base + local);
+}
+
+void ImmRange::validate(const char* what) const {
+  if (bits < 1 || bits > 32)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(what) + ": an immediate range of " + std::to_string(bits) + " bits (1 to 32)");
+  if (base % size() != 0)
+    throw Error(ErrorCode::kInvalidArgument, std::string(what) + ": immediate base " + std::to_string(base) +
+                                                 " is not a multiple of 2^" + std::to_string(bits) +
+                                                 " (a range is an aligned block)");
+}
+
 MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey> keys,
-               std::optional<RemoteKey> local_key, uint32_t worker)
+               std::optional<RemoteKey> local_key, uint32_t worker, ImmRange imms)
     : owner_(std::move(owner)), addr_(addr), len_(len), keys_(std::move(keys)), local_key_(local_key),
-      worker_(worker) {
+      worker_(worker), imms_(imms) {
+  imms_.validate("MrDesc");
   if (worker_ >= owner_.worker_count())
     throw Error(ErrorCode::kInvalidArgument,
                 "MrDesc: worker " + std::to_string(worker_) + " of an owner with " +
@@ -156,7 +175,7 @@ MrDesc::MrDesc(NetAddr owner, uint64_t addr, uint64_t len, std::vector<RemoteKey
 std::vector<uint8_t> MrDesc::to_bytes() const {
   util::ByteWriter w;
   w.raw(kDescMagic, 4);
-  w.u8(kVersion);
+  w.u8(kDescVersion);
   auto owner = owner_.to_bytes();
   w.u32(static_cast<uint32_t>(owner.size()));
   w.raw(owner.data(), owner.size());
@@ -173,12 +192,14 @@ std::vector<uint8_t> MrDesc::to_bytes() const {
     w.u64(local_key_->rkey);
     w.u64(local_key_->base);
   }
+  w.u32(imms_.base);
+  w.u8(imms_.bits);
   return w.take();
 }
 
 MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
   util::ByteReader r(bytes, "MrDesc");
-  check_magic(r, kDescMagic);
+  check_magic(r, kDescMagic, kDescVersion);
   uint32_t owner_len = r.u32("owner length");
   if (owner_len > r.remaining()) r.fail("owner length " + std::to_string(owner_len) + " exceeds input");
   auto owner_bytes = bytes.subspan(bytes.size() - r.remaining(), owner_len);
@@ -206,8 +227,13 @@ MrDesc MrDesc::from_bytes(std::span<const uint8_t> bytes) {
   if (n == 0 && !local) r.fail("no key at all (neither NIC keys nor a local key)");
   if (local && owner.local(worker).empty()) r.fail("a local key for an owner with no local endpoint");
   if (addr + len < addr) r.fail("addr + len overflows");
+  ImmRange imms;
+  imms.base = r.u32("imm base");
+  imms.bits = r.u8("imm bits");
+  if (imms.bits < 1 || imms.bits > 32 || imms.base % imms.size() != 0)
+    r.fail("immediate range of " + std::to_string(imms.bits) + " bits at " + std::to_string(imms.base));
   r.expect_end();
-  return MrDesc(std::move(owner), addr, len, std::move(keys), local, worker);
+  return MrDesc(std::move(owner), addr, len, std::move(keys), local, worker, imms);
 }
 
 std::string MrDesc::to_hex() const { return util::to_hex(to_bytes()); }

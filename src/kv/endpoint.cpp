@@ -22,18 +22,20 @@ void check_layout(const KvLayout& l, const KvTensors& t, const KvRank& rank) {
                 "kv: extras need all three of a pointer, a slot count and a slot size (or none of them)");
 }
 
-Registered::Registered(TransferEngine& e, const KvLayout& l, const KvTensors& t) : engine(e) {
+Registered::Registered(TransferEngine& e, const KvLayout& l, const KvTensors& t, const ImmReservation& imms)
+    : engine(e) {
+  auto reg = [&](void* p, uint64_t len) { return imms.held() ? e.reg_mr(p, len, t.device, imms) : e.reg_mr(p, len, t.device); };
   try {
     for (uint32_t i = 0; i < l.num_layers; i++) {
-      auto [hk, dk] = e.reg_mr(t.k[i], l.tensor_bytes(), t.device);
+      auto [hk, dk] = reg(t.k[i], l.tensor_bytes());
       k.push_back(hk);
       k_desc.push_back(dk);
-      auto [hv, dv] = e.reg_mr(t.v[i], l.tensor_bytes(), t.device);
+      auto [hv, dv] = reg(t.v[i], l.tensor_bytes());
       v.push_back(hv);
       v_desc.push_back(dv);
     }
     if (t.extra_slots) {
-      auto [h, d] = e.reg_mr(t.extras, uint64_t{t.extra_slots} * t.extra_bytes, t.device);
+      auto [h, d] = reg(t.extras, uint64_t{t.extra_slots} * t.extra_bytes);
       extras = h;
       extras_desc = d;
     }

@@ -20,7 +20,8 @@ struct Registered {
   std::vector<MrDesc> k_desc, v_desc;
   std::optional<MrHandle> extras;
   std::optional<MrDesc> extras_desc;
-  Registered(TransferEngine& e, const KvLayout& l, const KvTensors& t);
+  // Under `imms` where it is held (a receiver's regions: their WRITEs' immediates are its range's).
+  Registered(TransferEngine& e, const KvLayout& l, const KvTensors& t, const ImmReservation& imms);
   ~Registered();
   Registered(const Registered&) = delete;
   Registered& operator=(const Registered&) = delete;
@@ -34,10 +35,11 @@ struct Endpoint {
   KvLayout layout;
   KvTensors tensors;
   KvRank rank;
+  ImmReservation imms;  // a receiver's; none on a sender
   Registered regions;
   mutable std::mutex mu;
-  Endpoint(TransferEngine& e, KvLayout l, KvTensors t, KvRank r)
-      : engine(e), layout(l), tensors(std::move(t)), rank(r), regions(e, layout, tensors) {}
+  Endpoint(TransferEngine& e, KvLayout l, KvTensors t, KvRank r, ImmReservation i = {})
+      : engine(e), layout(l), tensors(std::move(t)), rank(r), imms(std::move(i)), regions(e, layout, tensors, imms) {}
   wire::Descriptor descriptor() const;
 };
 

@@ -13,7 +13,11 @@ using Clock = std::chrono::steady_clock;
 
 struct KvReceiver::State : Endpoint {
   State(TransferEngine& e, KvLayout l, KvTensors t, KvRank r, KvReceiverOptions o)
-      : Endpoint(e, l, std::move(t), r), options(o) {}
+      : Endpoint(e, l, std::move(t), r,
+                 e.reserve_imms({.holder = fmt::format("kv receiver: group {} rank {}", r.group, r.tp.rank),
+                                 .bits = kKvImmBits,
+                                 .base = o.imm_base})),
+        options(o) {}
   KvReceiverOptions options;
   std::set<uint64_t> in_flight;                // request tags
   std::map<uint64_t, Clock::time_point> retired;  // failed tags, until their late WRITEs can no longer land
@@ -50,8 +54,8 @@ struct KvReceiver::State : Endpoint {
     }
     // Without the lock: each discard is a round trip to the engine's worker.
     for (uint64_t t : expired) {
-      for (uint32_t layer = 0; layer < layout.num_layers; layer++) engine.discard_imm_count(layer_imm(t, layer));
-      engine.discard_imm_count(layer_imm(t, kExtrasLayer));
+      for (uint32_t layer = 0; layer < layout.num_layers; layer++) imms.discard(layer_imm(t, layer));
+      imms.discard(layer_imm(t, kExtrasLayer));
     }
     std::lock_guard l(mu);
     for (uint64_t t : expired) discarding.erase(t);
@@ -67,6 +71,11 @@ KvReceiver::KvReceiver(TransferEngine& engine, KvLayout layout, KvTensors tensor
 KvReceiver::~KvReceiver() = default;
 
 std::vector<uint8_t> KvReceiver::descriptor() const { return wire::encode(state_->descriptor()); }
+
+ImmRange KvReceiver::imm_range() const { return state_->imms.range(); }
+uint64_t KvReceiver::imm_count(uint64_t request, uint32_t layer) const {
+  return state_->imms.count(layer_imm(request, layer));
+}
 
 size_t KvReceiver::in_flight() const {
   std::lock_guard l(state_->mu);
@@ -85,7 +94,7 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
   if (a.extra_slot && *a.extra_slot >= s.tensors.extra_slots)
     throw Error(s.tensors.extra_slots ? ErrorCode::kOutOfBounds : ErrorCode::kInvalidArgument,
                 fmt::format("KvReceiver::admit: extra slot {} of {}", *a.extra_slot, s.tensors.extra_slots));
-  const uint64_t tag = a.request & 0xFFFFFF;
+  const uint64_t tag = a.request & kKvTagMask;
   const bool extras = a.extra_slot.has_value();
   s.take_tag(a.request, tag);
 
@@ -145,10 +154,10 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
     std::lock_guard armed(req->mu);
     for (uint32_t layer = 0; layer < s.layout.num_layers; layer++)
       req->expectations.push_back(
-          s.engine.expect_imm_count(layer_imm(a.request, layer), per_layer, step_landed(layer), opts));
+          s.imms.expect(layer_imm(a.request, layer), per_layer, step_landed(layer), opts));
     if (extras)  // one page from prefill rank 0
       req->expectations.push_back(
-          s.engine.expect_imm_count(layer_imm(a.request, kExtrasLayer), 1, step_landed(kExtrasLayer), opts));
+          s.imms.expect(layer_imm(a.request, kExtrasLayer), 1, step_landed(kExtrasLayer), opts));
   } catch (...) {  // the engine refused (shut down): nothing of the request stays armed
     req->ended = true;
     for (const ImmExpectation& e : req->expectations) s.engine.cancel_imm_expectation(e);

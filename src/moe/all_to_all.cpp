@@ -104,6 +104,7 @@ struct AllToAll::Impl {
   std::unique_ptr<NodeRegion> node;
   Block recv, send, local, out;
   std::shared_ptr<Block> signals;
+  ImmReservation imms;  // the receive region's immediates (two nodes or more)
   MrHandle recv_mr{}, send_mr{};
   std::vector<RemoteMr> remotes;  // [W]: interned receive regions of the other nodes' ranks
   Views views;                    // what the kernel side uses
@@ -199,7 +200,10 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   mine.dims = dims_of(c);
   mine.node_handle = s.node->handle();
   if (remote) {
-    auto [recv_mr, recv_desc] = engine.reg_mr(s.recv.host(), s.recv.len());
+    s.imms = engine.reserve_imms({.holder = fmt::format("moe all-to-all: job {} rank {}", c.job, c.rank),
+                                  .bits = kMoeImmBits,
+                                  .base = c.imm_base});
+    auto [recv_mr, recv_desc] = engine.reg_mr(s.recv.host(), s.recv.len(), Device::host(), s.imms);
     s.recv_mr = recv_mr;
     s.send_mr = engine.reg_mr(s.send.host(), s.send.len()).first;
     mine.recv_desc = recv_desc.to_bytes();
@@ -232,7 +236,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   s.views = s.cuda() ? device : host;
   if (remote)
     s.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = host, .signals = s.signals, .send_mr = s.send_mr,
-                                                           .recv = s.remotes, .busy_poll = c.proxy_busy_poll});
+                                                           .imms = &s.imms, .recv = s.remotes, .busy_poll = c.proxy_busy_poll});
 }
 
 AllToAll::~AllToAll() = default;

@@ -47,10 +47,13 @@ namespace fabric::moe::detail {
 inline constexpr uint32_t kScaleBlock = 128;  // FP8: one fp32 scale per 128 values
 inline constexpr uint64_t kLine = 64;          // signal words each on their own cache line
 
-// Immediates: kind (2 bits), step modulo 2^14, the sending rank (16 bits).
+// Immediates: kind (2 bits), step modulo 2^10, the sending rank (16 bits): local values of the
+// receiving rank's immediate range (kMoeImmBits wide, reserved by its AllToAll and carried by its
+// receive region's MrDesc), so another AllToAll or application on the same engine never counts them.
 enum class ImmKind : uint32_t { kRoute = 0, kDispatch = 1, kCombine = 2 };
+inline constexpr uint32_t kMoeImmBits = 28;
 FABRIC_HD uint32_t moe_imm(ImmKind kind, uint64_t step, uint32_t rank) {
-  return (static_cast<uint32_t>(kind) << 30) | static_cast<uint32_t>((step & 0x3FFF) << 16) | (rank & 0xFFFF);
+  return (static_cast<uint32_t>(kind) << 26) | static_cast<uint32_t>((step & 0x3FF) << 16) | (rank & 0xFFFF);
 }
 
 // The last 16 bytes of every dispatched row: which token it is, and the step that wrote it (the

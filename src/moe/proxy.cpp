@@ -73,8 +73,8 @@ OnDone Proxy::on_write() {
 void Proxy::expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset) {
   OnDone done = OnDone::counter(&signal(signal_at(counter_offset, src)), &signal(cfg_.views.lay.signals.failed))
                     .keep_alive(cfg_.signals);
-  pending_.push_back(engine_.expect_imm_count(moe_imm(kind, step, src), count, std::move(done),
-                                              ExpectOptions{.timeout = std::chrono::milliseconds(cfg_.views.timeout_ns / 1000000)}));
+  pending_.push_back(cfg_.imms->expect(moe_imm(kind, step, src), count, std::move(done),
+                                       ExpectOptions{.timeout = std::chrono::milliseconds(cfg_.views.timeout_ns / 1000000)}));
 }
 
 void Proxy::run() {

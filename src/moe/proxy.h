@@ -21,6 +21,7 @@ struct ProxyConfig {
   Views views{};                   // host pointers (recv, send, signals as the CPU sees them)
   std::shared_ptr<Block> signals;  // kept alive by every OnDone the proxy hands the engine
   MrHandle send_mr{};
+  ImmReservation* imms = nullptr;  // the receive region's range: incoming immediates are counted there
   std::vector<RemoteMr> recv;      // [W]: every other rank's receive region (self: unused)
   bool busy_poll = false;          // spin without pause (a core of its own) or back off when idle
 };

@@ -27,13 +27,14 @@ struct Armed {
 struct WeightReceiver::State {
   TransferEngine& engine;
   WeightReceiverConfig cfg;
+  ImmReservation& imms;  // this rank's: the training ranks' data WRITEs are counted there
   std::vector<uint64_t> expected;  // per training rank: immediates it sends here each step
   std::vector<RemoteMr> sources;   // per training rank
   std::mutex mu;
   std::map<uint64_t, Armed> armed;      // by step
   std::map<uint32_t, uint64_t> failed;  // step tag -> the failed step
 
-  State(TransferEngine& e, WeightReceiverConfig c) : engine(e), cfg(std::move(c)) {}
+  State(TransferEngine& e, WeightReceiverConfig c) : engine(e), cfg(std::move(c)), imms(*cfg.imms) {}
 };
 
 WeightReceiver::WeightReceiver(TransferEngine& engine, WeightReceiverConfig config) {
@@ -45,6 +46,7 @@ WeightReceiver::WeightReceiver(TransferEngine& engine, WeightReceiverConfig conf
     throw Error(ErrorCode::kInvalidArgument, fmt::format("WeightReceiver: {} buffer sets (1 or 2)", config.sets));
   if (ranks > kMaxUpdateRanks || dsts > kMaxUpdateRanks)
     throw Error(ErrorCode::kInvalidArgument, "WeightReceiver: more ranks than the immediates can name");
+  detail::checked_imms(config.imms, "WeightReceiver");
   s_ = std::make_unique<State>(engine, std::move(config));
   State& s = *s_;
   s.expected.assign(ranks, 0);
@@ -90,8 +92,8 @@ void WeightReceiver::ready(uint64_t step) {
       if (f->second == step)
         throw Error(ErrorCode::kInvalidArgument,
                     fmt::format("WeightReceiver: step {} failed; retry it under a new step number", step));
-      // The same tag 2^14 steps later: the failed step's late immediates are long in, drop them.
-      for (uint32_t r = 0; r < s.expected.size(); r++) s.engine.discard_imm_count(update_imm(ImmKind::kData, step, r));
+      // The same tag 2^kUpdateStepBits steps later: the failed step's late immediates are long in, drop them.
+      for (uint32_t r = 0; r < s.expected.size(); r++) s.imms.discard(update_imm(ImmKind::kData, step, r));
       s.failed.erase(f);
     }
     for (const auto& [other, a] : s.armed)
@@ -104,8 +106,8 @@ void WeightReceiver::ready(uint64_t step) {
         (*a.flags)[r].store(kDoneSucceeded);
         continue;
       }
-      a.expectations.push_back(s.engine.expect_imm_count(update_imm(ImmKind::kData, step, r), s.expected[r],
-                                                         OnDone::flag(&(*a.flags)[r]).keep_alive(a.flags)));
+      a.expectations.push_back(s.imms.expect(update_imm(ImmKind::kData, step, r), s.expected[r],
+                                             OnDone::flag(&(*a.flags)[r]).keep_alive(a.flags)));
       notify.push_back(s.sources[r]);
     }
     s.armed.emplace(step, std::move(a));
@@ -138,7 +140,7 @@ void WeightReceiver::wait_update(uint64_t step, std::chrono::milliseconds timeou
       std::lock_guard lock(s.mu);
       Armed& a = s.armed.at(step);
       for (const ImmExpectation& e : a.expectations) s.engine.cancel_imm_expectation(e);
-      for (uint32_t r : m) s.engine.discard_imm_count(update_imm(ImmKind::kData, step, r));
+      for (uint32_t r : m) s.imms.discard(update_imm(ImmKind::kData, step, r));
       s.failed[update_imm(ImmKind::kData, step, 0)] = step;
       s.armed.erase(step);
       throw Error(ErrorCode::kTimeout,

@@ -13,6 +13,18 @@
 
 namespace fabric::weights::detail {
 
+ImmReservation& checked_imms(ImmReservation* imms, const char* who) {
+  if (!imms || !imms->held())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("{}: no immediate reservation (imms): reserve one of {} bits on the engine "
+                            "(reserve_imms) and register this rank's arenas under it",
+                            who, kUpdateImmBits));
+  if (imms->range().bits < kUpdateImmBits)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: an immediate reservation of {} bits; an update needs {}",
+                                                         who, imms->range().bits, kUpdateImmBits));
+  return *imms;
+}
+
 namespace {
 
 uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }

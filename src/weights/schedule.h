@@ -8,9 +8,14 @@
 #include <memory>
 #include <vector>
 
+#include "fabric/transfer_engine.h"
 #include "fabric/weights.h"
 
 namespace fabric::weights::detail {
+
+// The sender's or receiver's immediate range: held and wide enough for update_imm, or
+// kInvalidArgument naming `who`.
+ImmReservation& checked_imms(ImmReservation* imms, const char* who);
 
 inline constexpr uint32_t kNoUnit = UINT32_MAX;
 

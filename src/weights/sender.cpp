@@ -68,6 +68,7 @@ std::vector<uint64_t> staging_bytes_for(const UpdatePlan& plan, uint32_t window)
 struct WeightSender::State {
   TransferEngine& engine;
   WeightSenderConfig cfg;
+  ImmReservation& imms;  // this rank's: gathers, credits and ready notices are counted there
   detail::Schedule sched;
   const detail::RankSchedule& me;
   std::vector<RemoteMr> train;                 // per training rank
@@ -79,9 +80,9 @@ struct WeightSender::State {
   std::vector<uint32_t> iota;  // 0, 1, ...: the page indices of every run
 
   State(TransferEngine& e, WeightSenderConfig c)
-      : engine(e), cfg(std::move(c)), sched(detail::schedule_update(cfg.plan, cfg.window)), me(sched.ranks.at(cfg.rank)) {}
+      : engine(e), cfg(std::move(c)), imms(*cfg.imms), sched(detail::schedule_update(cfg.plan, cfg.window)), me(sched.ranks.at(cfg.rank)) {}
 
-  size_t imms(uint64_t len) const { return single_write_imm_count(len, engine.nic_count(), false); }
+  size_t imm_count_of(uint64_t len) const { return single_write_imm_count(len, engine.nic_count(), false); }
 
   // One run as one request: a SingleWrite, or a PagedWrites of its `count` pages.
   void post(const detail::WriteRun& r, RemoteMr dst, uint32_t imm, OnDone done) {
@@ -119,6 +120,11 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
                   fmt::format("WeightSender: a buffer set of {} arenas for {} inference ranks", set.size(), dsts));
   if (!config.hook && !config.arena_ptr)
     throw Error(ErrorCode::kInvalidArgument, "WeightSender: no hook and no host pointer to the arena");
+  if (detail::checked_imms(config.imms, "WeightSender").range() != config.train_arenas[config.rank].imms())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("WeightSender: training rank {}'s arena was not registered under its immediate "
+                            "reservation (reg_mr with imms)",
+                            config.rank));
   s_ = std::make_unique<State>(engine, std::move(config));
   State& s = *s_;
   for (const MrDesc& d : s.cfg.train_arenas) s.train.push_back(engine.add_remote(d));
@@ -206,7 +212,7 @@ class WeightSender::Step {
   bool ready(uint32_t d) const { return pr_.ready[d].load(std::memory_order_acquire) == kDoneSucceeded; }
 
   void expect(uint32_t imm, uint64_t count, OnDone done) {
-    armed_.push_back(s_.engine.expect_imm_count(imm, count, keep(std::move(done))));
+    armed_.push_back(s_.imms.expect(imm, count, keep(std::move(done))));
   }
 
   // Tells a unit's contributors its slot is free.
@@ -232,7 +238,7 @@ class WeightSender::Step {
     for (uint32_t d : s_.my_dsts) expect(update_imm(ImmKind::kReady, step_, d), 1, OnDone::flag(&pr_.ready[d]));
     for (uint32_t u = 0; u < units_; u++) {
       uint64_t count = 0;
-      for (uint32_t i : s_.me.units[u].gather_writes) count += s_.imms(s_.sched.gather[i].len);
+      for (uint32_t i : s_.me.units[u].gather_writes) count += s_.imm_count_of(s_.sched.gather[i].len);
       if (count == 0) pr_.gathered[u].store(kDoneSucceeded);
       else expect(update_imm(ImmKind::kGather, step_, u), count, OnDone::flag(&pr_.gathered[u]));
     }

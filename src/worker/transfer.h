@@ -20,6 +20,7 @@ struct ResolvedTarget {
   std::array<RemoteKey, kMaxDomains> key{};
   uint32_t record = UINT32_MAX;  // the worker's peer record (its state says whether it is usable)
   bool local = false;
+  uint32_t imm_base = 0;  // the region's immediate range (MrDesc::imms): WRITEs carry imm_base + imm
 };
 
 // A peer group as the worker holds it: per member, its route (peer and key per domain), which is

@@ -333,6 +333,7 @@ const ResolvedTarget& Worker::refresh(ResolvedTarget& held, const MrDesc& desc) 
 
 ResolvedTarget Worker::route(const MrDesc& d) {
   ResolvedTarget t = resolve(d.endpoint());
+  t.imm_base = d.imms().base;
   if (t.local && d.local_key()) {
     t.key[domains_.local_index()] = *d.local_key();
     return t;
@@ -471,7 +472,7 @@ bool Worker::post_next(Transfer& t) {
     // The template: where this destination is reached through this NIC.
     WriteOp op;
     op.has_imm = q.has_imm;
-    op.imm = q.imm;
+    op.imm = target->imm_base + q.imm;  // fits: checked against the range at submit
     op.peer = target->peer[nic];
     op.rkey = target->key[nic].rkey;
     const uint64_t base = target->key[nic].base;

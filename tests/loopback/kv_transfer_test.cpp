@@ -215,7 +215,7 @@ TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLat
   // A late layer of the failed request lands and is counted with nobody waiting for it.
   tx.layer_done(5, 1);
   const uint64_t per_layer = layer_writes_into(p.l, kHeads, 1, {1, 0}, 2);
-  ASSERT_TRUE(wait_until([&] { return d.engine.imm_count(layer_imm(5, 1)) == per_layer; }));
+  ASSERT_TRUE(wait_until([&] { return rx.imm_count(5, 1) == per_layer; }));
   EXPECT_TRUE(tx.cancel(5)) << "the prefill side ends it too";
   ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
   EXPECT_EQ(sent.load(), kDoneFailed);
@@ -227,7 +227,7 @@ TEST(KvTransfer, AMissingLayerFailsTheRequestAtItsTimeoutAndItsTagWaitsOutItsLat
   std::atomic<uint64_t> landed{0};
   std::atomic<int> retried{kDonePending};
   rx.admit({.request = 6, .pages = {9}, .prefill_size = 1, .timeout = std::chrono::seconds(60)});
-  EXPECT_EQ(d.engine.imm_count(layer_imm(5, 1)), 0u) << "the next admit, of any id, discarded the late immediates";
+  EXPECT_EQ(rx.imm_count(5, 1), 0u) << "the next admit, of any id, discarded the late immediates";
   auto again = rx.admit({.request = 5, .pages = {7}, .prefill_size = 1, .timeout = std::chrono::seconds(60),
                          .landed = &landed, .on_done = OnDone::flag(&retried)});
   retry_tx.begin({.admit = again, .src_pages = {0}});

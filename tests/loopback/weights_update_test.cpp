@@ -31,6 +31,7 @@ struct Cluster {
   Model model;
   std::shared_ptr<const UpdatePlan> plan;
   std::vector<std::unique_ptr<TransferEngine>> train_engines, infer_engines;
+  std::vector<ImmReservation> train_imms, infer_imms;  // each rank's immediate range; before the senders go
   std::vector<std::vector<std::byte>> train_arena;
   std::vector<std::vector<std::vector<std::byte>>> infer_arena;  // [set][rank]
   std::vector<MrHandle> train_mr;
@@ -48,26 +49,33 @@ struct Cluster {
     for (uint32_t r = 0; r < ns; r++) {
       train_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
       train_arena.emplace_back(plan->staging_base[r] + staging[r]);
-      auto [h, d] = train_engines[r]->reg_mr(train_arena[r].data(), train_arena[r].size());
+      train_imms.push_back(train_engines[r]->reserve_imms({.holder = "weights trainer", .bits = kUpdateImmBits}));
+      auto [h, d] = train_engines[r]->reg_mr(train_arena[r].data(), train_arena[r].size(), Device::host(), train_imms[r]);
       train_mr.push_back(h);
       train_desc.push_back(d);
     }
-    for (uint32_t r = 0; r < nd; r++) infer_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
+    for (uint32_t r = 0; r < nd; r++) {
+      infer_engines.push_back(std::make_unique<TransferEngine>(config_for(pc)));
+      infer_imms.push_back(infer_engines[r]->reserve_imms({.holder = "weights inference", .bits = kUpdateImmBits}));
+    }
     infer_arena.resize(sets);
     infer_desc.resize(sets);
     for (uint32_t k = 0; k < sets; k++)
       for (uint32_t r = 0; r < nd; r++) {
         infer_arena[k].emplace_back(model.dst_size[r] + 1);  // + 1: never a zero-length region
-        infer_desc[k].push_back(infer_engines[r]->reg_mr(infer_arena[k][r].data(), infer_arena[k][r].size()).second);
+        infer_desc[k].push_back(
+            infer_engines[r]->reg_mr(infer_arena[k][r].data(), infer_arena[k][r].size(), Device::host(), infer_imms[r]).second);
       }
     for (uint32_t r = 0; r < ns; r++)
       senders.push_back(std::make_unique<WeightSender>(
           *train_engines[r], WeightSenderConfig{.plan = plan, .rank = r, .arena = train_mr[r],
                                                 .arena_ptr = train_arena[r].data(), .train_arenas = train_desc,
-                                                .dest_arenas = infer_desc, .window = window, .timeout = timeout}));
+                                                .dest_arenas = infer_desc, .window = window, .timeout = timeout,
+                                                .imms = &train_imms[r]}));
     for (uint32_t r = 0; r < nd; r++)
       receivers.push_back(std::make_unique<WeightReceiver>(
-          *infer_engines[r], WeightReceiverConfig{.plan = plan, .rank = r, .train_arenas = train_desc, .sets = sets}));
+          *infer_engines[r],
+          WeightReceiverConfig{.plan = plan, .rank = r, .train_arenas = train_desc, .sets = sets, .imms = &infer_imms[r]}));
   }
 
   // New weights for a step: every tensor redrawn, every shard rewritten from them.
@@ -215,7 +223,7 @@ TEST(WeightsExecutorFailure, AMissingTrainingRankFailsTheStepEverywhereNamingItA
     c.senders[r] = std::make_unique<WeightSender>(
         *c.train_engines[r], WeightSenderConfig{.plan = c.plan, .rank = r, .arena = c.train_mr[r],
                                                 .arena_ptr = c.train_arena[r].data(), .train_arenas = c.train_desc,
-                                                .dest_arenas = c.infer_desc, .window = 1});
+                                                .dest_arenas = c.infer_desc, .window = 1, .imms = &c.train_imms[r]});
   for (const std::string& e : c.step(3)) ASSERT_EQ(e, "");
   expect_exact(c.model, c.set_bytes(1));
 }
@@ -226,7 +234,8 @@ TEST(WeightsExecutorFailure, BadConfigurationsAreRejectedWithAClearError) {
   TransferEngine& e = *c.train_engines[0];
   auto base = [&] {
     return WeightSenderConfig{.plan = c.plan, .rank = 0, .arena = c.train_mr[0], .arena_ptr = c.train_arena[0].data(),
-                              .train_arenas = c.train_desc, .dest_arenas = c.infer_desc, .window = 1};
+                              .train_arenas = c.train_desc, .dest_arenas = c.infer_desc, .window = 1,
+                              .imms = &c.train_imms[0]};
   };
   auto cfg = base();
   cfg.rank = 2;
@@ -243,11 +252,22 @@ TEST(WeightsExecutorFailure, BadConfigurationsAreRejectedWithAClearError) {
   cfg = base();
   cfg.arena_ptr = nullptr;
   expect_error(ErrorCode::kInvalidArgument, "no hook", [&] { WeightSender(e, cfg); });
+  cfg = base();
+  cfg.imms = nullptr;
+  expect_error(ErrorCode::kInvalidArgument, "no immediate reservation", [&] { WeightSender(e, cfg); });
+  ImmReservation other = e.reserve_imms({.holder = "another user", .bits = kUpdateImmBits});
+  cfg.imms = &other;  // held, but not the one the arena was registered under
+  expect_error(ErrorCode::kInvalidArgument, "not registered under its immediate reservation", [&] { WeightSender(e, cfg); });
+  ImmReservation narrow = e.reserve_imms({.holder = "a narrow user", .bits = 8});
+  cfg.imms = &narrow;
+  expect_error(ErrorCode::kInvalidArgument, "an immediate reservation of 8 bits", [&] { WeightSender(e, cfg); });
+  expect_error(ErrorCode::kInvalidArgument, "no immediate reservation",
+               [&] { WeightReceiver(*c.infer_engines[0], {.plan = c.plan, .rank = 0, .train_arenas = c.train_desc}); });
   WeightReceiver& rx = *c.receivers[0];
   expect_error(ErrorCode::kInvalidArgument, "not made ready", [&] { rx.wait_update(9, std::chrono::milliseconds(10)); });
   rx.ready(4);
   expect_error(ErrorCode::kInvalidArgument, "already ready", [&] { rx.ready(4); });
-  expect_error(ErrorCode::kInvalidArgument, "share a tag", [&] { rx.ready(4 + (1u << 14)); });
+  expect_error(ErrorCode::kInvalidArgument, "share a tag", [&] { rx.ready(4 + (1u << kUpdateStepBits)); });
   expect_error(ErrorCode::kInvalidArgument, "3 buffer sets",
                [&] { WeightReceiver(*c.infer_engines[0], {.plan = c.plan, .rank = 0, .train_arenas = c.train_desc, .sets = 3}); });
 }

@@ -83,7 +83,16 @@ TEST(Serialization, BadMagicVersionAndCountsAreRejected) {
 
   auto d = sample_desc(2).to_bytes();
   auto bad_d = d;
-  bad_d[d.size() - 1 - 2 * 16 - 1] = 3;  // (flag byte last) key count no longer matches the owner's NIC count
+  constexpr size_t kImmTrailer = 5;  // u32 imm base, u8 imm bits
+  bad_d[d.size() - kImmTrailer - 1 - 2 * 16 - 1] = 3;  // (flag byte, then the imm range) key count no longer matches
+  expect_malformed(bad_d, true);
+  for (uint8_t bits : {uint8_t{0}, uint8_t{33}}) {  // an immediate range of no bits, or more than 32
+    bad_d = d;
+    bad_d.back() = bits;
+    expect_malformed(bad_d, true);
+  }
+  bad_d = MrDesc(sample_addr(2), 0x1000, 64, {{1, 0}, {2, 0}}, std::nullopt, 0, ImmRange{0x10000000, 28}).to_bytes();
+  bad_d[bad_d.size() - kImmTrailer] = 1;  // base 0x10000001: not a multiple of 2^28
   expect_malformed(bad_d, true);
   expect_malformed(a, true);  // a NetAddr is not an MrDesc
   expect_malformed(d, false);
@@ -102,9 +111,29 @@ TEST(Serialization, LocalEndpointAndLocalKeyRoundTrip) {
   // A local key needs an owner with a local endpoint; no key at all is malformed.
   EXPECT_THROW(MrDesc(sample_addr(1), 0, 1, {}, RemoteKey{1, 0}), Error);
   auto bytes = local_only.to_bytes();
-  bytes[bytes.size() - 17] = 0;  // clear the local-key flag: no key left
-  bytes.resize(bytes.size() - 16);
+  const size_t flag_at = bytes.size() - 5 - 17;  // before the local key and the imm range
+  bytes[flag_at] = 0;                            // clear the local-key flag: no key left
+  bytes.erase(bytes.begin() + static_cast<std::ptrdiff_t>(flag_at) + 1, bytes.begin() + static_cast<std::ptrdiff_t>(flag_at) + 17);
   expect_malformed(bytes, true);
+}
+
+TEST(Serialization, TheImmediateRangeRoundTripsAndBadRangesAreRefused) {
+  const MrDesc whole = sample_desc(1);
+  EXPECT_EQ(whole.imms(), (ImmRange{0, 32})) << "an unreserved region takes its immediates as they come";
+  MrDesc reserved(sample_addr(2), 0x1000, 64, {{1, 0}, {2, 0}}, std::nullopt, 0, ImmRange{0xF0000000, 28});
+  const MrDesc back = MrDesc::from_bytes(reserved.to_bytes());
+  EXPECT_EQ(back, reserved);
+  EXPECT_EQ(back.imms(), (ImmRange{0xF0000000, 28}));
+  EXPECT_NE(back, MrDesc(sample_addr(2), 0x1000, 64, {{1, 0}, {2, 0}}, std::nullopt, 0, ImmRange{0xE0000000, 28}));
+  EXPECT_THROW(MrDesc(sample_addr(1), 0, 1, {{1, 0}}, std::nullopt, 0, ImmRange{0x100, 28}), Error);  // misaligned
+  EXPECT_THROW(MrDesc(sample_addr(1), 0, 1, {{1, 0}}, std::nullopt, 0, ImmRange{0, 0}), Error);
+  const ImmRange r{0xF0000000, 28};
+  EXPECT_EQ(r.imm(5), 0xF0000005u);
+  EXPECT_TRUE(r.contains(0xFFFFFFFF));
+  EXPECT_FALSE(r.contains(0xEFFFFFFF));
+  EXPECT_THROW(r.imm(1u << 28), Error);
+  EXPECT_TRUE(r.overlaps(ImmRange{0, 32}));
+  EXPECT_FALSE(r.overlaps(ImmRange{0xE0000000, 28}));
 }
 
 TEST(Serialization, BadHexIsRejected) {
