@@ -196,9 +196,10 @@ class _KillingTrainer(W.Trainer):
                 os._exit(17)
 
 
-# Immediates of the round-trip calibration: kind 0 (gather), step 16383, units 0xF000 and 0xF001,
-# which no update of this example uses (its steps are few, its units far fewer than 0xF000).
-_PING, _PONG = 0x3FFFF000, 0x3FFFF001
+# Immediates of the round-trip calibration, local values of the training ranks' immediate ranges
+# (Trainer.imms): kind 0 (gather), step tag 1023, units 0xF000 and 0xF001, which no update of this
+# example uses (its steps are few, its units far fewer than 0xF000).
+_PING, _PONG = 0x03FFF000, 0x03FFF001
 
 
 def write_rtt_us(engine: fl.TransferEngine, t: W.Trainer, rounds: int = 200) -> float:
@@ -210,7 +211,7 @@ def write_rtt_us(engine: fl.TransferEngine, t: W.Trainer, rounds: int = 200) -> 
     times = []
     for _ in range(rounds):
         got = fl.DoneFlag()
-        engine.expect_imm_count(_PONG if me == 0 else _PING, 1, got, timeout_s=10.0)
+        t.imms.expect(_PONG if me == 0 else _PING, 1, got, timeout_s=10.0)
         t0 = time.perf_counter()
         if me == 0:
             engine.submit_barrier(dsts=[t.train_descs[peer]], imm=_PING)

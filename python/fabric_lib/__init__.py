@@ -24,6 +24,7 @@ from ._fabric_lib import (
     GpuCounter,
     GroupSlice,
     ImmExpectation,
+    ImmReservation,
     MrDesc,
     MrHandle,
     NetAddr,
@@ -46,7 +47,8 @@ from ._fabric_lib import (
 )
 
 __all__ = [
-    "DoneCounter", "DoneFlag", "FabricError", "GpuCounter", "GroupSlice", "ImmExpectation", "MrDesc",
+    "DoneCounter", "DoneFlag", "FabricError", "GpuCounter", "GroupSlice", "ImmExpectation", "ImmReservation",
+    "MrDesc",
     "MrHandle", "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr",
     "ScatterSlice", "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine",
     "UvmWatcher", "detect_topology", "gpu_stream_wait", "remove_shm_endpoints_of",
@@ -148,17 +150,26 @@ class TransferEngine(_Engine):
 
     # ---- memory ----
 
-    def register_tensor(self, obj: Any) -> tuple[MrHandle, MrDesc]:
+    def register_tensor(self, obj: Any, imms: Optional[ImmReservation] = None) -> tuple[MrHandle, MrDesc]:
         """Registers a torch tensor (CPU or CUDA), numpy array or writable buffer; keeps it alive
-        until dereg_mr."""
+        until dereg_mr. imms: the ImmReservation whose range WRITEs into it use."""
         ptr, nbytes, cuda_device = _buffer_address(obj)
-        handle, desc = self.reg_mr(ptr, nbytes, cuda_device)
+        handle, desc = self.reg_mr(ptr, nbytes, cuda_device, imms)
         self._registered[handle] = obj
         return handle, desc
 
     def dereg_mr(self, handle: MrHandle) -> None:
         super().dereg_mr(handle)
         self._registered.pop(handle, None)
+
+    # ---- immediate namespaces ----
+
+    def reserve_imms(self, holder: str, bits: int = 28, base: Optional[int] = None) -> ImmReservation:
+        """A range of this engine's immediate space for one user (2**bits values, the highest free
+        block or at base): register its regions with imms= and count their WRITEs' immediates
+        through it, in local values. Raises FabricError for a range another holder overlaps (naming
+        it). The engine's own expect_imm_count, imm_count and discard_imm_count refuse its values."""
+        return _c.ImmReservation(self, holder, bits, base)
 
     # ---- GPU signals (CUDA builds, an engine with cuda_device) ----
 

@@ -100,11 +100,12 @@ class KvReceiver(_Endpoint):
 
     def __init__(self, engine: Any, layout: KvLayout, k: Sequence[Any], v: Sequence[Any], *,
                  group: int, tp_size: int = 1, tp_rank: int = 0, total_heads: int,
-                 extras: Any = None, extra_slots: int = 0, late_writes_s: float = 60.0) -> None:
+                 extras: Any = None, extra_slots: int = 0, late_writes_s: float = 60.0,
+                 imm_base: Optional[int] = None) -> None:
         super().__init__(engine, layout, k, v, group=group, tp_size=tp_size, tp_rank=tp_rank,
                          total_heads=total_heads, extras=extras, extra_slots=extra_slots)
         self._rx = _c.KvReceiver(engine, layout, self._k, self._v, late_writes_s=late_writes_s,
-                                 **self._args)
+                                 imm_base=imm_base, **self._args)
 
     def descriptor(self) -> bytes:
         return self._rx.descriptor()

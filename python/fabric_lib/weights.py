@@ -179,7 +179,7 @@ class Trainer(_Side):
     def __init__(self, engine: Any, params: Sequence[Param], pieces: Sequence[Piece], *, rank: int, world: int,
                  infer_world: int, store: Any = None, job: str = "weights", window: int = 2, sets: int = 2,
                  owner_rows: int = 0, timeout_s: float = 60.0, device: Any = "cpu", hook: str = "auto",
-                 trace: bool = False) -> None:
+                 trace: bool = False, imm_base: Optional[int] = None) -> None:
         import torch
 
         super().__init__(engine, params, store=store, job=job, train_world=world, infer_world=infer_world,
@@ -198,7 +198,10 @@ class Trainer(_Side):
         staging = self.plan.staging_bytes_for(window)[rank]
         self.arena = torch.zeros(max(1, self.plan.staging_base[rank] + staging), dtype=torch.uint8,
                                  device=torch.device(device))
-        handle, desc = engine.register_tensor(self.arena)
+        # This rank's range of the engine's immediates: the gathers, credits and ready notices
+        # sent to its arena are counted there, apart from any other user of the engine.
+        self.imms = engine.reserve_imms(f"weights {job}: training rank {rank}", bits=_c.UPDATE_IMM_BITS, base=imm_base)
+        handle, desc = engine.register_tensor(self.arena, imms=self.imms)
         self._publish(f"t{rank}/arena", {"descs": [desc.to_bytes().hex()]})
         train = [d[0] for d in self._descs("t", world)]
         self.train_descs = train  # every training rank's arena (its own included)
@@ -214,7 +217,8 @@ class Trainer(_Side):
             raise ValueError(f"hook={hook!r} does not fit an arena on {self.arena.device}")
         self.hook = hook
         self.sender = _c.WeightSender(engine, self.plan, rank=rank, arena=handle, arena_ptr=self.arena.data_ptr(),
-                                      train_arenas=train, dest_arenas=dest_sets, window=window, timeout_s=timeout_s,
+                                      train_arenas=train, dest_arenas=dest_sets, imms=self.imms, window=window,
+                                      timeout_s=timeout_s,
                                       hook=self._torch_hook if hook == "torch" else None,
                                       cuda_hook=hook == "cuda", trace=trace)
 
@@ -260,7 +264,7 @@ class Inference(_Side):
 
     def __init__(self, engine: Any, params: Sequence[Param], pieces: Sequence[Piece], *, rank: int, world: int,
                  train_world: int, store: Any = None, job: str = "weights", sets: int = 2, owner_rows: int = 0,
-                 device: Any = "cpu") -> None:
+                 device: Any = "cpu", imm_base: Optional[int] = None) -> None:
         import torch
 
         super().__init__(engine, params, store=store, job=job, train_world=train_world, infer_world=world,
@@ -311,11 +315,12 @@ class Inference(_Side):
         self._publish(f"i{rank}/pieces", self._pieces)
         self.arenas = [torch.zeros(max(1, cursor), dtype=torch.uint8, device=torch.device(device))
                        for _ in range(sets)]
-        self._descs_hex = [engine.register_tensor(a)[1].to_bytes().hex() for a in self.arenas]
+        self.imms = engine.reserve_imms(f"weights {job}: inference rank {rank}", bits=_c.UPDATE_IMM_BITS, base=imm_base)
+        self._descs_hex = [engine.register_tensor(a, imms=self.imms)[1].to_bytes().hex() for a in self.arenas]
         self._publish(f"i{rank}/arena", {"descs": self._descs_hex})
         self.manifest, self.plan = self._plan()
         train = [d[0] for d in self._descs("t", train_world)]
-        self.receiver = _c.WeightReceiver(engine, self.plan, rank=rank, train_arenas=train, sets=sets)
+        self.receiver = _c.WeightReceiver(engine, self.plan, rank=rank, train_arenas=train, sets=sets, imms=self.imms)
 
     def buffer(self, name: str, set: int = 0) -> Any:
         """Buffer `name` of buffer set `set`: [rows, cols], bf16 or float8_e4m3fn."""

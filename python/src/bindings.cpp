@@ -222,6 +222,8 @@ NB_MODULE(_fabric_lib, m) {
       .def_prop_ro("owner", &MrDesc::owner)
       .def_prop_ro("len", &MrDesc::len)
       .def_prop_ro("addr", &MrDesc::addr)
+      .def_prop_ro("imm_base", [](const MrDesc& d) { return d.imms().base; }, "its immediate range's first value")
+      .def_prop_ro("imm_bits", [](const MrDesc& d) { return d.imms().bits; }, "its immediate range's width (32: unreserved)")
       .def("__eq__", [](const MrDesc& a, const MrDesc& b) { return a == b; })
       .def("__getstate__", [](const MrDesc& d) { return to_py_bytes(d.to_bytes()); })
       .def("__setstate__",
@@ -455,14 +457,17 @@ NB_MODULE(_fabric_lib, m) {
       .def_prop_ro("worker_count", [](PyEngine& e) { return e.get().worker_count(); },
                    "workers (GPUs served): 1 unless built from a topology")
       .def("reg_mr",
-           [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device) {
+           [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device, PyImmReservation* imms) {
              TransferEngine& eng = e.get();
+             ImmReservation* r = imms ? &imms->get() : nullptr;
+             const Device device = cuda_device ? Device::cuda(*cuda_device) : Device::host();
              nb::gil_scoped_release release;
-             return eng.reg_mr(reinterpret_cast<void*>(ptr), len,
-                               cuda_device ? Device::cuda(*cuda_device) : Device::host());
+             return r ? eng.reg_mr(reinterpret_cast<void*>(ptr), len, device, *r)
+                      : eng.reg_mr(reinterpret_cast<void*>(ptr), len, device);
            },
-           "ptr"_a, "length"_a, "cuda_device"_a = nb::none(),
-           "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc).")
+           "ptr"_a, "length"_a, "cuda_device"_a = nb::none(), "imms"_a = nb::none(),
+           "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc). "
+           "imms: the ImmReservation whose range WRITEs into it carry their immediates in.")
       .def("dereg_mr",
            [](PyEngine& e, MrHandle h) {
              TransferEngine& eng = e.get();
@@ -693,6 +698,7 @@ NB_MODULE(_fabric_lib, m) {
            "imm"_a, "Drops the arrivals of imm counted and not consumed; returns how many.");
 
   bind_gpu_signals(m);
+  bind_imms(m);
   bind_kv(m);
   bind_weights(m);
   bind_moe(m);

@@ -87,7 +87,7 @@ void bind_kv(nb::module_& m) {
         return nb::make_tuple(a.group, a.request, a.prefill_size, a.extra_slot, a.pages);
       },
       "admit"_a, "(group, request, prefill_size, extra_slot, pages) of an admit message.");
-  m.def("kv_layer_imm", &layer_imm, "request"_a, "layer"_a, "The immediate of one layer of one request.");
+  m.def("kv_layer_imm", &layer_imm, "request"_a, "layer"_a, "The immediate of one layer of one request: a local value of the decode rank's range (KvReceiver.imm_base).");
   m.attr("KV_MAX_LAYERS") = kMaxLayers;
   m.attr("KV_EXTRAS_LAYER") = kExtrasLayer;
 
@@ -96,7 +96,7 @@ void bind_kv(nb::module_& m) {
            [](PyKvReceiver* self, PyEngine& engine, const KvLayout& layout, std::vector<uintptr_t> k,
               std::vector<uintptr_t> v, uint64_t group, uint32_t tp_size, uint32_t tp_rank, uint32_t total_heads,
               std::optional<int> cuda_device, uintptr_t extras, uint32_t extra_slots, uint64_t extra_bytes,
-              double late_writes_s) {
+              double late_writes_s, std::optional<uint32_t> imm_base) {
              new (self) PyKvReceiver();
              TransferEngine& eng = engine.get();
              TensorArgs args{std::move(k), std::move(v), cuda_device, extras, extra_slots, extra_bytes};
@@ -104,14 +104,17 @@ void bind_kv(nb::module_& m) {
                nb::gil_scoped_release release;
                self->h->obj = std::make_unique<KvReceiver>(eng, layout, tensors_of(args),
                                                            KvRank{group, {tp_size, tp_rank}, total_heads},
-                                                           KvReceiverOptions{.late_writes = ms(late_writes_s)});
+                                                           KvReceiverOptions{.late_writes = ms(late_writes_s),
+                                                                             .imm_base = imm_base});
              }
              engine.add_dependent(self->h);
            },
            "engine"_a, "layout"_a, "k"_a, "v"_a, nb::kw_only(), "group"_a, "tp_size"_a, "tp_rank"_a,
            "total_heads"_a, "cuda_device"_a = nb::none(), "extras"_a = 0, "extra_slots"_a = 0, "extra_bytes"_a = 0,
-           "late_writes_s"_a = 60.0, nb::keep_alive<1, 2>())
+           "late_writes_s"_a = 60.0, "imm_base"_a = nb::none(), nb::keep_alive<1, 2>(),
+           "imm_base: where this rank's 2**28 immediates go in its engine's space (none: the highest free block)")
       .def("descriptor", [](PyKvReceiver& r) { return to_bytes(r.get().descriptor()); })
+      .def_prop_ro("imm_base", [](PyKvReceiver& r) { return r.get().imm_range().base; })
       .def("admit",
            [](PyKvReceiver& r, uint64_t request, std::vector<uint32_t> pages, uint32_t prefill_size,
               std::optional<uint32_t> extra_slot, double timeout_s, nb::handle on_layer, nb::handle landed,

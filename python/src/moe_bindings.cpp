@@ -2,6 +2,7 @@
 // tensors; here the calls take raw addresses. The constructor and the halves release the GIL (the
 // host receive halves block until every rank's rows arrived); the all-gather callable the
 // constructor calls twice runs under the GIL, taken again inside the C++ callback.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -72,18 +73,18 @@ void bind_moe(nb::module_& m) {
       .def("__init__",
            [](AllToAllConfig* c, uint32_t rank, uint32_t ranks, uint32_t node_size, uint32_t experts, uint32_t topk,
               uint32_t hidden, uint32_t max_tokens, Dtype dispatch_dtype, uint32_t private_rows, double timeout_s,
-              KernelSide side, int cuda_device, std::string job, bool proxy_busy_poll) {
+              KernelSide side, int cuda_device, std::string job, bool proxy_busy_poll, std::optional<uint32_t> imm_base) {
              new (c) AllToAllConfig{.rank = rank, .ranks = ranks, .node_size = node_size, .experts = experts,
                                     .topk = topk, .hidden = hidden, .max_tokens = max_tokens,
                                     .dispatch_dtype = dispatch_dtype, .private_rows = private_rows,
                                     .timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)),
                                     .side = side, .cuda_device = cuda_device, .job = std::move(job),
-                                    .proxy_busy_poll = proxy_busy_poll};
+                                    .proxy_busy_poll = proxy_busy_poll, .imm_base = imm_base};
            },
            nb::kw_only(), "rank"_a = 0, "ranks"_a = 1, "node_size"_a = 1, "experts"_a = 0, "topk"_a = 8,
            "hidden"_a = 7168, "max_tokens"_a = 128, "dispatch_dtype"_a = Dtype::kFp8, "private_rows"_a = 32,
            "timeout_s"_a = 10.0, "side"_a = KernelSide::kHost, "cuda_device"_a = 0, "job"_a = "moe",
-           "proxy_busy_poll"_a = false)
+           "proxy_busy_poll"_a = false, "imm_base"_a = nb::none())
       .def_rw("rank", &AllToAllConfig::rank)
       .def_rw("ranks", &AllToAllConfig::ranks)
       .def_rw("node_size", &AllToAllConfig::node_size, "ranks per NVLink domain (1-8)")
@@ -99,7 +100,9 @@ void bind_moe(nb::module_& m) {
       .def_rw("side", &AllToAllConfig::side)
       .def_rw("cuda_device", &AllToAllConfig::cuda_device)
       .def_rw("job", &AllToAllConfig::job, "names the node region: unique per job on a host")
-      .def_rw("proxy_busy_poll", &AllToAllConfig::proxy_busy_poll);
+      .def_rw("proxy_busy_poll", &AllToAllConfig::proxy_busy_poll)
+      .def_rw("imm_base", &AllToAllConfig::imm_base,
+              "where this rank's 2**28 immediates go in its engine's space (None: the highest free block)");
 
   nb::class_<ProxyStats>(m, "MoeProxyStats", "What one rank's proxy did: steps, writes posted, bytes, CPU ms of its thread.")
       .def_ro("steps", &ProxyStats::steps)

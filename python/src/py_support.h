@@ -163,6 +163,10 @@ struct EngineBound {
   }
 };
 
+inline constexpr char kImmReservationName[] = "immediate reservation";
+using PyImmReservation = EngineBound<ImmReservation, kImmReservationName>;
+
+void bind_imms(nb::module_& m);     // imm_bindings.cpp
 void bind_kv(nb::module_& m);       // kv_bindings.cpp
 void bind_weights(nb::module_& m);  // weights_bindings.cpp
 void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp

@@ -42,6 +42,7 @@ UnitHook python_hook(nb::handle fn) {
 }  // namespace
 
 void bind_weights(nb::module_& m) {
+  m.attr("UPDATE_IMM_BITS") = kUpdateImmBits;  // the immediate range a rank of an update needs
   nb::class_<TensorSpec>(m, "TensorSpec", "A tensor as a matrix: rows (dim 0) x cols (the rest).")
       .def(nb::init<>())
       .def("__init__",
@@ -159,8 +160,8 @@ void bind_weights(nb::module_& m) {
       .def("__init__",
            [](PyWeights<WeightSender>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
               MrHandle arena, uintptr_t arena_ptr, std::vector<MrDesc> train_arenas,
-              std::vector<std::vector<MrDesc>> dest_arenas, uint32_t window, double timeout_s, nb::handle hook,
-              bool cuda_hook, bool trace) {
+              std::vector<std::vector<MrDesc>> dest_arenas, PyImmReservation& imms, uint32_t window, double timeout_s,
+              nb::handle hook, bool cuda_hook, bool trace) {
              new (self) PyWeights<WeightSender>();
              TransferEngine& eng = engine.get();
              auto* base = reinterpret_cast<std::byte*>(arena_ptr);
@@ -169,7 +170,8 @@ void bind_weights(nb::module_& m) {
                                     .arena_ptr = cuda_hook ? nullptr : base,
                                     .train_arenas = std::move(train_arenas), .dest_arenas = std::move(dest_arenas),
                                     .window = window, .timeout = ms(timeout_s),
-                                    .hook = cuda_hook ? cuda_unit_hook(base) : python_hook(hook), .trace = trace};
+                                    .hook = cuda_hook ? cuda_unit_hook(base) : python_hook(hook), .trace = trace,
+                                    .imms = &imms.get()};
              {
                nb::gil_scoped_release release;
                self->h->obj = std::make_unique<WeightSender>(eng, std::move(cfg));
@@ -177,9 +179,9 @@ void bind_weights(nb::module_& m) {
              engine.add_dependent(self->h);
            },
            "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "arena"_a, "arena_ptr"_a, "train_arenas"_a,
-           "dest_arenas"_a, "window"_a = 2, "timeout_s"_a = 60.0, "hook"_a = nb::none(), "cuda_hook"_a = false,
-           "trace"_a = false, nb::keep_alive<1, 2>(),
-           "arena_ptr: the arena's address (a device pointer with cuda_hook=True: the library's CUDA unit hook); "
+           "dest_arenas"_a, "imms"_a, "window"_a = 2, "timeout_s"_a = 60.0, "hook"_a = nb::none(), "cuda_hook"_a = false,
+           "trace"_a = false, nb::keep_alive<1, 2>(), nb::keep_alive<1, 9>(),
+           "imms: the ImmReservation the arena was registered under; arena_ptr: the arena's address (a device pointer with cuda_hook=True: the library's CUDA unit hook); "
            "hook: a Python callable(UnitWork) instead; trace: update() also returns a timeline per unit.")
       .def("update",
            [](PyWeights<WeightSender>& s, uint64_t step) {
@@ -214,18 +216,20 @@ void bind_weights(nb::module_& m) {
   nb::class_<PyWeights<WeightReceiver>>(m, "WeightReceiver", "An inference rank's side (include/fabric/weights_update.h).")
       .def("__init__",
            [](PyWeights<WeightReceiver>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
-              std::vector<MrDesc> train_arenas, uint32_t sets) {
+              std::vector<MrDesc> train_arenas, uint32_t sets, PyImmReservation& imms) {
              new (self) PyWeights<WeightReceiver>();
              TransferEngine& eng = engine.get();
              WeightReceiverConfig cfg{.plan = std::move(plan), .rank = rank, .train_arenas = std::move(train_arenas),
-                                      .sets = sets};
+                                      .sets = sets, .imms = &imms.get()};
              {
                nb::gil_scoped_release release;
                self->h->obj = std::make_unique<WeightReceiver>(eng, std::move(cfg));
              }
              engine.add_dependent(self->h);
            },
-           "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "train_arenas"_a, "sets"_a = 1, nb::keep_alive<1, 2>())
+           "engine"_a, "plan"_a, nb::kw_only(), "rank"_a, "train_arenas"_a, "sets"_a = 1, "imms"_a,
+           nb::keep_alive<1, 2>(), nb::keep_alive<1, 7>(),
+           "imms: the ImmReservation this rank's weight arenas were registered under.")
       .def("ready",
            [](PyWeights<WeightReceiver>& r, uint64_t step) {
              WeightReceiver& rx = r.get();
