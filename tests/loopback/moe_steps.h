@@ -1,0 +1,227 @@
+// MoE dispatch/combine steps for the loopback tests: ranks as threads of this process, an
+// all-gather among them, skewed random routing, and each rank's dispatch and combine outputs
+// checked against the CPU reference (moe_reference.h).
+#pragma once
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/moe.h"
+#include "fabric/moe_reference.h"
+#include "loopback/test_support.h"
+#include "moe/layout.h"
+
+namespace fabric::testing {
+
+using moe::AllToAll;
+using moe::AllToAllConfig;
+using moe::ReferenceInput;
+
+// An all-gather among the threads of one test.
+class ThreadGather {
+ public:
+  explicit ThreadGather(uint32_t ranks) : ranks_(ranks), slots_(ranks) {}
+  moe::AllGather for_rank(uint32_t rank) {
+    return [this, rank](const std::vector<std::byte>& mine) { return gather(rank, mine); };
+  }
+
+ private:
+  std::vector<std::vector<std::byte>> gather(uint32_t rank, const std::vector<std::byte>& mine) {
+    std::unique_lock lock(mu_);
+    const uint64_t round = round_;
+    slots_[rank] = mine;
+    if (++arrived_ == ranks_) {
+      result_ = slots_;
+      arrived_ = 0;
+      ++round_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return round_ != round; });
+    }
+    return result_;
+  }
+  uint32_t ranks_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint32_t arrived_ = 0;
+  uint64_t round_ = 0;
+  std::vector<std::vector<std::byte>> slots_, result_;
+};
+
+struct MoeCase {
+  ProviderCase provider;
+  uint32_t ranks, node_size, experts, topk, hidden, max_tokens, private_rows;
+  moe::Dtype dtype;
+};
+inline void PrintTo(const MoeCase& c, std::ostream* os) {
+  PrintTo(c.provider, os);
+  *os << ", " << c.ranks << " ranks in nodes of " << c.node_size << ", hidden " << c.hidden << ", private " << c.private_rows
+      << (c.dtype == moe::Dtype::kFp8 ? ", fp8" : ", bf16");
+}
+
+inline AllToAllConfig config_of(const MoeCase& c, uint32_t rank, const std::string& job) {
+  AllToAllConfig cfg;
+  cfg.rank = rank, cfg.ranks = c.ranks, cfg.node_size = c.node_size, cfg.experts = c.experts, cfg.topk = c.topk;
+  cfg.hidden = c.hidden, cfg.max_tokens = c.max_tokens, cfg.private_rows = c.private_rows, cfg.dispatch_dtype = c.dtype;
+  cfg.timeout = std::chrono::seconds(60);
+  cfg.job = job;
+  return cfg;
+}
+
+// One engine per rank.
+inline std::vector<std::unique_ptr<TransferEngine>> engines_for(const MoeCase& mc) {
+  std::vector<std::unique_ptr<TransferEngine>> engines;
+  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  return engines;
+}
+
+// Step `step`'s input of `rank`: token counts that differ per rank (rank 1 sends none on odd
+// steps), routing where a third of the picks go to two hot experts, ~1 in 8 slots masked.
+inline ReferenceInput make_input(const AllToAllConfig& c, uint32_t rank, uint32_t step) {
+  std::mt19937_64 rng(rank * 1000003ull + step * 7919ull + 17);
+  ReferenceInput in;
+  in.num_tokens = (rank == 1 && step % 2 == 1) ? 0 : static_cast<uint32_t>(rng() % (c.max_tokens + 1));
+  if (rank == 0) in.num_tokens = c.max_tokens;
+  const bool fp8 = c.dispatch_dtype == moe::Dtype::kFp8;
+  const uint64_t payload = fp8 ? c.hidden : 2ull * c.hidden;
+  in.x.resize(in.num_tokens * payload);
+  for (auto& b : in.x) b = std::byte(rng());
+  if (fp8) {
+    in.x_scales.resize(uint64_t{in.num_tokens} * c.hidden / 128);
+    for (auto& s : in.x_scales) s = static_cast<float>(rng() % 1000) / 64.0f;
+  }
+  in.topk_idx.assign(uint64_t{in.num_tokens} * c.topk, -1);
+  in.topk_weights.resize(in.topk_idx.size());
+  for (uint32_t t = 0; t < in.num_tokens; ++t)
+    for (uint32_t k = 0; k < c.topk; ++k) {
+      in.topk_weights[t * c.topk + k] = static_cast<float>(rng() % 4096) / 4096.0f;
+      if (rng() % 8 == 0) continue;  // masked
+      for (;;) {
+        const int64_t e = rng() % 3 == 0 ? static_cast<int64_t>(rng() % 2) : static_cast<int64_t>(rng() % c.experts);
+        bool taken = false;
+        for (uint32_t k2 = 0; k2 < k; ++k2) taken |= in.topk_idx[t * c.topk + k2] == e;
+        if (taken) continue;
+        in.topk_idx[t * c.topk + k] = e;
+        break;
+      }
+    }
+  return in;
+}
+
+// The "expert": a BF16 row that depends on the row's source token, the expert and the column,
+// so a row combined from the wrong place shows.
+inline std::vector<uint16_t> expert_output(const AllToAllConfig& c, uint32_t rank, const moe::DispatchOutput& out) {
+  const uint64_t M = out.rows_per_expert;
+  std::vector<uint16_t> y(uint64_t{out.local_experts} * M * c.hidden, 0);
+  for (uint32_t el = 0; el < out.local_experts; ++el)
+    for (int32_t m = 0; m < out.counts[el]; ++m) {
+      const int64_t src = out.src[el * M + m];
+      for (uint32_t h = 0; h < c.hidden; ++h) {
+        const float v = static_cast<float>((src * 31 + (rank * out.local_experts + el) * 7 + h) % 97) * 0.125f - 6.0f;
+        y[(el * M + m) * c.hidden + h] = moe::detail::float_to_bf16(v);
+      }
+    }
+  return y;
+}
+
+// Runs `steps` steps on every rank (a thread each) and checks each rank's dispatch output and
+// combine output against the reference. Even steps run the send and receive halves as separate
+// calls. Returns per rank the first failure ("" when none).
+// shared: rank r's engine (empty: an engine each). seed: another input for every step (two
+// instances that share engines route differently).
+inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, const std::string& job,
+                                          std::vector<TransferEngine*> shared = {}, uint32_t seed = 0) {
+  ThreadGather gather(mc.ranks);
+  const std::vector<std::unique_ptr<TransferEngine>> owned = shared.empty() ? engines_for(mc) : decltype(engines_for(mc)){};
+  std::vector<TransferEngine*> engines = shared;
+  for (const auto& e : owned) engines.push_back(e.get());
+  std::vector<std::vector<uint16_t>> expert_outs(mc.ranks);  // this step's, for combine's reference
+  std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
+  std::vector<std::string> failures(mc.ranks);
+  std::atomic<bool> any_failed{false};
+
+  auto check_dispatch = [&](const AllToAllConfig& cfg, uint32_t r, uint32_t step, const std::vector<ReferenceInput>& inputs,
+                            const moe::DispatchOutput& out) -> std::string {
+    const moe::ReferenceDispatch want = moe::reference_dispatch(cfg, inputs)[r];
+    const uint64_t M = out.rows_per_expert, payload = mc.dtype == moe::Dtype::kFp8 ? mc.hidden : 2ull * mc.hidden;
+    const uint64_t sc = mc.dtype == moe::Dtype::kFp8 ? mc.hidden / 128 : 0;
+    for (uint32_t el = 0; el < out.local_experts; ++el) {
+      const uint32_t e = r * out.local_experts + el;
+      if (out.counts[el] != want.counts[el])
+        return fmt::format("step {} expert {}: {} rows, the reference {}", step, e, out.counts[el], want.counts[el]);
+      const uint64_t rows = static_cast<uint64_t>(want.counts[el]);
+      if (std::memcmp(static_cast<const std::byte*>(out.x) + el * M * payload, want.x.data() + el * M * payload, rows * payload) != 0)
+        return fmt::format("step {} expert {}: received rows differ from their source tokens", step, e);
+      if (std::memcmp(out.src + el * M, want.src.data() + el * M, rows * 4) != 0)
+        return fmt::format("step {} expert {}: rows name other source tokens", step, e);
+      if (sc && std::memcmp(out.scales + el * M * sc, want.scales.data() + el * M * sc, rows * sc * 4) != 0)
+        return fmt::format("step {} expert {}: scales differ", step, e);
+    }
+    return "";
+  };
+
+  auto rank_main = [&](uint32_t r) -> std::string {
+    const AllToAllConfig cfg = config_of(mc, r, job);
+    AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
+    for (uint32_t step = 1; step <= steps; ++step) {
+      std::vector<ReferenceInput> inputs;
+      for (uint32_t s = 0; s < mc.ranks; ++s) inputs.push_back(make_input(cfg, s, step + 1000 * seed));
+      const ReferenceInput& in = inputs[r];
+      const moe::DispatchArgs args{.num_tokens = in.num_tokens, .x = in.x.data(), .x_scales = in.x_scales.data(),
+                                   .topk_idx = in.topk_idx.data(), .topk_weights = in.topk_weights.data()};
+      const bool split = step % 2 == 0;
+      if (split) {
+        a2a.dispatch(args, true, false);
+        a2a.dispatch(args, false, true);
+      } else {
+        a2a.dispatch(args);
+      }
+      const moe::DispatchOutput out = a2a.output();
+      if (std::string f = check_dispatch(cfg, r, step, inputs, out); !f.empty()) return f;
+      std::vector<uint16_t> y = expert_output(cfg, r, out);
+      expert_outs[r] = y;
+      sync.arrive_and_wait();  // every rank's expert output is in expert_outs
+      if (any_failed.load()) return "";  // another rank failed: its failure is the one to report
+      const std::vector<uint16_t> want = moe::reference_combine(cfg, inputs, r, expert_outs);
+      sync.arrive_and_wait();  // nobody overwrites expert_outs before every rank took its reference
+      std::vector<uint16_t> combined(uint64_t{in.num_tokens} * mc.hidden, 0xFFFF);
+      const moe::CombineArgs cargs{.expert_out = y.data(), .out = combined.data()};
+      if (split) {
+        a2a.combine(cargs, true, false);
+        a2a.combine(cargs, false, true);
+      } else {
+        a2a.combine(cargs);
+      }
+      if (combined != want) return fmt::format("step {}: combine differs from the reference", step);
+    }
+    a2a.check();
+    return "";
+  };
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < mc.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        failures[r] = rank_main(r);
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+      if (!failures[r].empty()) {
+        any_failed.store(true);
+        sync.arrive_and_drop();  // the others must not wait for this rank
+      }
+    });
+  for (auto& t : threads) t.join();
+  return failures;
+}
+
+}  // namespace fabric::testing
