@@ -165,6 +165,7 @@ int main(int argc, char** argv) {
       {"local-only", MrDesc(owner4, 0x1000, 64, {}, RemoteKey{9, 0})},
       {"addr-len-at-limit", MrDesc(addrs[3].second, ~0ull - 10, 10, {{42, 0}})},
       {"len-0", MrDesc(addrs[3].second, 0, 0, {{42, 0}})},
+      {"reserved-imms", MrDesc(owner2, 0x10000, 4096, {{1, 0}, {2, 0}}, std::nullopt, 0, fabric::ImmRange{0xF0000000, 28})},
   };
   for (auto& [name, d] : descs) put("mrdesc_fuzz", "valid-" + name, d.to_bytes());
   Bytes d1 = descs[0].second.to_bytes();
@@ -177,13 +178,22 @@ int main(int argc, char** argv) {
   put("mrdesc_fuzz", "bad-owner-len-too-long", set(d1, 5, 0xff));
   put("mrdesc_fuzz", "bad-owner-len-short", set(d1, 5, static_cast<uint8_t>(a1.size() - 1)));
   put("mrdesc_fuzz", "bad-key-count-2", set(d1, key_count_at, 2));
-  put("mrdesc_fuzz", "bad-local-flag-2", set(d1, d1.size() - 1, 2));
-  put("mrdesc_fuzz", "bad-no-key", cut(set(d1, key_count_at, 0), key_count_at + 2));
+  constexpr size_t kImmTrailer = 5;  // u32 imm base, u8 imm bits: the last bytes
+  const Bytes whole_space = {0, 0, 0, 0, 32};
+  auto with_trailer = [&](Bytes b) {
+    b.insert(b.end(), whole_space.begin(), whole_space.end());
+    return b;
+  };
+  put("mrdesc_fuzz", "bad-local-flag-2", set(d1, d1.size() - 1 - kImmTrailer, 2));
+  put("mrdesc_fuzz", "bad-no-key", with_trailer(cut(set(d1, key_count_at, 0), key_count_at + 2)));
+  put("mrdesc_fuzz", "bad-imm-bits-0", set(d1, d1.size() - 1, 0));
+  put("mrdesc_fuzz", "bad-imm-bits-33", set(d1, d1.size() - 1, 33));
+  put("mrdesc_fuzz", "bad-imm-base-misaligned", set(descs.back().second.to_bytes(), descs.back().second.to_bytes().size() - kImmTrailer, 1));
   put("mrdesc_fuzz", "bad-addr-len-overflow", set(descs[4].second.to_bytes(), 9 + addrs[3].second.to_bytes().size() + 1 + 8, 11));
-  Bytes local_no_endpoint = descs[0].second.to_bytes();  // has_local = 1 for an owner without one
+  Bytes local_no_endpoint = cut(descs[0].second.to_bytes(), d1.size() - kImmTrailer);  // has_local = 1 for an owner without one
   local_no_endpoint.back() = 1;
   for (int i = 0; i < 16; i++) local_no_endpoint.push_back(static_cast<uint8_t>(i));
-  put("mrdesc_fuzz", "bad-local-key-no-endpoint", local_no_endpoint);
+  put("mrdesc_fuzz", "bad-local-key-no-endpoint", with_trailer(local_no_endpoint));
   put("mrdesc_fuzz", "bad-owner-provider-not-utf8", set(d1, 9 + 6, 0xff));  // owner's provider byte 0
 
   // --- hex (text)
