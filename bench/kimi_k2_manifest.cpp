@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "fabric/fp8.h"
+#include "fabric/weights/fp8.h"
 
 namespace fabric::bench {
 

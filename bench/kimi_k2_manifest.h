@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "fabric/weights.h"
+#include "fabric/weights/plan.h"
 
 namespace fabric::bench {
 

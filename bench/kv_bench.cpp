@@ -23,7 +23,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #ifdef FABRIC_KV_BENCH_CUDA
 #include <cuda_runtime_api.h>
 #endif

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "fabric/fabric.h"
-#include "fabric/weights.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/plan.h"
+#include "fabric/weights/update.h"
 #include "kimi_k2_manifest.h"
 
 using namespace fabric;

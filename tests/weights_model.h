@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "fabric/fp8.h"
-#include "fabric/weights.h"
+#include "fabric/weights/fp8.h"
+#include "fabric/weights/plan.h"
 
 namespace fabric::weights::testing {
 

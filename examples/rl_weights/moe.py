@@ -224,7 +224,7 @@ def write_rtt_us(engine: fl.TransferEngine, t: W.Trainer, rounds: int = 200) -> 
 
 
 def predict(t: W.Trainer, engine: fl.TransferEngine, machine: dict, rtt_us: float, steps: list) -> dict:
-    """The executor's cost model (weights_predict_update, include/fabric/weights_update.h) for this
+    """The executor's cost model (weights_predict_update, include/fabric/weights/update.h) for this
     plan, fed with what was measured on this machine: the copy bandwidth (machine["link_gbs"], a
     contiguous device copy), the WRITE round trip (write_rtt_us, before the steps), and this rank's
     submit time per request and hook time per unit (medians over the steps' own timers)."""

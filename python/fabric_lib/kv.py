@@ -3,7 +3,7 @@
 A prefill rank writes each layer of a prompt's KV cache into the decode ranks' pages the moment
 the layer is computed; decode ranks count each layer's immediates and complete the request when
 every layer (and the extras: last-token hidden state, logits) has landed. Prefill and decode
-tensor parallelism may differ. The C++ core is include/fabric/kv_transfer.h; this module adds
+tensor parallelism may differ. The C++ core is include/fabric/kv/transfer.h; this module adds
 tensors and membership:
 
 - KvReceiver / KvSender: one rank's cache (per layer a K and a V tensor, torch or numpy, host or

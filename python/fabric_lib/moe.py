@@ -1,4 +1,4 @@
-"""MoE dispatch and combine for decode (include/fabric/moe.h), for torch tensors.
+"""MoE dispatch and combine for decode (include/fabric/moe/all_to_all.h), for torch tensors.
 
 Every rank sends each of its tokens to the ranks holding the token's top-k experts (dispatch),
 runs its experts on what it received, and gathers the expert outputs back, weighted and summed

@@ -2,8 +2,8 @@
 
 After each training step, every training rank writes its part of each tensor, unsharded and
 quantized where the inference side wants FP8, directly into the inference ranks' registered
-weight buffers with one-sided WRITEs, on a plan computed once (include/fabric/weights.h). The
-executor (include/fabric/weights_update.h) pipelines gather, quantize and send over a bounded
+weight buffers with one-sided WRITEs, on a plan computed once (include/fabric/weights/plan.h). The
+executor (include/fabric/weights/update.h) pipelines gather, quantize and send over a bounded
 window of staging slots; inference ranks know a step is complete from immediate counts alone.
 
 - Param: a tensor of the model (name, shape, whether inference holds it as FP8 e4m3 with 128 x 128

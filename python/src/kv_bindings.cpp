@@ -1,11 +1,11 @@
-// KV-cache transfer endpoints for Python (include/fabric/kv_transfer.h). fabric_lib/kv.py wraps
+// KV-cache transfer endpoints for Python (include/fabric/kv/transfer.h). fabric_lib/kv.py wraps
 // them for tensors; here they take raw addresses. Every call releases the GIL (they reach the
 // engine's worker); Python callables run on the callback thread under the GIL.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "py_support.h"
 
 namespace fabric::py {
@@ -67,7 +67,7 @@ void bind_kv(nb::module_& m) {
       .value("TOKEN_MAJOR", PageOrder::kTokenMajor, "[page_tokens, kv_heads, head_dim] (vLLM, SGLang)")
       .value("HEAD_MAJOR", PageOrder::kHeadMajor, "[kv_heads, page_tokens, head_dim]");
 
-  nb::class_<KvLayout>(m, "KvLayout", "One rank's paged KV cache (include/fabric/kv.h).")
+  nb::class_<KvLayout>(m, "KvLayout", "One rank's paged KV cache (include/fabric/kv/layout.h).")
       .def(nb::init<>())
       .def_rw("num_layers", &KvLayout::num_layers)
       .def_rw("num_pages", &KvLayout::num_pages)
@@ -91,7 +91,7 @@ void bind_kv(nb::module_& m) {
   m.attr("KV_MAX_LAYERS") = kMaxLayers;
   m.attr("KV_EXTRAS_LAYER") = kExtrasLayer;
 
-  nb::class_<PyKvReceiver>(m, "KvReceiver", "A decode rank (include/fabric/kv_transfer.h).")
+  nb::class_<PyKvReceiver>(m, "KvReceiver", "A decode rank (include/fabric/kv/transfer.h).")
       .def("__init__",
            [](PyKvReceiver* self, PyEngine& engine, const KvLayout& layout, std::vector<uintptr_t> k,
               std::vector<uintptr_t> v, uint64_t group, uint32_t tp_size, uint32_t tp_rank, uint32_t total_heads,
@@ -143,7 +143,7 @@ void bind_kv(nb::module_& m) {
       .def_prop_ro("in_flight", [](PyKvReceiver& r) { return r.get().in_flight(); })
       .def("close", [](PyKvReceiver& r) { r.h->close(); }, "Deregisters the cache (also done when the engine closes).");
 
-  nb::class_<PyKvSender>(m, "KvSender", "A prefill rank (include/fabric/kv_transfer.h).")
+  nb::class_<PyKvSender>(m, "KvSender", "A prefill rank (include/fabric/kv/transfer.h).")
       .def("__init__",
            [](PyKvSender* self, PyEngine& engine, const KvLayout& layout, std::vector<uintptr_t> k,
               std::vector<uintptr_t> v, uint64_t group, uint32_t tp_size, uint32_t tp_rank, uint32_t total_heads,

@@ -1,4 +1,4 @@
-// MoE dispatch/combine for Python (include/fabric/moe.h). fabric_lib/moe.py wraps it for torch
+// MoE dispatch/combine for Python (include/fabric/moe/all_to_all.h). fabric_lib/moe.py wraps it for torch
 // tensors; here the calls take raw addresses. The constructor and the halves release the GIL (the
 // host receive halves block until every rank's rows arrived); the all-gather callable the
 // constructor calls twice runs under the GIL, taken again inside the C++ callback.
@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-#include "fabric/moe.h"
+#include "fabric/moe/all_to_all.h"
 #include "py_support.h"
 
 namespace fabric::py {
@@ -69,7 +69,7 @@ void bind_moe(nb::module_& m) {
       .value("HOST", KernelSide::kHost)
       .value("CUDA", KernelSide::kCuda);
 
-  nb::class_<AllToAllConfig>(m, "AllToAllConfig", "One rank's MoE all-to-all (include/fabric/moe.h).")
+  nb::class_<AllToAllConfig>(m, "AllToAllConfig", "One rank's MoE all-to-all (include/fabric/moe/all_to_all.h).")
       .def("__init__",
            [](AllToAllConfig* c, uint32_t rank, uint32_t ranks, uint32_t node_size, uint32_t experts, uint32_t topk,
               uint32_t hidden, uint32_t max_tokens, Dtype dispatch_dtype, uint32_t private_rows, double timeout_s,
@@ -124,7 +124,7 @@ void bind_moe(nb::module_& m) {
       .def_ro("local_experts", &DispatchOutput::local_experts)
       .def_ro("rows_per_expert", &DispatchOutput::rows_per_expert);
 
-  nb::class_<PyAllToAll>(m, "AllToAll", "MoE dispatch/combine of one rank (include/fabric/moe.h); raw addresses.")
+  nb::class_<PyAllToAll>(m, "AllToAll", "MoE dispatch/combine of one rank (include/fabric/moe/all_to_all.h); raw addresses.")
       .def("__init__",
            [](PyAllToAll* self, PyEngine& engine, AllToAllConfig config, nb::callable all_gather) {
              TransferEngine& eng = engine.get();

@@ -1,4 +1,4 @@
-// RL weight updates for Python (include/fabric/weights.h, weights_update.h). fabric_lib/weights.py
+// RL weight updates for Python (include/fabric/weights/plan.h, weights_update.h). fabric_lib/weights.py
 // builds manifests from tensors and a store; here the manifest types, the planner and the two
 // executors. update() and wait() release the GIL; a Python unit hook runs under it on the thread
 // that called update().
@@ -7,7 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "py_support.h"
 
 namespace fabric::py {
@@ -78,7 +78,7 @@ void bind_weights(nb::module_& m) {
       .def_rw("box", &Placement::box)
       .def_rw("offset", &Placement::offset)
       .def_rw("row_stride", &Placement::row_stride);
-  nb::class_<Manifest>(m, "Manifest", "Both sides of a weight update (include/fabric/weights.h).")
+  nb::class_<Manifest>(m, "Manifest", "Both sides of a weight update (include/fabric/weights/plan.h).")
       .def(nb::init<>())
       .def_rw("tensors", &Manifest::tensors)
       .def_rw("src_ranks", &Manifest::src_ranks)
@@ -129,7 +129,7 @@ void bind_weights(nb::module_& m) {
       },
       "plan"_a, nb::kw_only(), "link_gbs"_a, "quantize_gbs"_a = 0.0, "post_us"_a = 0.0, "unit_us"_a = 0.0,
       "write_rtt_us"_a = 0.0, "one_device"_a = false,
-      "window"_a = 2, "nics"_a = 1, "The executor's cost model (include/fabric/weights_update.h, predict_update).");
+      "window"_a = 2, "nics"_a = 1, "The executor's cost model (include/fabric/weights/update.h, predict_update).");
   m.def(
       "weights_check_update",
       [](const Manifest& manifest, const UpdatePlan& plan) {
@@ -156,7 +156,7 @@ void bind_weights(nb::module_& m) {
       .def_prop_ro("scale_offset", [](const UnitWork& w) { return w.task.scale_offset; })
       .def_ro("local_copies", &UnitWork::local_copies);
 
-  nb::class_<PyWeights<WeightSender>>(m, "WeightSender", "A training rank's executor (include/fabric/weights_update.h).")
+  nb::class_<PyWeights<WeightSender>>(m, "WeightSender", "A training rank's executor (include/fabric/weights/update.h).")
       .def("__init__",
            [](PyWeights<WeightSender>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
               MrHandle arena, uintptr_t arena_ptr, std::vector<MrDesc> train_arenas,
@@ -213,7 +213,7 @@ void bind_weights(nb::module_& m) {
            "step"_a, "Runs one step; returns where its time went. Raises FabricError (a timeout names what it waited for).")
       .def("close", [](PyWeights<WeightSender>& s) { s.h->close(); });
 
-  nb::class_<PyWeights<WeightReceiver>>(m, "WeightReceiver", "An inference rank's side (include/fabric/weights_update.h).")
+  nb::class_<PyWeights<WeightReceiver>>(m, "WeightReceiver", "An inference rank's side (include/fabric/weights/update.h).")
       .def("__init__",
            [](PyWeights<WeightReceiver>* self, PyEngine& engine, std::shared_ptr<const UpdatePlan> plan, uint32_t rank,
               std::vector<MrDesc> train_arenas, uint32_t sets, PyImmReservation& imms) {

@@ -34,7 +34,13 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
                 "libibverbs-dev and reconfigure)");
 #endif
   } else if (config.provider == "efa-sim") {
+#ifdef FABRIC_TEST_PROVIDERS
     domain = open_efa_sim_domain(config, nic_index);  // EFA's attributes over tcp, for tests
+#else
+    throw Error(ErrorCode::kUnsupported,
+                "provider 'efa-sim' is a test provider, left out of this build (configure with "
+                "-DFABRIC_TEST_PROVIDERS=ON, as the test builds are)");
+#endif
   } else {
     domain = open_libfabric_domain(config, nic_index);
   }

@@ -6,7 +6,7 @@
 #include <optional>
 #include <vector>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "kv/wire.h"
 
 namespace fabric::kv {

@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 
 namespace fabric::kv {
 

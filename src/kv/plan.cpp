@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "fabric/error.h"
-#include "fabric/kv.h"
+#include "fabric/kv/layout.h"
 
 namespace fabric::kv {
 

@@ -13,7 +13,7 @@
 #include <span>
 #include <vector>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "fabric/types.h"
 
 namespace fabric::kv::wire {

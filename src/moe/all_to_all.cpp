@@ -1,4 +1,4 @@
-// AllToAll (include/fabric/moe.h): allocates and shares the buffers once, then runs each half on
+// AllToAll (include/fabric/moe/all_to_all.h): allocates and shares the buffers once, then runs each half on
 // the chosen kernel side, in the order dispatch send, dispatch receive, combine send, combine
 // receive.
 #include <fmt/format.h>
@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "fabric/error.h"
-#include "fabric/moe.h"
+#include "fabric/moe/all_to_all.h"
 #include "kernel_side.h"
 #include "memory.h"
 #include "proxy.h"

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "fabric/moe.h"
+#include "fabric/moe/types.h"
 #include "layout.h"
 
 namespace fabric::moe::detail {

@@ -1,4 +1,4 @@
-// MoE all-to-all (include/fabric/moe.h): where every byte of the protocol lives, and the index
+// MoE all-to-all (include/fabric/moe/all_to_all.h): where every byte of the protocol lives, and the index
 // arithmetic both kernel sides (host threads in cpu_kernels.cpp, CUDA in gpu_kernels.cu) and the
 // proxy share. Plain data and inline functions only, usable from host and device code.
 //

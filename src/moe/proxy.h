@@ -1,4 +1,4 @@
-// The host proxy of one MoE rank (include/fabric/moe.h): a thread that watches the words its
+// The host proxy of one MoE rank (include/fabric/moe/all_to_all.h): a thread that watches the words its
 // kernel side raises when rows for the other nodes are staged, posts them as scatters with
 // immediates, and counts the other nodes' immediates into the words the receive halves wait on
 // (layout.h has the protocol). Only ranks with peers on other nodes run one.
@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "fabric/moe.h"
+#include "fabric/moe/all_to_all.h"
 #include "fabric/transfer_engine.h"
 #include "kernel_side.h"
 #include "memory.h"

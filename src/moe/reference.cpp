@@ -1,7 +1,7 @@
-// The CPU reference of MoE dispatch and combine (include/fabric/moe_reference.h). It follows the
+// The CPU reference of MoE dispatch and combine (include/fabric/moe/reference.h). It follows the
 // documented output layout directly: expert e's rows are the slots that name e, from source ranks
 // in rank order, each source's by token, then top-k slot.
-#include "fabric/moe_reference.h"
+#include "fabric/moe/reference.h"
 
 #include <cmath>
 #include <cstring>

@@ -1,10 +1,10 @@
-// predict_update (include/fabric/weights_update.h): the executor's cost model, from the schedule
+// predict_update (include/fabric/weights/update.h): the executor's cost model, from the schedule
 // every rank builds (so requests are counted as the executor merges them into runs).
 #include <algorithm>
 #include <numeric>
 
 #include "fabric/error.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "schedule.h"
 
 namespace fabric::weights {

@@ -1,4 +1,4 @@
-// cuda_unit_hook (include/fabric/weights_update.h): a unit's local copies (cudaMemcpy2DAsync) and
+// cuda_unit_hook (include/fabric/weights/update.h): a unit's local copies (cudaMemcpy2DAsync) and
 // its block quantization (one kernel launch, gpu_quantize.cu) on a stream of the hook's own, on
 // the arena's device, then one synchronisation: the unit's send WRITEs read the bytes as soon as
 // the hook returns. The caller's current device is put back after each unit.
@@ -9,7 +9,7 @@
 
 #include "cuda/cuda_check.h"
 #include "fabric/error.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "weights/gpu_quantize.h"
 
 namespace fabric::weights {

@@ -1,5 +1,5 @@
-// FP8 e4m3 conversion and 128 x 128 block quantization (include/fabric/fp8.h).
-#include "fabric/fp8.h"
+// FP8 e4m3 conversion and 128 x 128 block quantization (include/fabric/weights/fp8.h).
+#include "fabric/weights/fp8.h"
 
 #include <fmt/format.h>
 

@@ -1,6 +1,6 @@
 // Builds without CUDA: the CUDA unit hook says so.
 #include "fabric/error.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 
 namespace fabric::weights {
 

@@ -1,7 +1,7 @@
-// The weight-update planner (include/fabric/weights.h): destination pieces cut along every source
+// The weight-update planner (include/fabric/weights/plan.h): destination pieces cut along every source
 // shard boundary into cells, each cell given to the least-loaded source rank that holds it, cells
 // of one source merged back into strided copies.
-#include "fabric/weights.h"
+#include "fabric/weights/plan.h"
 
 #include <fmt/format.h>
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fabric/error.h"
-#include "fabric/weights.h"
+#include "fabric/weights/plan.h"
 
 namespace fabric::weights::detail {
 

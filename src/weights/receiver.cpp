@@ -1,4 +1,4 @@
-// WeightReceiver (include/fabric/weights_update.h): an inference rank counts each source rank's
+// WeightReceiver (include/fabric/weights/update.h): an inference rank counts each source rank's
 // immediates for a step, as many as the schedule says that rank writes to it.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "fabric/error.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "schedule.h"
 
 namespace fabric::weights {

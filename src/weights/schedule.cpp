@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <tuple>
 
-#include "fabric/fp8.h"
+#include "fabric/weights/fp8.h"
 #include "fabric/transfer_engine.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "plan_support.h"
 
 namespace fabric::weights::detail {

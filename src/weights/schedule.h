@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "fabric/transfer_engine.h"
-#include "fabric/weights.h"
+#include "fabric/weights/plan.h"
 
 namespace fabric::weights::detail {
 

@@ -1,4 +1,4 @@
-// WeightSender (include/fabric/weights_update.h): one training rank's side of a step, as a
+// WeightSender (include/fabric/weights/update.h): one training rank's side of a step, as a
 // non-blocking loop over four kinds of work that become possible as immediates arrive: gather
 // WRITEs whose slot was released, BF16 WRITEs to inference ranks that are ready, the next unit to
 // quantize, and that unit's FP8 WRITEs.
@@ -10,8 +10,8 @@
 #include <thread>
 
 #include "fabric/error.h"
-#include "fabric/fp8.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/fp8.h"
+#include "fabric/weights/update.h"
 #include "schedule.h"
 
 namespace fabric::weights {

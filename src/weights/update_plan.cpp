@@ -1,4 +1,4 @@
-// Weight updates with FP8 destinations (include/fabric/weights.h, plan_update): each unit of rows
+// Weight updates with FP8 destinations (include/fabric/weights/plan.h, plan_update): each unit of rows
 // of an FP8 tensor gets one quantizing training rank; the unit is gathered into its staging
 // where its own shard does not hold it whole; the FP8 bytes and scales then go out as an ordinary
 // plan from the staging areas. Both transfers are plain plan() results, so check() verifies them.
@@ -9,8 +9,8 @@
 #include <tuple>
 
 #include "fabric/error.h"
-#include "fabric/fp8.h"
-#include "fabric/weights.h"
+#include "fabric/weights/fp8.h"
+#include "fabric/weights/plan.h"
 #include "plan_support.h"
 
 namespace fabric::weights {

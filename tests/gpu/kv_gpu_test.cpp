@@ -9,7 +9,7 @@
 #include <random>
 #include <thread>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "../loopback/test_support.h"  // wait_until
 #include "gpu_kernels.h"
 #include "gpu_support.h"

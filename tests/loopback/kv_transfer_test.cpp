@@ -12,7 +12,7 @@
 #include <set>
 #include <thread>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "test_support.h"
 
 namespace fabric::testing {

@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "fabric/moe.h"
-#include "fabric/moe_reference.h"
+#include "fabric/moe/all_to_all.h"
+#include "fabric/moe/reference.h"
 #include "loopback/test_support.h"
 #include "moe/layout.h"
 

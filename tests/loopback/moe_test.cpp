@@ -1,4 +1,4 @@
-// MoE dispatch/combine (include/fabric/moe.h) on the host kernel side: ranks as threads of this
+// MoE dispatch/combine (include/fabric/moe/all_to_all.h) on the host kernel side: ranks as threads of this
 // process, each with its own engine, grouped into "nodes" that share node regions, the other
 // nodes reached through the proxy over tcp or shm. Every received row and every combined value is
 // checked against the CPU reference (moe_reference.h).
@@ -13,8 +13,8 @@
 #include <random>
 #include <thread>
 
-#include "fabric/moe.h"
-#include "fabric/moe_reference.h"
+#include "fabric/moe/all_to_all.h"
+#include "fabric/moe/reference.h"
 #include "loopback/moe_steps.h"
 #include "loopback/test_support.h"
 #include "moe/layout.h"

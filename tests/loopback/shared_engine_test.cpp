@@ -9,7 +9,7 @@
 #include <random>
 #include <thread>
 
-#include "fabric/kv_transfer.h"
+#include "fabric/kv/transfer.h"
 #include "loopback/moe_steps.h"
 #include "test_support.h"
 #include "weights_cluster.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fabric/fabric.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "test_support.h"
 #include "weights_model.h"
 

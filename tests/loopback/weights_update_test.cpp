@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "fabric/fabric.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/update.h"
 #include "test_support.h"
 #include "weights_cluster.h"
 #include "weights_model.h"

@@ -1,6 +1,6 @@
 // FP8 e4m3 conversion against an independent oracle (nearest of all finite codes, ties to the even
 // code) and 128 x 128 block quantization's scales, error bound, edges and bounds checks.
-#include "fabric/fp8.h"
+#include "fabric/weights/fp8.h"
 
 #include <gtest/gtest.h>
 

@@ -9,7 +9,7 @@
 #include <random>
 
 #include "fabric/error.h"
-#include "fabric/kv.h"
+#include "fabric/kv/layout.h"
 
 namespace fabric::kv {
 namespace {

@@ -1,7 +1,7 @@
 // The weight-update planner: every destination byte covered exactly once from a holder (checked
 // by weights::check, itself shown to catch broken plans), replicas balanced, fused destinations,
 // and manifests it cannot cover refused with a clear error; random manifests as a property test.
-#include "fabric/weights.h"
+#include "fabric/weights/plan.h"
 
 #include <gtest/gtest.h>
 

@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "fabric/error.h"
-#include "fabric/weights.h"
-#include "fabric/weights_update.h"
+#include "fabric/weights/plan.h"
+#include "fabric/weights/update.h"
 #include "weights/schedule.h"
 
 namespace fabric::weights {

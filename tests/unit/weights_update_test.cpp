@@ -8,8 +8,8 @@
 #include <random>
 
 #include "fabric/error.h"
-#include "fabric/fp8.h"
-#include "fabric/weights.h"
+#include "fabric/weights/fp8.h"
+#include "fabric/weights/plan.h"
 #include "weights_model.h"
 
 namespace fabric::weights {

@@ -1,4 +1,4 @@
-// A plain CPU reference of MoE dispatch and combine (include/fabric/moe.h), computed from every
+// A plain CPU reference of MoE dispatch and combine (include/fabric/moe/all_to_all.h), computed from every
 // rank's inputs at once with none of the protocol's machinery: the oracle the tests check the
 // AllToAll against, byte for byte.
 #pragma once
@@ -8,7 +8,7 @@
 #include <span>
 #include <vector>
 
-#include "fabric/moe.h"
+#include "fabric/moe/types.h"
 
 namespace fabric::moe {
 

@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-#include "fabric/kv.h"
+#include "fabric/kv/layout.h"
 #include "fabric/on_done.h"
 #include "fabric/transfer_engine.h"
 

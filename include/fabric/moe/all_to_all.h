@@ -1,0 +1,57 @@
+// MoE dispatch/combine for decode (issue 18): every rank sends each token to the ranks holding its
+// top-k experts and gathers the expert outputs back, split into send and receive halves.
+//
+// Inside a node, the sending side stores rows straight into its node-mates' receive buffers (a
+// node region shared by the node's ranks: CUDA IPC for GPU kernels, POSIX shared memory for host
+// kernels) and raises a flag; no proxy is involved. Across nodes, a proxy thread per rank turns the
+// sending side's flags into scatters over the TransferEngine and the immediates it counts into
+// words the receiving side waits on. The first `private_rows` rows for each remote peer go
+// speculatively into a private region of that peer at once; the rest follow into the shared region
+// once every lower rank's routing counts have arrived (they fix the offsets). The RDMA buffers live
+// in host memory (pinned and device-mapped for GPU kernels), which the tcp, shm, EFA and verbs
+// providers all reach. docs/api.md describes the protocol; src/moe/layout.h has every offset.
+//
+// Kernel sides: KernelSide::kHost runs the halves on the calling thread over host memory (tests,
+// CI, CPU-only decode); KernelSide::kCuda enqueues CUDA kernels on the caller's stream (every
+// call capturable in a CUDA graph: no host synchronization, no allocation).
+#pragma once
+
+#include <memory>
+
+#include "fabric/moe/types.h"
+#include "fabric/transfer_engine.h"
+
+namespace fabric::moe {
+
+class AllToAll {
+ public:
+  // Allocates and registers every buffer once, maps the node-mates' node regions and interns the
+  // other nodes' receive regions. Collective: every rank constructs its AllToAll at once. Throws
+  // fabric::Error (kInvalidArgument naming a bad field).
+  AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGather& all_gather);
+  ~AllToAll();
+  AllToAll(const AllToAll&) = delete;
+  AllToAll& operator=(const AllToAll&) = delete;
+
+  // The send half stages and posts this rank's rows; the receive half waits for every rank's rows
+  // to this rank and fills output(). A call with do_send must precede the one with do_recv of the
+  // same step; calls alternate dispatch, combine. Host kernels: kTimeout names the ranks whose
+  // rows are missing after config.timeout; the AllToAll is then failed (every later call
+  // throws): a job whose peer died builds a new one. CUDA kernels: a wait that times out ends
+  // its kernel and marks the AllToAll failed; check() reports it.
+  void dispatch(const DispatchArgs& args, bool do_send = true, bool do_recv = true);
+  void combine(const CombineArgs& args, bool do_send = true, bool do_recv = true);
+  DispatchOutput output() const;
+
+  // Throws the first failure seen (a proxy's transfer or expectation, a kernel's timed-out wait).
+  void check() const;
+  ProxyStats proxy_stats() const;
+  const AllToAllConfig& config() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fabric::moe
