@@ -45,7 +45,7 @@ Worker::Worker(const EngineConfig& config, size_t index, MrTable& mrs, RemoteTab
       buffers_(buffers),
       callbacks_(callbacks),
       requests_(config.request_queue_capacity),
-      imms_(config.max_unexpected_imms) {
+      expectations_(config.max_unexpected_imms, [this](OnDone& d, Status s) { report(d, std::move(s)); }) {
   std::promise<void> opened;
   auto ready = opened.get_future();
   thread_ = std::thread([this, p = std::move(opened)]() mutable { run(std::move(p)); });
@@ -602,7 +602,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
   switch (c.kind) {
     case Completion::Kind::kRemoteImm:
       st.imms_received.fetch_add(1, std::memory_order_relaxed);
-      if (!imms_.arrive(c.imm, met_)) {
+      if (!expectations_.arrive(c.imm)) {
         st.imms_dropped.fetch_add(1, std::memory_order_relaxed);
         if (!warned_imm_drop_)
           log::warn("immediate {:#x} dropped: {} distinct immediates are already counted with no "
@@ -611,7 +611,6 @@ void Worker::on_completion(size_t nic, Completion& c) {
                     c.imm, config_.max_unexpected_imms);
         warned_imm_drop_ = true;
       }
-      report_met();
       return;
     case Completion::Kind::kRecv: {
       auto* pool = static_cast<RecvPool*>(c.context->owner);
@@ -746,21 +745,9 @@ void Worker::report(OnDone& on_done, Status status) {
 
 // Transfers are linked in submission order and share one timeout, so the oldest expires first.
 void Worker::check_deadlines() {
-  if (!oldest_ && expect_deadlines_.empty()) return;
+  if (!oldest_ && !expectations_.has_deadlines()) return;
   Clock::time_point now = Clock::now();
-  while (!expect_deadlines_.empty() && std::get<0>(*expect_deadlines_.begin()) <= now) {
-    auto [when, id, imm] = *expect_deadlines_.begin();
-    expect_deadlines_.erase(expect_deadlines_.begin());
-    ImmWaiter w;
-    if (!imms_.cancel(imm, id, w, met_)) continue;
-    report(w.on_done,
-           Status(ErrorCode::kTimeout,
-                  fmt::format("expect_imm_count: immediate {:#x} arrived {} of the {} times expected "
-                              "before the timeout (ExpectOptions::timeout): did a sender fail, or "
-                              "is the expected count wrong?",
-                              imm, imms_.count(imm), w.count)));
-    report_met();
-  }
+  expectations_.expire(now);
   while (oldest_ && oldest_->req.deadline <= now) {
     Transfer& t = *oldest_;
     // shm does not recover from a peer that died with operations in flight (measured: even
@@ -789,31 +776,6 @@ void Worker::check_deadlines() {
     // shutdown. They stop counting against the in-flight limits.
     domains_.forget_in_flight(t.outstanding_on);
   }
-}
-
-void Worker::handle(ExpectRequest&& r) {
-  imms_.expect(r.imm, r.count, r.id, ImmWaiter{std::move(r.on_done), r.id, r.count, r.imm, r.deadline},
-               met_);
-  bool met_now = !met_.empty();  // only this one can be met: the count did not change
-  report_met();
-  if (!met_now && r.deadline) expect_deadlines_.emplace(*r.deadline, r.id, r.imm);
-}
-
-void Worker::report_met() {
-  for (auto& w : met_) {
-    if (w.deadline) expect_deadlines_.erase({*w.deadline, w.id, w.imm});
-    report(w.on_done, Status::ok_status());
-  }
-  met_.clear();
-}
-
-bool Worker::cancel_expectation(uint32_t imm, uint64_t id) {
-  ImmWaiter w;
-  if (!imms_.cancel(imm, id, w, met_)) return false;
-  if (w.deadline) expect_deadlines_.erase({*w.deadline, id, imm});
-  report(w.on_done, Status(ErrorCode::kCancelled, "the expectation was cancelled (cancel_imm_expectation)"));
-  report_met();
-  return true;
 }
 
 void Worker::add_recv_pool(size_t len, size_t count,
@@ -860,8 +822,7 @@ void Worker::shutdown() {
     unlink(t);
     report(t.req.on_done, stopped);
   }
-  for (auto& w : imms_.take_all_waiting()) report(w.on_done, stopped);
-  expect_deadlines_.clear();
+  expectations_.end_all(stopped);
   // Requests that raced with the stop request. No submitter may push after the last drain: stop
   // accepting, then drain until none is inside submit() (one may be waiting for queue room).
   accepting_.store(false, std::memory_order_seq_cst);

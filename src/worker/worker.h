@@ -23,12 +23,12 @@
 #include "engine/callback_thread.h"
 #include "engine/mr_table.h"
 #include "engine/remote_table.h"
-#include "imm/imm_counter.h"
 #include "util/mpsc_queue.h"
 #include "util/object_pool.h"
 #include "util/ring.h"
 #include "util/shared_pool.h"
 #include "worker/domain_group.h"
+#include "worker/expectations.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
 
@@ -53,15 +53,6 @@ class RequestBufferPool {
 
  private:
   std::array<util::SharedPool<RequestBuffer>, 7> pools_;  // one per TransferKind
-};
-
-// What ImmCounter holds per expectation.
-struct ImmWaiter {
-  OnDone on_done;
-  uint64_t id = 0;
-  uint64_t count = 0;
-  uint32_t imm = 0;
-  std::optional<Clock::time_point> deadline;
 };
 
 class Worker {
@@ -143,9 +134,9 @@ class Worker {
   // and its resources go; returns the remote regions interned for it, which the engine removes.
   std::vector<RemoteMr> remove_peer(const NetAddr& peer);
   size_t peer_count() const { return peer_index_.size(); }
-  uint64_t imm_count(uint32_t imm) const { return imms_.count(imm); }
-  uint64_t discard_imm_count(uint32_t imm) { return imms_.discard(imm); }
-  bool cancel_expectation(uint32_t imm, uint64_t id);
+  uint64_t imm_count(uint32_t imm) const { return expectations_.count(imm); }
+  uint64_t discard_imm_count(uint32_t imm) { return expectations_.discard(imm); }
+  bool cancel_expectation(uint32_t imm, uint64_t id) { return expectations_.cancel(imm, id); }
   // A pool of receive buffers: registered and posted here (as many as the provider takes now;
   // the rest as it frees room). Throws what registration throws.
   void add_recv_pool(size_t len, size_t count, std::shared_ptr<TransferEngine::RecvCallback> on_recv);
@@ -175,7 +166,7 @@ class Worker {
   void loop();
   bool take_requests();
   void handle(TransferRequest&& r);
-  void handle(ExpectRequest&& r);
+  void handle(ExpectRequest&& r) { expectations_.expect(std::move(r)); }
   void handle(ControlRequest&& r) { r.run(); }
   void handle(StopRequest&&) { stopping_ = true; }
 
@@ -197,7 +188,6 @@ class Worker {
   const ResolvedTarget& refresh(ResolvedTarget& held, const MrDesc& desc);
   void rehold(ResolvedTarget& held, const ResolvedTarget& fresh);
   void peer_failed(uint32_t r);
-  void report_met();
   void on_completion(size_t nic, Completion& c);
   void repost_recv(size_t nic, OpContext* ctx);
   void record_post_timing(Transfer& t);
@@ -236,9 +226,7 @@ class Worker {
   std::unordered_map<NetAddr, uint32_t, NetAddrHash> peer_index_;  // live and failed records
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<WriteOp> batch_ops_;  // a batch being posted (capacity kept)
-  ImmCounter<ImmWaiter> imms_;
-  std::vector<ImmWaiter> met_;
-  std::set<std::tuple<Clock::time_point, uint64_t, uint32_t>> expect_deadlines_;  // (when, id, imm)
+  Expectations expectations_;  // immediates counted here and the expectations waiting for them
   bool warned_imm_drop_ = false;
   util::ObjectPool<Transfer> transfers_{256};
   util::ObjectPool<OpContext> contexts_{1024};
