@@ -9,9 +9,10 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench python-gpu cuda-ipc gpu-tests": build, then only those steps (the RL
-# weight updates at 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh; the weight-update GPU
-# test; the cuda_ipc benchmark; the C++ GPU tests).
+# FABRIC_GPU_ONLY="weights-bench python-gpu python-watcher moe-gpu cuda-ipc gpu-tests": build, then
+# only those steps (the RL weight updates at 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh;
+# the Python GPU tests; the Python watcher's round trips; the MoE GPU tests and bench; the cuda_ipc
+# benchmark; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -90,9 +91,13 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
       gpu-tests)  # the C++ GPU tests (cuda_ipc batches among them)
         ctest --test-dir $BUILD -L gpu --timeout 300 > "$OUT/gpu_tests.log" 2>&1 || status=1
         grep -E "tests passed|Failed|\*\*\*" "$OUT/gpu_tests.log" || true ;;
-      python-gpu)  # the weight-update GPU test (the package must be installed: weights-bench first)
-        python3 -m pytest -s -v tests/gpu/test_weights_gpu.py > "$OUT/python_gpu.txt" 2>&1 || status=1
+      python-gpu)  # the Python GPU tests (the package must be installed: weights-bench first)
+        python3 -m pytest -s -v tests/gpu/test_python_gpu.py tests/gpu/test_weights_gpu.py > "$OUT/python_gpu.txt" 2>&1 || status=1
         grep -E "weights-gpu|passed|failed|error" "$OUT/python_gpu.txt" | tail -4 || true ;;
+      python-watcher)  # Python signal round trips beside the C++ watcher's (the package installed)
+        timeout 300 python3 bench/python_watcher.py > "$OUT/python_watcher.txt" 2>&1 || status=1
+        grep -E "python-watcher" "$OUT/python_watcher.txt" || tail -5 "$OUT/python_watcher.txt" ;;
+      moe-gpu) moe_steps ;;
       *) echo "unknown step $step"; status=1 ;;
     esac
   done
