@@ -27,16 +27,19 @@ std::pair<uint64_t, ImmRange> ImmRegistry::reserve(const ImmReserveRequest& req)
                   fmt::format("reserve_imms: immediates {} for '{}' overlap {}, held by '{}'", describe(want), req.holder,
                               describe(h->range), h->holder));
   } else {
-    // The highest free block: raw users of the engine tend to pick small values.
+    // The highest free block: raw users of the engine tend to pick small values. Each held range
+    // in the way is jumped below at once, so this takes at most one step per held range.
     bool found = false;
-    for (uint64_t b = (uint64_t{1} << 32) - want.size();; b -= want.size()) {
+    for (uint64_t b = (uint64_t{1} << 32) - want.size();;) {
       ImmRange r{static_cast<uint32_t>(b), want.bits};
-      if (!overlapping(r)) {
+      const Held* h = overlapping(r);
+      if (!h) {
         want = r;
         found = true;
         break;
       }
-      if (b == 0) break;
+      if (h->range.base < want.size()) break;  // no aligned block below it
+      b = (h->range.base - want.size()) / want.size() * want.size();
     }
     if (!found) {
       std::string holders;
