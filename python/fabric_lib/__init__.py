@@ -9,8 +9,10 @@ detect_topology() reads the host's GPUs, RDMA NICs and cores from sysfs.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ctypes
 import sys
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import numpy as np
@@ -139,6 +141,7 @@ class TransferEngine(_Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._registered: dict[MrHandle, Any] = {}
+        _live_engines.add(self)
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -254,3 +257,21 @@ class TransferEngine(_Engine):
         self.expect_imm_count(imm, count, on_done, timeout_s=timeout_s)
         await fut
 
+
+
+# Engines still open when the interpreter exits are closed by the hook below.
+_live_engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+def _close_engines_at_exit() -> None:
+    """Closes every engine left open, before CPython finalizes (atexit hooks run first) and frees
+    the memory they registered. An engine thread that takes the GIL during finalization is ended
+    by pthread_exit, which aborts the process (issue 28), so first the engines' threads stop
+    entering Python (_begin_exit returns once the calls under way ended): callbacks still due are
+    dropped, as no code is left to wait for them."""
+    _c._begin_exit()
+    for engine in list(_live_engines):
+        engine.close()
+
+
+atexit.register(_close_engines_at_exit)

@@ -30,12 +30,13 @@ void bind_gpu_signals(nb::module_& m) {
         TransferEngine& eng = e.get();
         auto ref = std::make_shared<PyRef>(nb::borrow(callback));
         UvmCallback cb = [ref](uint64_t old_value, uint64_t new_value) {
-          nb::gil_scoped_acquire gil;  // on the engine's watcher thread
-          try {
-            ref->obj(old_value, new_value);
-          } catch (nb::python_error& err) {
-            err.discard_as_unraisable("in a fabric_lib UVM watcher callback");
-          }
+          with_python([&] {  // on the engine's watcher thread
+            try {
+              ref->obj(old_value, new_value);
+            } catch (nb::python_error& err) {
+              err.discard_as_unraisable("in a fabric_lib UVM watcher callback");
+            }
+          });
         };
         nb::gil_scoped_release release;
         return eng.alloc_uvm_watcher(std::move(cb), cuda_device);

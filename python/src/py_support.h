@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "py_exit.h"
 
 namespace fabric::py {
 
@@ -40,11 +41,17 @@ struct Closable {
 // callback that used it (OnDone callables fire once), or here, taking the GIL, by whoever destroys
 // the capture (a rejected submit's caller; the closing thread for receive callbacks). Never by the
 // worker: it only moves callables to the callback thread and never destroys a non-empty one.
+// Once Python is exiting the reference is leaked on purpose: the GIL may not be taken then (see
+// with_python), and the process is about to free everything anyway.
 struct PyRef {
   nb::object obj;
   explicit PyRef(nb::object o) : obj(std::move(o)) {}
   ~PyRef() {
-    if (!obj.is_valid() || !Py_IsInitialized()) return;
+    if (!obj.is_valid()) return;
+    if (python_exiting()) {
+      obj.release();
+      return;
+    }
     nb::gil_scoped_acquire gil;
     obj = nb::object();
   }
@@ -105,13 +112,14 @@ inline OnDone make_on_done(nb::handle on_done) {
     throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
   auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
   return OnDone::callback([ref](const Status& status) {
-    nb::gil_scoped_acquire gil;
-    try {
-      ref->obj(status);
-    } catch (nb::python_error& e) {
-      e.discard_as_unraisable("in a fabric_lib completion callback");
-    }
-    ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
+    with_python([&] {
+      try {
+        ref->obj(status);
+      } catch (nb::python_error& e) {
+        e.discard_as_unraisable("in a fabric_lib completion callback");
+      }
+      ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
+    });
   });
 }
 
