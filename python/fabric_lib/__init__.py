@@ -165,11 +165,21 @@ class TransferEngine(_Engine):
 
     # ---- GPU signals (CUDA builds, an engine with cuda_device) ----
 
-    def alloc_uvm_watcher(self, callback: Any, cuda_device: Optional[int] = None) -> UvmWatcher:
+    def alloc_uvm_watcher(self, callback: Any = None,
+                          cuda_device: Optional[int] = None) -> UvmWatcher:
         """A word of pinned, device-mapped memory: kernels (also in CUDA graphs) write it at
         watcher.device_ptr; callback(old, new) runs on the engine's watcher thread, under the GIL,
-        on every change it sees (fast changes may coalesce)."""
+        on every change it sees (fast changes may coalesce). callback=None: none runs; wait for
+        values with wait_uvm_watcher (no GIL taken per change, microseconds instead of tens)."""
         return _c.alloc_uvm_watcher(self, callback, cuda_device)
+
+    def wait_uvm_watcher(self, watcher: UvmWatcher, at_least: int,
+                         timeout_s: Optional[float] = None) -> int:
+        """Blocks, with the GIL released, until the watcher's word reads at_least or more (it spins
+        on the word, then yields, then sleeps); returns the value read. Raises TimeoutError after
+        timeout_s (None: no limit), FabricError if the engine closes meanwhile. The watcher must
+        not be freed while a wait on it runs."""
+        return _c.wait_uvm_watcher(self, watcher, at_least, timeout_s)
 
     def free_uvm_watcher(self, watcher: UvmWatcher) -> None:
         _c.free_uvm_watcher(self, watcher)
@@ -178,6 +188,13 @@ class TransferEngine(_Engine):
         """A completion counter: pass it as on_done (it counts successes) or as a KV request's
         `landed`; kernels wait on counter.device_ptr, streams with gpu_stream_wait."""
         return _c.alloc_gpu_counter(self, cuda_device)
+
+    def wait_gpu_counter(self, counter: GpuCounter, at_least: int,
+                         timeout_s: Optional[float] = None) -> int:
+        """Blocks, with the GIL released, until the counter reaches at_least; returns its value.
+        Raises TimeoutError after timeout_s (None: no limit), FabricError if the engine closes
+        meanwhile."""
+        return _c.wait_gpu_counter(self, counter, at_least, timeout_s)
 
     def free_gpu_counter(self, counter: GpuCounter) -> None:
         _c.free_gpu_counter(self, counter)

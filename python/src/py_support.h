@@ -14,6 +14,7 @@
 
 #include "fabric/fabric.h"
 #include "py_exit.h"
+#include "py_wait.h"
 
 namespace fabric::py {
 
@@ -80,20 +81,6 @@ inline nb::str to_py_str(std::string_view s) {
   return nb::steal<nb::str>(o);
 }
 
-// Waits with the GIL released; returns false on timeout (None: wait forever).
-template <class Pred>
-inline bool wait_released(Pred done, std::optional<double> timeout_s) {
-  nb::gil_scoped_release release;
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(timeout_s.value_or(1e9)));
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  return true;
-}
-
 // None, a DoneFlag, a DoneCounter, a GpuCounter (counts successes), or a callable taking a Status.
 inline OnDone make_on_done(nb::handle on_done) {
   if (on_done.is_none()) return OnDone::none();
@@ -136,8 +123,35 @@ class PyEngine {
   // Objects built on the engine (KV endpoints) that must go before it: closed first, in reverse.
   void add_dependent(std::weak_ptr<Closable> d) { dependents_.push_back(std::move(d)); }
 
+  // Held by a wait on one of the engine's words (wait_watcher, wait_counter), which runs without
+  // the GIL: the words live in the engine's memory, so close() first ends such waits (stopping()
+  // turns true) and waits for them to leave. Taken, then `closing_` read, both seq_cst against
+  // close()'s store then read: a wait that starts as the engine closes sees one or the other.
+  class Wait {
+   public:
+    explicit Wait(PyEngine& e) : e_(e) {
+      e_.waits_.fetch_add(1, std::memory_order_seq_cst);
+      if (e_.closing_.load(std::memory_order_seq_cst) || !e_.engine_) {
+        e_.waits_.fetch_sub(1, std::memory_order_seq_cst);
+        throw Error(ErrorCode::kShutdown, "the engine is closed");
+      }
+    }
+    ~Wait() { e_.waits_.fetch_sub(1, std::memory_order_seq_cst); }
+    Wait(const Wait&) = delete;
+    Wait& operator=(const Wait&) = delete;
+    bool stopping() const { return e_.closing_.load(std::memory_order_relaxed); }
+
+   private:
+    PyEngine& e_;
+  };
+
   void close() {
     if (!engine_) return;
+    closing_.store(true, std::memory_order_seq_cst);
+    // The waits see `closing_` within one check and return (they need the GIL to raise).
+    without_gil([&] {
+      while (waits_.load(std::memory_order_seq_cst) != 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    });
     for (auto it = dependents_.rbegin(); it != dependents_.rend(); ++it)
       if (auto d = it->lock()) d->close();
     dependents_.clear();
@@ -152,6 +166,8 @@ class PyEngine {
  private:
   std::unique_ptr<TransferEngine> engine_;
   std::vector<std::weak_ptr<Closable>> dependents_;
+  std::atomic<int> waits_{0};
+  std::atomic<bool> closing_{false};
 };
 
 // An object built on an engine (KV and weight-update endpoints), closed with it: it deregisters
