@@ -178,7 +178,7 @@ class TransferEngine(_Engine):
         """Blocks, with the GIL released, until the watcher's word reads at_least or more (it spins
         on the word, then yields, then sleeps); returns the value read. Raises TimeoutError after
         timeout_s (None: no limit), FabricError if the engine closes meanwhile. The watcher must
-        not be freed while a wait on it runs."""
+        be this engine's, and not be freed while a wait on it runs."""
         return _c.wait_uvm_watcher(self, watcher, at_least, timeout_s)
 
     def free_uvm_watcher(self, watcher: UvmWatcher) -> None:
@@ -193,7 +193,7 @@ class TransferEngine(_Engine):
                          timeout_s: Optional[float] = None) -> int:
         """Blocks, with the GIL released, until the counter reaches at_least; returns its value.
         Raises TimeoutError after timeout_s (None: no limit), FabricError if the engine closes
-        meanwhile."""
+        meanwhile. The counter must be this engine's, and not be freed while a wait on it runs."""
         return _c.wait_gpu_counter(self, counter, at_least, timeout_s)
 
     def free_gpu_counter(self, counter: GpuCounter) -> None:
