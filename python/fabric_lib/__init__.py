@@ -9,8 +9,10 @@ detect_topology() reads the host's GPUs, RDMA NICs and cores from sysfs.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ctypes
 import sys
+import weakref
 from typing import Any, Iterable, Optional, Union
 
 import numpy as np
@@ -141,6 +143,7 @@ class TransferEngine(_Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._registered: dict[MrHandle, Any] = {}
+        _live_engines.add(self)
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -173,11 +176,21 @@ class TransferEngine(_Engine):
 
     # ---- GPU signals (CUDA builds, an engine with cuda_device) ----
 
-    def alloc_uvm_watcher(self, callback: Any, cuda_device: Optional[int] = None) -> UvmWatcher:
+    def alloc_uvm_watcher(self, callback: Any = None,
+                          cuda_device: Optional[int] = None) -> UvmWatcher:
         """A word of pinned, device-mapped memory: kernels (also in CUDA graphs) write it at
         watcher.device_ptr; callback(old, new) runs on the engine's watcher thread, under the GIL,
-        on every change it sees (fast changes may coalesce)."""
+        on every change it sees (fast changes may coalesce). callback=None: none runs; wait for
+        values with wait_uvm_watcher (no GIL taken per change, microseconds instead of tens)."""
         return _c.alloc_uvm_watcher(self, callback, cuda_device)
+
+    def wait_uvm_watcher(self, watcher: UvmWatcher, at_least: int,
+                         timeout_s: Optional[float] = None) -> int:
+        """Blocks, with the GIL released, until the watcher's word reads at_least or more (it spins
+        on the word, then yields, then sleeps); returns the value read. Raises TimeoutError after
+        timeout_s (None: no limit), FabricError if the engine closes meanwhile. The watcher must
+        be this engine's, and not be freed while a wait on it runs."""
+        return _c.wait_uvm_watcher(self, watcher, at_least, timeout_s)
 
     def free_uvm_watcher(self, watcher: UvmWatcher) -> None:
         _c.free_uvm_watcher(self, watcher)
@@ -186,6 +199,13 @@ class TransferEngine(_Engine):
         """A completion counter: pass it as on_done (it counts successes) or as a KV request's
         `landed`; kernels wait on counter.device_ptr, streams with gpu_stream_wait."""
         return _c.alloc_gpu_counter(self, cuda_device)
+
+    def wait_gpu_counter(self, counter: GpuCounter, at_least: int,
+                         timeout_s: Optional[float] = None) -> int:
+        """Blocks, with the GIL released, until the counter reaches at_least; returns its value.
+        Raises TimeoutError after timeout_s (None: no limit), FabricError if the engine closes
+        meanwhile. The counter must be this engine's, and not be freed while a wait on it runs."""
+        return _c.wait_gpu_counter(self, counter, at_least, timeout_s)
 
     def free_gpu_counter(self, counter: GpuCounter) -> None:
         _c.free_gpu_counter(self, counter)
@@ -265,3 +285,21 @@ class TransferEngine(_Engine):
         self.expect_imm_count(imm, count, on_done, timeout_s=timeout_s)
         await fut
 
+
+
+# Engines still open when the interpreter exits are closed by the hook below.
+_live_engines: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+def _close_engines_at_exit() -> None:
+    """Closes every engine left open, before CPython finalizes (atexit hooks run first) and frees
+    the memory they registered. An engine thread that takes the GIL during finalization is ended
+    by pthread_exit, which aborts the process (issue 28), so first the engines' threads stop
+    entering Python (_begin_exit returns once the calls under way ended): callbacks still due are
+    dropped, as no code is left to wait for them."""
+    _c._begin_exit()
+    for engine in list(_live_engines):
+        engine.close()
+
+
+atexit.register(_close_engines_at_exit)

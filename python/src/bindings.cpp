@@ -2,7 +2,8 @@
 // callbacks take it on the engine's callback thread. The worker thread never needs the GIL: what it
 // holds and drops (DoneFlag/DoneCounter state) is C++-owned, and Python objects captured by the
 // engine (callables) are released on the callback thread, under the GIL it holds to call them, or
-// by the thread that closes the engine (PyRef).
+// by the thread that closes the engine (PyRef). Once Python exits, engine threads no longer enter
+// it (py_exit.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -388,6 +389,11 @@ NB_MODULE(_fabric_lib, m) {
                " NICs, provider='" + t.provider + "')";
       });
 
+  m.def("_begin_exit", &begin_python_exit,
+        "From now on engine threads drop Python callbacks instead of taking the GIL; returns once "
+        "the calls already under way have ended (fabric_lib's atexit hook, before it closes the "
+        "live engines).");
+
   m.def("remove_shm_endpoints_of", &remove_shm_endpoints_of, "pid"_a,
         "Removes the /dev/shm files that a killed process's shm endpoints left (fabric/shm_cleanup.h): "
         "only fabric-lib's, only of a pid that no longer exists in this PID namespace. Returns how "
@@ -490,12 +496,13 @@ NB_MODULE(_fabric_lib, m) {
              auto ref = std::make_shared<PyRef>(nb::borrow(on_recv));
              nb::gil_scoped_release release;  // registers on the worker and waits for it
              eng.submit_recvs(len, count, [ref](std::span<const std::byte> msg) {
-               nb::gil_scoped_acquire gil;
-               try {
-                 ref->obj(nb::bytes(reinterpret_cast<const char*>(msg.data()), msg.size()));
-               } catch (nb::python_error& err) {
-                 err.discard_as_unraisable("in a fabric_lib receive callback");
-               }
+               with_python([&] {
+                 try {
+                   ref->obj(nb::bytes(reinterpret_cast<const char*>(msg.data()), msg.size()));
+                 } catch (nb::python_error& err) {
+                   err.discard_as_unraisable("in a fabric_lib receive callback");
+                 }
+               });
              });
            },
            "length"_a, "count"_a, "on_recv"_a)

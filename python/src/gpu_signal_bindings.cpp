@@ -1,14 +1,44 @@
 // GPU signals for Python: UVM watchers (a word GPU kernels write, a Python callback on each
 // change) and GPU counters (a word the engine counts completions into, that kernels or a stream
-// wait on). Device addresses are plain ints, for PyTorch/Triton kernels and CUDA graphs.
+// wait on), and waits on either that spin on the word with the GIL released (no callback, no GIL
+// taken per change). Device addresses are plain ints, for PyTorch/Triton kernels and CUDA graphs.
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
+
+#include <cstdio>
 
 #include "py_support.h"
 
 namespace fabric::py {
 
 using namespace nb::literals;
+
+namespace {
+
+// Waits, GIL released, until `read()` >= at_least; returns the value seen. Raises TimeoutError
+// naming what was waited for and what was seen, and FabricError when the engine closes meanwhile.
+template <class Read>
+uint64_t wait_at_least(PyEngine& e, Read read, uint64_t at_least, std::optional<double> timeout_s,
+                       const char* what) {
+  PyEngine::Wait guard(e);
+  uint64_t seen = 0;
+  WaitEnd end = wait_released([&] { return (seen = read()) >= at_least; }, [&] { return guard.stopping(); },
+                              timeout_s);
+  if (end == WaitEnd::kStopped) throw Error(ErrorCode::kShutdown, std::string(what) + ": the engine was closed while waiting");
+  if (end == WaitEnd::kTimedOut) {
+    char msg[256];
+    std::snprintf(msg, sizeof msg,
+                  "%s: the word reads %llu, not yet %llu, after %g s (is the kernel or transfer that sets it "
+                  "running?)",
+                  what, static_cast<unsigned long long>(seen), static_cast<unsigned long long>(at_least),
+                  timeout_s.value_or(0));
+    PyErr_SetString(PyExc_TimeoutError, msg);
+    throw nb::python_error();
+  }
+  return seen;
+}
+
+}  // namespace
 
 void bind_gpu_signals(nb::module_& m) {
   nb::class_<UvmWatcher>(m, "UvmWatcher", "A 64-bit word of pinned, device-mapped host memory, watched by the engine.")
@@ -26,22 +56,44 @@ void bind_gpu_signals(nb::module_& m) {
 
   m.def(
       "alloc_uvm_watcher",
-      [](PyEngine& e, nb::callable callback, std::optional<int> cuda_device) {
+      [](PyEngine& e, std::optional<nb::callable> callback, std::optional<int> cuda_device) {
         TransferEngine& eng = e.get();
-        auto ref = std::make_shared<PyRef>(nb::borrow(callback));
-        UvmCallback cb = [ref](uint64_t old_value, uint64_t new_value) {
-          nb::gil_scoped_acquire gil;  // on the engine's watcher thread
-          try {
-            ref->obj(old_value, new_value);
-          } catch (nb::python_error& err) {
-            err.discard_as_unraisable("in a fabric_lib UVM watcher callback");
-          }
-        };
+        UvmCallback cb = [](uint64_t, uint64_t) {};  // None: only wait_uvm_watcher reads the word
+        if (callback) {
+          auto ref = std::make_shared<PyRef>(nb::borrow(*callback));
+          cb = [ref](uint64_t old_value, uint64_t new_value) {
+            with_python([&] {  // on the engine's watcher thread
+              try {
+                ref->obj(old_value, new_value);
+              } catch (nb::python_error& err) {
+                err.discard_as_unraisable("in a fabric_lib UVM watcher callback");
+              }
+            });
+          };
+        }
         nb::gil_scoped_release release;
         return eng.alloc_uvm_watcher(std::move(cb), cuda_device);
       },
-      "engine"_a, "callback"_a, "cuda_device"_a = nb::none(),
-      "callback(old, new) runs on the engine's watcher thread, under the GIL, on every change of the word.");
+      "engine"_a, "callback"_a.none(), "cuda_device"_a = nb::none(),
+      "callback(old, new) runs on the engine's watcher thread, under the GIL, on every change of the word; "
+      "None: no callback (wait with wait_uvm_watcher, which takes no GIL per change).");
+  m.def(
+      "wait_uvm_watcher",
+      [](PyEngine& e, const UvmWatcher& w, uint64_t at_least, std::optional<double> timeout_s) {
+        if (!w.host) throw Error(ErrorCode::kInvalidArgument, "wait_uvm_watcher: not an allocated watcher");
+        const volatile uint64_t* word = w.host;
+        return wait_at_least(
+            e,
+            [word] {
+              uint64_t v = *word;
+              std::atomic_thread_fence(std::memory_order_acquire);  // what the GPU wrote before it
+              return v;
+            },
+            at_least, timeout_s, "wait_uvm_watcher");
+      },
+      "engine"_a, "watcher"_a, "at_least"_a, "timeout_s"_a = nb::none(),
+      "Blocks, GIL released, until the word reads at_least or more; returns the value read. Raises "
+      "TimeoutError after timeout_s (None: no limit).");
   m.def(
       "free_uvm_watcher",
       [](PyEngine& e, const UvmWatcher& w) {
@@ -58,6 +110,17 @@ void bind_gpu_signals(nb::module_& m) {
         return eng.alloc_gpu_counter(cuda_device);
       },
       "engine"_a, "cuda_device"_a = nb::none());
+  m.def(
+      "wait_gpu_counter",
+      [](PyEngine& e, const GpuCounter& c, uint64_t at_least, std::optional<double> timeout_s) {
+        if (!c.host) throw Error(ErrorCode::kInvalidArgument, "wait_gpu_counter: not an allocated counter");
+        std::atomic<uint64_t>* word = c.host;
+        return wait_at_least(e, [word] { return word->load(std::memory_order_acquire); }, at_least, timeout_s,
+                             "wait_gpu_counter");
+      },
+      "engine"_a, "counter"_a, "at_least"_a, "timeout_s"_a = nb::none(),
+      "Blocks, GIL released, until the counter reaches at_least; returns its value. Raises "
+      "TimeoutError after timeout_s (None: no limit).");
   m.def(
       "free_gpu_counter",
       [](PyEngine& e, const GpuCounter& c) {

@@ -46,12 +46,13 @@ std::function<void(uint32_t)> layer_callback(nb::handle fn) {
   if (!PyCallable_Check(fn.ptr())) throw nb::type_error("on_layer must be None or a callable(layer)");
   auto ref = std::make_shared<PyRef>(nb::borrow(fn));
   return [ref](uint32_t layer) {
-    nb::gil_scoped_acquire gil;
-    try {
-      ref->obj(layer);
-    } catch (nb::python_error& e) {
-      e.discard_as_unraisable("in a fabric_lib KV on_layer callback");
-    }
+    with_python([&] {
+      try {
+        ref->obj(layer);
+      } catch (nb::python_error& e) {
+        e.discard_as_unraisable("in a fabric_lib KV on_layer callback");
+      }
+    });
   };
 }
 

@@ -40,17 +40,22 @@ AllGather python_all_gather(nb::handle fn) {
   if (!PyCallable_Check(fn.ptr())) throw nb::type_error("all_gather must be a callable(bytes) -> list[bytes]");
   auto ref = std::make_shared<PyRef>(nb::borrow(fn));
   return [ref](const std::vector<std::byte>& mine) {
-    nb::gil_scoped_acquire gil;
-    try {
-      nb::object got = ref->obj(to_bytes(mine));
-      std::vector<std::vector<std::byte>> out;
-      for (nb::handle item : got) out.push_back(to_vector(item));
-      return out;
-    } catch (nb::python_error& e) {
-      throw Error(ErrorCode::kInvalidArgument, std::string("MoE: the all_gather callable raised: ") + e.what());
-    } catch (nb::builtin_exception& e) {
-      throw Error(ErrorCode::kInvalidArgument, std::string("MoE: the all_gather callable: ") + e.what());
-    }
+    std::vector<std::vector<std::byte>> out;
+    bool ran = with_python([&] {
+      try {
+        nb::object got = ref->obj(to_bytes(mine));
+        for (nb::handle item : got) out.push_back(to_vector(item));
+      } catch (nb::python_error& e) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    std::string("MoE: the all_gather callable raised: ") + e.what());
+      } catch (nb::builtin_exception& e) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    std::string("MoE: the all_gather callable: ") + e.what());
+      }
+    });
+    if (!ran)
+      throw Error(ErrorCode::kShutdown, "MoE: Python is exiting: all_gather was not called");
+    return out;
   };
 }
 

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "py_exit.h"
+#include "py_wait.h"
 
 namespace fabric::py {
 
@@ -40,11 +42,17 @@ struct Closable {
 // callback that used it (OnDone callables fire once), or here, taking the GIL, by whoever destroys
 // the capture (a rejected submit's caller; the closing thread for receive callbacks). Never by the
 // worker: it only moves callables to the callback thread and never destroys a non-empty one.
+// Once Python is exiting the reference is leaked on purpose: the GIL may not be taken then (see
+// with_python), and the process is about to free everything anyway.
 struct PyRef {
   nb::object obj;
   explicit PyRef(nb::object o) : obj(std::move(o)) {}
   ~PyRef() {
-    if (!obj.is_valid() || !Py_IsInitialized()) return;
+    if (!obj.is_valid()) return;
+    if (python_exiting()) {
+      obj.release();
+      return;
+    }
     nb::gil_scoped_acquire gil;
     obj = nb::object();
   }
@@ -73,20 +81,6 @@ inline nb::str to_py_str(std::string_view s) {
   return nb::steal<nb::str>(o);
 }
 
-// Waits with the GIL released; returns false on timeout (None: wait forever).
-template <class Pred>
-inline bool wait_released(Pred done, std::optional<double> timeout_s) {
-  nb::gil_scoped_release release;
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(timeout_s.value_or(1e9)));
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
-  return true;
-}
-
 // None, a DoneFlag, a DoneCounter, a GpuCounter (counts successes), or a callable taking a Status.
 inline OnDone make_on_done(nb::handle on_done) {
   if (on_done.is_none()) return OnDone::none();
@@ -105,13 +99,14 @@ inline OnDone make_on_done(nb::handle on_done) {
     throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
   auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
   return OnDone::callback([ref](const Status& status) {
-    nb::gil_scoped_acquire gil;
-    try {
-      ref->obj(status);
-    } catch (nb::python_error& e) {
-      e.discard_as_unraisable("in a fabric_lib completion callback");
-    }
-    ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
+    with_python([&] {
+      try {
+        ref->obj(status);
+      } catch (nb::python_error& e) {
+        e.discard_as_unraisable("in a fabric_lib completion callback");
+      }
+      ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
+    });
   });
 }
 
@@ -128,8 +123,35 @@ class PyEngine {
   // Objects built on the engine (KV endpoints) that must go before it: closed first, in reverse.
   void add_dependent(std::weak_ptr<Closable> d) { dependents_.push_back(std::move(d)); }
 
+  // Held by a wait on one of the engine's words (wait_watcher, wait_counter), which runs without
+  // the GIL: the words live in the engine's memory, so close() first ends such waits (stopping()
+  // turns true) and waits for them to leave. Taken, then `closing_` read, both seq_cst against
+  // close()'s store then read: a wait that starts as the engine closes sees one or the other.
+  class Wait {
+   public:
+    explicit Wait(PyEngine& e) : e_(e) {
+      e_.waits_.fetch_add(1, std::memory_order_seq_cst);
+      if (e_.closing_.load(std::memory_order_seq_cst) || !e_.engine_) {
+        e_.waits_.fetch_sub(1, std::memory_order_seq_cst);
+        throw Error(ErrorCode::kShutdown, "the engine is closed");
+      }
+    }
+    ~Wait() { e_.waits_.fetch_sub(1, std::memory_order_seq_cst); }
+    Wait(const Wait&) = delete;
+    Wait& operator=(const Wait&) = delete;
+    bool stopping() const { return e_.closing_.load(std::memory_order_relaxed); }
+
+   private:
+    PyEngine& e_;
+  };
+
   void close() {
     if (!engine_) return;
+    closing_.store(true, std::memory_order_seq_cst);
+    // The waits see `closing_` within one check and return (they need the GIL to raise).
+    without_gil([&] {
+      while (waits_.load(std::memory_order_seq_cst) != 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    });
     for (auto it = dependents_.rbegin(); it != dependents_.rend(); ++it)
       if (auto d = it->lock()) d->close();
     dependents_.clear();
@@ -144,6 +166,8 @@ class PyEngine {
  private:
   std::unique_ptr<TransferEngine> engine_;
   std::vector<std::weak_ptr<Closable>> dependents_;
+  std::atomic<int> waits_{0};
+  std::atomic<bool> closing_{false};
 };
 
 // An object built on an engine (KV and weight-update endpoints), closed with it: it deregisters

@@ -30,12 +30,14 @@ UnitHook python_hook(nb::handle fn) {
   if (!PyCallable_Check(fn.ptr())) throw nb::type_error("hook must be None or a callable(UnitWork)");
   auto ref = std::make_shared<PyRef>(nb::borrow(fn));
   return [ref](const UnitWork& w) {
-    nb::gil_scoped_acquire gil;
-    try {
-      ref->obj(w);
-    } catch (nb::python_error& e) {
-      throw Error(ErrorCode::kInvalidArgument, std::string("the unit hook raised: ") + e.what());
-    }
+    bool ran = with_python([&] {
+      try {
+        ref->obj(w);
+      } catch (nb::python_error& e) {
+        throw Error(ErrorCode::kInvalidArgument, std::string("the unit hook raised: ") + e.what());
+      }
+    });
+    if (!ran) throw Error(ErrorCode::kShutdown, "Python is exiting: the unit hook was not run");
   };
 }
 

@@ -1,7 +1,8 @@
 """Python GPU signals and KV transfer with torch CUDA tensors (run by tests/gpu/run.sh on the GPU
 machine; skipped where torch has no CUDA). Prints the Python watcher's latency:
 `python-watcher p50_us=... mean_us=... p99_us=...` (a torch kernel's store launched from Python, to
-the callback that saw it having woken the launching thread)."""
+the callback that saw it having woken the launching thread) and `python-watcher-wait p50_us=...`
+(to engine.wait_uvm_watcher returning)."""
 
 import threading
 import time
@@ -55,6 +56,69 @@ def test_a_watcher_calls_python_on_each_store_of_a_torch_kernel():
         lat = np.array(lat[100:])  # after warm-up
         print(f"\npython-watcher p50_us={np.percentile(lat, 50):.2f} mean_us={lat.mean():.2f} "
               f"p99_us={np.percentile(lat, 99):.2f} (n={lat.size})")
+
+
+def test_wait_uvm_watcher_returns_the_stored_value_and_times_out_clearly():
+    with _engine() as e:
+        w = e.alloc_uvm_watcher()  # no callback: only the waits read the word
+        word = _word(w.device_ptr)
+        word.fill_(5)
+        assert e.wait_uvm_watcher(w, 5, 5) == 5
+        assert e.wait_uvm_watcher(w, 3, 0) == 5, "a value already past at_least is returned at once"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="reads 5, not yet 6"):
+            e.wait_uvm_watcher(w, 6, 0.1)
+        assert 0.1 <= time.monotonic() - t0 < 5
+        # Another thread launches the store while this one waits (the GIL is released meanwhile).
+        timer = threading.Timer(0.05, lambda: word.fill_(9))
+        timer.start()
+        assert e.wait_uvm_watcher(w, 7, 10) == 9
+        timer.join()
+        lat = []
+        for i in range(10, 1010):
+            t0 = time.perf_counter_ns()
+            word.fill_(i)
+            assert e.wait_uvm_watcher(w, i, 5) == i
+            lat.append((time.perf_counter_ns() - t0) / 1000)
+        e.free_uvm_watcher(w)
+        lat = np.array(lat[100:])
+        print(f"\npython-watcher-wait p50_us={np.percentile(lat, 50):.2f} p99_us={np.percentile(lat, 99):.2f} "
+              f"(launch -> wait_uvm_watcher returned, n={lat.size})")
+
+
+def test_wait_gpu_counter_sees_completions_times_out_and_ends_at_close():
+    with _engine() as a, _engine() as b:
+        src = torch.ones(1 << 16, dtype=torch.uint8, device="cuda")
+        dst = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+        hs, _ = a.register_tensor(src)
+        _, dd = b.register_tensor(dst)
+        counter = b.alloc_gpu_counter()
+        for _ in range(3):
+            b.expect_imm_count(8, 1, counter)
+        with pytest.raises(TimeoutError, match="wait_gpu_counter: the word reads 0, not yet 1"):
+            b.wait_gpu_counter(counter, 1, 0.05)
+        writes = threading.Timer(0.05, lambda: [a.submit_single_write(len=1 << 16, src=hs, dst=dd, imm=8,
+                                                                      num_shards=1) for _ in range(3)])
+        writes.start()
+        assert b.wait_gpu_counter(counter, 3, 30) == 3
+        writes.join()
+        assert bool((dst == 1).all())
+        # A wait with no limit ends when the engine closes (its words go with it).
+        ended = []
+
+        def waiter():
+            try:
+                b.wait_gpu_counter(counter, 100)
+            except fl.FabricError as err:
+                ended.append(str(err))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.1)
+        assert t.is_alive()
+        b.close()
+        t.join(10)
+        assert not t.is_alive() and ended and "closed while waiting" in ended[0], ended
 
 
 def test_a_gpu_counter_counts_completions_and_a_stream_waits_on_it():
