@@ -1,7 +1,19 @@
 # The README's two commands are `make demo` and `make test`; both install what they need first.
 BUILD ?= build
 DEB_PACKAGES := cmake ninja-build g++ pkg-config libfabric-dev libfabric-bin libfmt-dev \
-                libcli11-dev libgtest-dev googletest libibverbs-dev ibverbs-providers
+                libcli11-dev libgtest-dev googletest libibverbs-dev ibverbs-providers ccache
+# Every build goes through ccache, so the library that `pip install .` compiles again (same sources,
+# same flags: pyproject.toml builds RelWithDebInfo like $(BUILD)) comes out of the cache.
+# CCACHE_NOHASHDIR: the two builds run in different directories. Read when a build dir is configured.
+export CMAKE_CXX_COMPILER_LAUNCHER ?= ccache
+export CMAKE_CUDA_COMPILER_LAUNCHER ?= ccache
+export CCACHE_NOHASHDIR ?= 1
+# ccache keys on the compiler's name too: scikit-build-core hands CMake Python's CXX (g++ here), so
+# every build names the compiler as Python does (a CXX of yours wins).
+ifeq ($(origin CXX),default)
+CXX := $(shell python3 -c 'import sysconfig; print((sysconfig.get_config_var("CXX") or "g++").split()[0])' 2>/dev/null || echo g++)
+endif
+export CXX
 # Only the Python tests need these (tests/python/conftest.py's etcd_endpoint fixture runs etcd).
 PY_TEST_PACKAGES := etcd-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -13,6 +25,7 @@ deps:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(DEB_PACKAGES); }
 
+BUILD_START := $(shell date +%s)
 build: deps
 	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build $(BUILD)
@@ -21,15 +34,13 @@ demo: build
 	$(BUILD)/tools/demo/fabric-demo
 
 # Everything CI runs: the C++ suites, the Python suite, verbs on Soft-RoCE, network faults, a
-# 1-minute soak, a short run of every fuzz target, and the suites under sanitizers.
+# 1-minute soak, a short run of every fuzz target, and the suites under sanitizers, in phases that
+# print their times (tests/run_all.sh; docs/testing.md). TEST_JOBS: tests ctest runs at once.
+TEST_JOBS ?= 2
+export TEST_JOBS
 test: build
-	ctest --test-dir $(BUILD) --output-on-failure --timeout 600
-	$(MAKE) test-python
-	$(MAKE) test-rxe
-	$(MAKE) test-netem
-	$(MAKE) soak SOAK_MINUTES=1
-	$(MAKE) fuzz FUZZ_RUNS=200000
-	$(MAKE) test-sanitize
+	@echo "test: phase build took $$(( $$(date +%s) - $(BUILD_START) )) s"
+	tests/run_all.sh $(BUILD)
 
 # Verbs tests in a qemu VM with Soft-RoCE: this host has no RDMA NIC. See tests/rxe/README.md.
 .PHONY: test-rxe
@@ -62,13 +73,15 @@ bench-rxe: build
 	tests/rxe/run.sh $(BUILD) tests/rxe/bench_steps.sh
 	tests/rxe/compare.sh $(BUILD)/rxe
 
-# The Python package, built and installed the way a user does it (pip install .), then pytest.
+# The Python package, built and installed the way a user does it (pip install .), then pytest with
+# PY_TEST_JOBS workers (pytest-xdist; every test starts its own processes, ports and etcd).
+PY_TEST_JOBS ?= 2
 test-python: deps
 	@dpkg -s $(PY_TEST_PACKAGES) >/dev/null 2>&1 || { \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(PY_TEST_PACKAGES); }
 	python3 -m pip install --quiet ".[test]"
-	python3 -m pytest -v tests/python
+	python3 -m pytest -v -n $(PY_TEST_JOBS) --durations=15 tests/python
 
 .PHONY: bench-python
 bench-python: build
@@ -161,6 +174,7 @@ clean:
 # wire-format sources only), each run FUZZ_RUNS times on a copy of its seed corpus; fails on a crash.
 FUZZ_BUILD ?= build-fuzz
 FUZZ_RUNS ?= 10000000
+FUZZ_JOBS ?= 2
 .PHONY: fuzz
 fuzz:
 	@dpkg -s clang libclang-rt-14-dev libfmt-dev cmake ninja-build >/dev/null 2>&1 || { \
@@ -168,4 +182,4 @@ fuzz:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq clang libclang-rt-14-dev libfmt-dev cmake ninja-build; }
 	cmake -S tests/fuzz -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++
 	cmake --build $(FUZZ_BUILD)
-	tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_RUNS)
+	tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_RUNS) $(FUZZ_JOBS)

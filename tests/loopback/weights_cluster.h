@@ -72,16 +72,23 @@ struct Cluster {
         infer_desc[k].push_back(
             infer_engines[r]->reg_mr(infer_arena[k][r].data(), infer_arena[k][r].size(), Device::host(), infer_imms[r]).second);
       }
-    for (uint32_t r = 0; r < ns; r++)
-      senders.push_back(std::make_unique<WeightSender>(
-          *train_engines[r], WeightSenderConfig{.plan = plan, .rank = r, .arena = train_mr[r],
-                                                .arena_ptr = train_arena[r].data(), .train_arenas = train_desc,
-                                                .dest_arenas = infer_desc, .window = window, .timeout = timeout,
-                                                .imms = &train_imms[r]}));
+    new_senders(window, timeout);
     for (uint32_t r = 0; r < nd; r++)
       receivers.push_back(std::make_unique<WeightReceiver>(
           *infer_engines[r],
           WeightReceiverConfig{.plan = plan, .rank = r, .train_arenas = train_desc, .sets = sets, .imms = &infer_imms[r]}));
+  }
+
+  // Every training rank's sender made anew (as a restarted job would have), with this window and
+  // per-update timeout.
+  void new_senders(uint32_t window, std::chrono::milliseconds timeout) {
+    senders.resize(train_engines.size());
+    for (uint32_t r = 0; r < senders.size(); r++)
+      senders[r] = std::make_unique<WeightSender>(
+          *train_engines[r], WeightSenderConfig{.plan = plan, .rank = r, .arena = train_mr[r],
+                                                .arena_ptr = train_arena[r].data(), .train_arenas = train_desc,
+                                                .dest_arenas = infer_desc, .window = window, .timeout = timeout,
+                                                .imms = &train_imms[r]});
   }
 
   // New weights for a step: every tensor redrawn, every shard rewritten from them.
