@@ -39,7 +39,7 @@ demo: build
 TEST_JOBS ?= 2
 export TEST_JOBS
 test: build
-	@echo "test: phase build took $$(( $$(date +%s) - $(BUILD_START) )) s"
+	@echo "test: phase deps and build took $$(( $$(date +%s) - $(BUILD_START) )) s"
 	tests/run_all.sh $(BUILD)
 
 # Verbs tests in a qemu VM with Soft-RoCE: this host has no RDMA NIC. See tests/rxe/README.md.
