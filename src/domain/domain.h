@@ -19,6 +19,9 @@ namespace fabric {
 // hands the OpContext back in the Completion. provider_space must stay the first member.
 struct OpContext {
   alignas(16) void* provider_space[8] = {};
+  // The provider's own words beside provider_space, which libfabric may take whole (shm's
+  // sending endpoints link their outstanding operations through them: shm_senders.h).
+  void* provider_words[4] = {};
   void* owner = nullptr;  // engine's object (transfer, receive slot, ...)
   uint32_t kind = 0;      // engine's tag
   uint32_t nic = 0;

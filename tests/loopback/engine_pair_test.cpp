@@ -421,10 +421,6 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
     cfg.worker_stall_timeout = std::chrono::seconds(5);
     auto src = random_bytes(kPage, 5);
     std::atomic<uint64_t> done{0}, failed{0};
-    // shm's last write may still be pending when the engine closes: what it touches outlives it.
-    std::vector<uint8_t> shm_dst(kPage, 0);
-    std::mutex mu;
-    std::optional<Status> st;
     TransferEngine engine(cfg);
     auto [h, d] = engine.reg_mr(src.data(), src.size());
     MrDesc dst = MrDesc::from_bytes(ch.recv_bytes());
@@ -463,38 +459,25 @@ TEST_P(KilledMidTransfer, InFlightWritesEndAndEveryNicStillPosts) {
       EXPECT_TRUE(ended_or_wedged([&] { return done.load() + failed.load() == 1 + kTransfers; }))
           << done.load() << " done, " << failed.load() << " failed of " << kTransfers;
       kill(victim_pid, SIGKILL);
-      if (wedged.empty()) {
-        EXPECT_GT(failed.load(), 0u) << "the victim stopped: some transfers must time out";
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the late completions arrive
-        // shm does not recover from a peer killed with WRITEs in flight (docs/reliability.md):
-        // later writes end in bounded time, with an error that says so.
-        try {
-          auto [mh, md] = engine.reg_mr(shm_dst.data(), shm_dst.size());
-          engine.submit(SingleWrite{.len = kPage, .src = {h, 0}, .dst = {engine.add_remote(md), 0}},
-                        OnDone::callback([&](const Status& s) {
-                                       std::lock_guard l(mu);
-                                       st = s;
-                                     }));
-          EXPECT_TRUE(ended_or_wedged([&] { std::lock_guard l(mu); return st.has_value(); }));
-        } catch (const Error& e) {
-          wedged = e.what();
-        }
-        std::lock_guard l(mu);
-        if (st && !st->ok()) {
-          EXPECT_NE(st->message().find("restart this process"), std::string::npos) << st->message();
-        }
-      }
       if (!wedged.empty()) {
+        // Stopped holding its region lock, the victim kept our worker spinning in a post to it
+        // until the stall timeout closed the engine.
         EXPECT_NE(wedged.find("restart this process"), std::string::npos) << wedged;
+        return role_result();  // closing the engine is bounded by worker_stall_timeout
       }
-      return role_result();  // closing the engine is bounded by worker_stall_timeout
+      EXPECT_GT(failed.load(), 0u) << "the victim stopped: some transfers must time out";
+      // Killed, it is found dead: the lock it held is released and the sending endpoint its
+      // unanswered WRITEs block is replaced (src/providers/libfabric/shm_senders.h); the engine
+      // goes on, below, as on the other providers.
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    } else {
+      EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == 1 + kTransfers; },
+                             std::chrono::seconds(30)))
+          << done.load() << " done, " << failed.load() << " failed of " << kTransfers;
+      EXPECT_GT(failed.load(), 0u) << "the victim stopped: some transfers must time out";
+      kill(victim_pid, SIGKILL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the late completions arrive
     }
-    EXPECT_TRUE(wait_until([&] { return done.load() + failed.load() == 1 + kTransfers; },
-                           std::chrono::seconds(30)))
-        << done.load() << " done, " << failed.load() << " failed of " << kTransfers;
-    EXPECT_GT(failed.load(), 0u) << "the victim stopped: some transfers must time out";
-    kill(victim_pid, SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the late completions arrive
     // Each NIC must still post: a write pinned to each, then a sharded one over all.
     for (size_t nic = 0; nic < pc.nics; nic++) {
       std::vector<uint8_t> mine(kPage, 0);

@@ -23,6 +23,7 @@
 #include "providers/libfabric/fi_compat.h"
 #include "providers/libfabric/provider_attrs.h"
 #include "providers/libfabric/shm_names.h"
+#include "providers/libfabric/shm_senders.h"
 #include "util/log.h"
 #ifdef FABRIC_WITH_CUDA
 #include "cuda/driver_api.h"
@@ -125,6 +126,7 @@ class LibfabricDomain final : public Domain {
   }
 
   PeerId insert_peer(const std::string& address) override {
+    if (shm_) return shm_->insert_peer(address);
     auto it = peers_.find(address);
     if (it != peers_.end()) return it->second;
     fi_addr_t fi_addr = FI_ADDR_UNSPEC;
@@ -141,6 +143,7 @@ class LibfabricDomain final : public Domain {
   // The AV entry goes; completions of operations still posted to it carry only our context.
   // A split WRITE to it posts no more pieces and fails once those posted have completed.
   void remove_peer(PeerId peer) override {
+    if (shm_) return shm_->remove_peer(peer);
     for (size_t i = 0; splits_ && i < kMaxSplits; i++) {
       Split& s = splits_[i];
       if (s.parent && s.op.peer == peer && !s.failed && s.posted < s.op.len) {
@@ -160,6 +163,7 @@ class LibfabricDomain final : public Domain {
 
   // One provider operation, or (longer than max_msg_size) several: see post_split.
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
+    if (shm_) return shm_->write(op, ctx, last_error_);  // shm: max_msg_size is unbounded
     if (op.len > max_msg_) return post_split(op, ctx);
     ssize_t rc = write_op(op.src, op.len, op.desc, op.peer, op.remote_addr, op.rkey, op.has_imm,
                           op.imm, ctx);
@@ -173,6 +177,7 @@ class LibfabricDomain final : public Domain {
                                 provider_, len, max_msg_);
       return PostResult::kFailed;
     }
+    if (shm_) return shm_->send(peer, buf, len, desc, ctx, last_error_);
     return result("fi_send", fi_send(ep_, buf, len, desc, peer, ctx));
   }
 
@@ -184,11 +189,15 @@ class LibfabricDomain final : public Domain {
 
   size_t poll(std::span<Completion> out) override {
     size_t written = pending_.empty() ? 0 : pump(out);
+    if (shm_) written += shm_->maintain(out.subspan(written));
     if (written == out.size()) return written;
     fi_cq_data_entry entries[64];
     size_t want = std::min(out.size() - written, std::size(entries));
     ssize_t n = fi_cq_read(cq_, entries, want);
-    if (n == -FI_EAGAIN) return written;
+    if (n == -FI_EAGAIN) {
+      if (shm_) shm_->cq_drained();
+      return written;
+    }
     if (n == -FI_EAVAIL) return written + read_error(out.subspan(written));
     if (n < 0) {
       out[written] = Completion{Completion::Kind::kError, nullptr, 0, 0, fi_message("fi_cq_read", n)};
@@ -212,6 +221,7 @@ class LibfabricDomain final : public Domain {
         c = Completion{};
         c.kind = Completion::Kind::kLocal;
         c.context = static_cast<OpContext*>(e.op_context);
+        if (shm_) shm_->completed(c.context);
       }
       written++;
     }
@@ -285,6 +295,9 @@ class LibfabricDomain final : public Domain {
       check("fi_setname", fi_setname(&ep_->fid, const_cast<char*>(shm_name.c_str()), shm_name.size() + 1));
     }
     check("fi_enable", fi_enable(ep_));
+    // shm: this endpoint (the address peers write to) only receives; WRITEs and SENDs go through
+    // a sending endpoint that is replaced when a dead peer blocks it (shm_senders.h).
+    if (attrs_.prov_name == "shm") shm_ = std::make_unique<ShmSenders>(domain_, cq_, info_);
 
     char name[512];
     size_t name_len = sizeof name;
@@ -338,6 +351,7 @@ class LibfabricDomain final : public Domain {
   }
 
   void close_all() {
+    shm_.reset();  // its endpoints and address vectors go before the CQ they are bound to
     if (ep_) fi_close(&ep_->fid);
     if (scratch_region_.provider) fi_close(&static_cast<fid_mr*>(scratch_region_.provider)->fid);
     if (av_) fi_close(&av_->fid);
@@ -650,6 +664,7 @@ class LibfabricDomain final : public Domain {
       default:
         break;
     }
+    if (shm_ && !(err.flags & FI_RECV)) shm_->completed(c.context);
     if (Piece* p = piece_of(err.op_context)) {
       Completion piece_error = std::move(c);
       return piece_done(*p, &piece_error, c) ? 1 : 0;
@@ -680,6 +695,7 @@ class LibfabricDomain final : public Domain {
   Split* split_free_ = nullptr;
   Piece* piece_free_ = nullptr;
   std::vector<Split*> pending_;
+  std::unique_ptr<ShmSenders> shm_;
 };
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -49,6 +51,18 @@ std::string file_prefix(int pid) {
   struct stat st {};
   const uint64_t pid_ns = stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
   return fmt::format("fabric-{}.{}-", pid_ns, pid);
+}
+
+int pid_of(const std::string& name) {
+  const size_t at = name.find("fabric-");
+  if (at == std::string::npos) return 0;
+  const std::string want = file_prefix(0);  // "fabric-<ns>.0-": this namespace's part
+  const size_t ns_end = want.find('.');
+  if (name.compare(at, ns_end + 1, want, 0, ns_end + 1) != 0) return 0;  // another namespace
+  const char* p = name.c_str() + at + ns_end + 1;
+  char* end = nullptr;
+  const long pid = std::strtol(p, &end, 10);
+  return end != p && *end == '-' && pid > 0 && pid < INT32_MAX ? static_cast<int>(pid) : 0;
 }
 
 }  // namespace shm_names
