@@ -26,7 +26,7 @@ namespace {
 using tools::Channel;
 using Clock = std::chrono::steady_clock;
 
-constexpr uint64_t kPage = 256 << 10;  // well above shm's inject size: each WRITE waits for a response
+constexpr uint64_t kPage = 16 << 10;  // above shm's 4 KiB inject size: each WRITE waits for an answer
 constexpr uint32_t kLivePages = 33;
 
 // A child process started before any engine or thread of the test exists.
@@ -203,7 +203,7 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
     // dies while it works through them, holding some without an answer.
     fill(12);
     Outcome to_victim, during;
-    early.ch->send("12 5000");  // a lost transfer's pages may never all arrive
+    early.ch->send("12 2000");  // a lost transfer's pages may never all arrive
     EXPECT_EQ(early.ch->recv(), "cleared");
     constexpr uint32_t kVictimTransfers = 16;
     for (uint32_t t = 0; t < kVictimTransfers; t++) {
