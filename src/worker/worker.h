@@ -1,6 +1,6 @@
 // The worker: one thread that owns the NICs (Domains) of one GPU through its DomainGroup, takes
-// requests from a lock-free queue, posts WRITEs, polls completions, counts immediates and hands
-// events to the callback thread.
+// requests from a lock-free queue, posts transfers (Poster), polls completions, counts immediates
+// and hands events to the callback thread. Peer records: PeerTable; receive buffers: RecvPools.
 #pragma once
 
 #include <array>
