@@ -111,7 +111,7 @@ class Worker {
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
   // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);
-  // Peer records, routes and groups (PeerTable).
+  // Peer records, routes and groups: the PeerTable's (peer_table.h says what each does).
   ResolvedTarget resolve(const NetAddr& peer) { return peers_.resolve(peer); }
   ResolvedTarget route(const MrDesc& dst) { return peers_.route(dst); }
   void attach_remote(uint32_t slot) { peers_.attach_remote(slot); }
@@ -125,7 +125,8 @@ class Worker {
   uint64_t discard_imm_count(uint32_t imm) { return expectations_.discard(imm); }
   bool cancel_expectation(uint32_t imm, uint64_t id) { return expectations_.cancel(imm, id); }
   // A pool of receive buffers (RecvPools::add). Throws what registration throws.
-  void add_recv_pool(size_t len, size_t count, std::shared_ptr<TransferEngine::RecvCallback> on_recv) {
+  void add_recv_pool(size_t len, size_t count,
+                     std::shared_ptr<TransferEngine::RecvCallback> on_recv) {
     recv_pools_.add(len, count, std::move(on_recv));
   }
   std::vector<PostTiming> take_post_timings() { return poster_.take_post_timings(); }
