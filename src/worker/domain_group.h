@@ -1,8 +1,9 @@
 // A worker's domains as one multi-NIC unit: its NICs, then the optional local (cuda_ipc) domain.
 // It decides which domain carries each operation of a transfer, keeps the per-domain flow control
 // (in-flight limits, back-off after kRetry / kRetryPeer) and the per-domain statistics, and puts
-// peers and regions into every domain at once. The worker keeps the loop, the queues, transfers,
-// peer records and what their completions mean. Worker thread only, except where said.
+// peers and regions into every domain at once. The worker keeps the loop, the queues, transfers
+// and what their completions mean; its PeerTable the peer records. Worker thread only, except
+// where said.
 #pragma once
 
 #include <array>

@@ -21,6 +21,19 @@ using Clock = std::chrono::steady_clock;
 
 enum class TransferKind : uint8_t { kSingle, kPaged, kScatter, kGroupScatter, kBarrier, kGroupBarrier, kSend };
 
+// Scatters and barriers have one destination per WRITE; the other kinds one in all.
+inline bool per_destination(TransferKind k) {
+  return k == TransferKind::kScatter || k == TransferKind::kBarrier ||
+         k == TransferKind::kGroupScatter || k == TransferKind::kGroupBarrier;
+}
+inline bool grouped(TransferKind k) {
+  return k == TransferKind::kGroupScatter || k == TransferKind::kGroupBarrier;
+}
+inline bool reads_source(TransferKind k) {
+  return k != TransferKind::kSend && k != TransferKind::kBarrier &&
+         k != TransferKind::kGroupBarrier;
+}
+
 // What a request carries beyond its fixed fields, copied from the caller's spans at submit.
 // Pooled (RequestBufferPool): vectors keep their capacity, so after warm-up nothing allocates.
 struct RequestBuffer {

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "domain/domain.h"
@@ -33,6 +34,9 @@ struct GroupState {
   std::vector<GroupMember> members;
 };
 
+// OpContext::kind: what a completion of the context means to the worker.
+enum OpKind : uint32_t { kOpWrite = 1, kOpSend = 2, kOpRecv = 3 };
+
 struct Transfer {
   TransferRequest req;
   const RegionSlot* src = nullptr;
@@ -52,6 +56,13 @@ struct Transfer {
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
   Transfer* next = nullptr;
 
+  // Stops posting; the first failure is the one reported.
+  void fail(Status status) {
+    if (!failed) {
+      failed = true;
+      error = std::move(status);
+    }
+  }
   // Room for a scatter to a few destinations, made when the pool creates the object.
   void prepare() { targets.reserve(8); }
   // Back to a fresh state for the pool, keeping the targets' capacity (no allocation on reuse).

@@ -1,21 +1,18 @@
 // The worker: one thread that owns the NICs (Domains) of one GPU through its DomainGroup, takes
-// requests from a lock-free queue, posts WRITEs, polls completions, counts immediates and hands
-// events to the callback thread.
+// requests from a lock-free queue, posts transfers (Poster), polls completions, counts immediates
+// and hands events to the callback thread. Peer records: PeerTable; receive buffers: RecvPools.
 #pragma once
 
 #include <array>
 #include <atomic>
-#include <deque>
 #include <chrono>
+#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <set>
+#include <span>
 #include <string>
 #include <thread>
-#include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -29,20 +26,13 @@
 #include "util/shared_pool.h"
 #include "worker/domain_group.h"
 #include "worker/expectations.h"
+#include "worker/peer_table.h"
+#include "worker/poster.h"
+#include "worker/recv_pools.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
 
 namespace fabric {
-
-// Hash of an engine address, so peers are looked up by NetAddr without building a key.
-struct NetAddrHash {
-  size_t operator()(const NetAddr& a) const {
-    size_t h = std::hash<std::string>{}(a.local());
-    for (size_t i = 0; i < a.nic_count(); i++)
-      h = h * 1099511628211ull ^ std::hash<std::string>{}(a.nic(i));
-    return h;
-  }
-};
 
 // One pool per kind of request, so that a buffer is always filled the same way and its warm
 // capacity fits (a buffer that carried pages is never handed to a scatter).
@@ -121,29 +111,27 @@ class Worker {
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
   // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);
-  ResolvedTarget resolve(const NetAddr& peer);
-  // The route to one destination region: the local domain where both ends offer it, else NICs.
-  ResolvedTarget route(const MrDesc& dst);
-  // An interned remote region's route in this worker (it holds the owner's peer record), set from
-  // the slot's descriptor while the engine interns it / dropped once the engine made it stale.
-  void attach_remote(uint32_t slot);
-  void detach_remote(uint32_t slot);
-  // A peer group of interned regions; returns its id.
-  uint32_t add_group(std::span<const RemoteMr> members);
+  // Peer records, routes and groups: the PeerTable's (peer_table.h says what each does).
+  ResolvedTarget resolve(const NetAddr& peer) { return peers_.resolve(peer); }
+  ResolvedTarget route(const MrDesc& dst) { return peers_.route(dst); }
+  void attach_remote(uint32_t slot) { peers_.attach_remote(slot); }
+  void detach_remote(uint32_t slot) { peers_.detach_remote(slot); }
+  uint32_t add_group(std::span<const RemoteMr> members) { return peers_.add_group(members); }
   // Application says the peer (one worker of it) left: its pending transfers end with kCancelled
   // and its resources go; returns the remote regions interned for it, which the engine removes.
-  std::vector<RemoteMr> remove_peer(const NetAddr& peer);
-  size_t peer_count() const { return peer_index_.size(); }
+  std::vector<RemoteMr> remove_peer(const NetAddr& peer) { return peers_.remove_peer(peer); }
+  size_t peer_count() const { return peers_.peer_count(); }
   uint64_t imm_count(uint32_t imm) const { return expectations_.count(imm); }
   uint64_t discard_imm_count(uint32_t imm) { return expectations_.discard(imm); }
   bool cancel_expectation(uint32_t imm, uint64_t id) { return expectations_.cancel(imm, id); }
-  // A pool of receive buffers: registered and posted here (as many as the provider takes now;
-  // the rest as it frees room). Throws what registration throws.
-  void add_recv_pool(size_t len, size_t count, std::shared_ptr<TransferEngine::RecvCallback> on_recv);
-  std::vector<PostTiming> take_post_timings() { return std::exchange(post_timings_, {}); }
+  // A pool of receive buffers (RecvPools::add). Throws what registration throws.
+  void add_recv_pool(size_t len, size_t count,
+                     std::shared_ptr<TransferEngine::RecvCallback> on_recv) {
+    recv_pools_.add(len, count, std::move(on_recv));
+  }
+  std::vector<PostTiming> take_post_timings() { return poster_.take_post_timings(); }
 
  private:
-  struct RecvPool;
   // Between a caller that may give up and the worker that may start its task: whoever comes
   // first decides.
   struct CallGate {
@@ -162,7 +150,6 @@ class Worker {
   };
 
   void run(std::promise<void> opened);
-  void open_send_buffers();
   void loop();
   bool take_requests();
   void handle(TransferRequest&& r);
@@ -170,28 +157,9 @@ class Worker {
   void handle(ControlRequest&& r) { r.run(); }
   void handle(StopRequest&&) { stopping_ = true; }
 
-  bool pump(Transfer& t);  // posts what it can; false if a NIC pushed back
-  bool post_next(Transfer& t);
   bool post_pending();
-  bool post_recv_backlog();
   bool poll_domains();
-  // Peer records: what the domains hold for one remote engine, shared by the transfers to it.
-  uint32_t new_record(const NetAddr& addr, const ResolvedTarget& t);
-  void release_record(uint32_t r);     // the domains forget the peer (the record may stay held)
-  void unhold_record(uint32_t r);      // a transfer let go of it
-  void maybe_free_record(uint32_t r);  // reused once released, unheld and with nothing in flight
-  bool usable(Transfer& t, ResolvedTarget& target, uint32_t op);  // re-resolves a failed peer
-  ResolvedTarget target_of(const TransferRequest& q, size_t destination);
-  // A live route for an interned region or a group member, resolved again if its peer was
-  // released; throws (kNotFound, kCancelled) when there is none.
-  const ResolvedTarget& current(const RemoteMr& remote);
-  const ResolvedTarget& refresh(ResolvedTarget& held, const MrDesc& desc);
-  void rehold(ResolvedTarget& held, const ResolvedTarget& fresh);
-  void peer_failed(uint32_t r);
   void on_completion(size_t nic, Completion& c);
-  void repost_recv(size_t nic, OpContext* ctx);
-  void record_post_timing(Transfer& t);
-  void fail(Transfer& t, Status status);
   void maybe_finish(Transfer& t);
   void report(OnDone& on_done, Status status);
   void check_deadlines();
@@ -213,33 +181,16 @@ class Worker {
   std::thread thread_;
 
   // Owned by the worker thread.
-  struct PeerRecord {
-    enum class State : uint8_t { kFree, kLive, kFailed, kReleased, kRemoved };
-    State state = State::kFree;
-    ResolvedTarget target;
-    NetAddr addr;
-    uint32_t holders = 0;      // transfers whose targets name this record
-    uint32_t outstanding = 0;  // operations posted to it, not completed
-  };
-  std::vector<PeerRecord> records_;
-  std::vector<uint32_t> free_records_;
-  std::unordered_map<NetAddr, uint32_t, NetAddrHash> peer_index_;  // live and failed records
-  std::vector<std::unique_ptr<GroupState>> groups_;
-  std::vector<WriteOp> batch_ops_;  // a batch being posted (capacity kept)
+  PeerTable peers_;            // peer records, the routes and groups that hold them
   Expectations expectations_;  // immediates counted here and the expectations waiting for them
   bool warned_imm_drop_ = false;
   util::ObjectPool<Transfer> transfers_{256};
-  util::ObjectPool<OpContext> contexts_{1024};
-  util::Ring<Transfer*> pending_;       // transfers with WRITEs left to post, FIFO
-  Transfer* oldest_ = nullptr;          // unreported transfers, oldest first (deadline order)
+  Poster poster_;                   // a transfer's operations posted, their contexts, send slots
+  util::Ring<Transfer*> pending_;   // transfers with WRITEs left to post, FIFO
+  Transfer* oldest_ = nullptr;      // unreported transfers, oldest first (deadline order)
   Transfer* newest_ = nullptr;
-  std::vector<std::unique_ptr<RecvPool>> recv_pools_;
-  size_t recvs_unposted_ = 0;  // receive buffers the provider did not take yet
-  std::vector<uint8_t> send_buffer_;
-  DomainRegion send_region_;
-  std::vector<uint32_t> free_send_slots_;
-  std::deque<Event> overflow_;
-  std::vector<PostTiming> post_timings_;
+  std::deque<Event> overflow_;      // events the callback thread's full queue did not take yet
+  RecvPools recv_pools_;            // receive buffers for messages
   bool stopping_ = false;
   // Submitters inside submit(), and whether the worker still takes requests: the last drain
   // waits for the first to reach zero after the second turned false, so none is lost.
