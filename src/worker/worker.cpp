@@ -346,17 +346,11 @@ void Worker::check_deadlines() {
   expectations_.expire(now);
   while (oldest_ && oldest_->req.deadline <= now) {
     Transfer& t = *oldest_;
-    // shm does not recover from a peer that died with operations in flight (measured: even
-    // writes to live peers stop completing), so say what to do about it.
-    const char* hint = provider() == "shm" ? "; with shm, a peer that died with WRITEs in flight "
-                                             "can leave this endpoint unable to complete large "
-                                             "writes: restart this process"
-                                           : "";
     t.fail(Status(ErrorCode::kTimeout,
                   fmt::format("transfer not completed after {} ms ({} of {} WRITEs posted, {} "
-                              "outstanding): is the peer alive? (EngineConfig::transfer_timeout){}",
+                              "outstanding): is the peer alive? (EngineConfig::transfer_timeout)",
                               config_.transfer_timeout.count(), t.next_op, t.total_ops,
-                              t.outstanding, hint)));
+                              t.outstanding)));
     t.reported = true;
     unlink(t);
     report(t.req.on_done, t.error);
