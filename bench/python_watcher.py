@@ -10,9 +10,10 @@ until a pinned host word that Python writes reads i, as the C++ benchmark's ping
   rt_callback: the Python watcher callback answers
   rt_wait:     the main thread answers after wait_uvm_watcher returns
   rt_spin:     the main thread answers from a Python loop reading watcher.value
-  cxx_watcher: the engine's watcher with a C++ callback, read from the cuda_ipc benchmark's JSON
-               (tests/gpu/cuda_ipc_bench --json PATH; --cxx-json, /tmp/cuda_ipc_bench.json by
-               default), where that benchmark ran first.
+  cxx_watcher: the engine's watcher with a C++ callback, from the cuda_ipc benchmark: with
+               --cxx-bench PATH (build-gpu/tests/cuda_ipc_bench) this script runs it right after
+               its own round trips, in the same run, and reads its JSON; otherwise it reads
+               --cxx-json (/tmp/cuda_ipc_bench.json) where that benchmark ran before.
 The kernel is compiled at run time with NVRTC and launched through the CUDA driver API (ctypes);
 without NVRTC the round trips are left out. The last line is
 `python-watcher spin_p50_us=... spin_p99_us=... ... wait_p50_us=... rt_wait_p50_us=...`."""
@@ -22,6 +23,8 @@ import ctypes
 import glob
 import json
 import os
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -222,6 +225,7 @@ def cxx_watcher(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cxx-json", default="/tmp/cuda_ipc_bench.json")
+    ap.add_argument("--cxx-bench", help="the cuda_ipc benchmark to run for the C++ watcher's figure")
     args = ap.parse_args()
     fields = []
     with fl.TransferEngine(cuda_device=0) as e:
@@ -241,11 +245,17 @@ def main():
                       f"p99 {np.percentile(a, 99):7.2f} us  (n={a.size})")
                 fields += [f"rt_{how}_p50_us={np.percentile(a, 50):.2f}",
                            f"rt_{how}_p99_us={np.percentile(a, 99):.2f}"]
+    if args.cxx_bench:  # the same run: the C++ watcher measured now, after the Python one
+        args.cxx_json = os.path.join(tempfile.mkdtemp(), "cuda_ipc_bench.json")
+        subprocess.run([args.cxx_bench, "--json", args.cxx_json], check=True, stdout=subprocess.DEVNULL)
     cxx = cxx_watcher(args.cxx_json)
     if cxx:
         print(f"round trip GPU -> C++ watcher -> GPU (cuda_ipc_bench)  p50 {cxx['p50']:.2f} us  "
               f"p99 {cxx['p99']:.2f} us")
         fields += [f"cxx_watcher_p50_us={cxx['p50']:.2f}", f"cxx_watcher_p99_us={cxx['p99']:.2f}"]
+        rt = [f for f in fields if f.startswith("rt_wait_p50_us=")]
+        if rt:
+            fields.append(f"rt_wait/cxx_p50={float(rt[0].split('=')[1]) / cxx['p50']:.2f}")
     print("python-watcher " + " ".join(fields))
 
 

@@ -9,10 +9,11 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench python-gpu python-watcher moe-gpu cuda-ipc gpu-tests": build, then
-# only those steps (the RL weight updates at 300 MiB and 2 GiB per step, tests/gpu/weights_bench.sh;
-# the Python GPU tests; the Python watcher's round trips; the MoE GPU tests and bench; the cuda_ipc
-# benchmark; the C++ GPU tests).
+# FABRIC_GPU_ONLY="weights-bench python-install python-gpu python-watcher moe-gpu cuda-ipc post
+# gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
+# tests/gpu/weights_bench.sh, with the Python package; the Python package alone; the Python GPU
+# tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
+# MoE GPU tests and bench; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -80,6 +81,15 @@ weights_bench_steps() {
   python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; return; }
   tests/gpu/weights_bench.sh || status=1
 }
+post_steps() {
+  # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
+  bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
+  grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
+  # A worker of a two-worker engine against the only worker of a one-worker engine, both busy.
+  for p in shm "tcp;ofi_rxm"; do $BUILD/bench/multi-worker-post --provider "$p" --workers 2; done \
+    >> "$OUT/post.txt" 2>&1 || status=1
+  grep -E "^workers=|^ratio workers" "$OUT/post.txt" || true
+}
 cuda_ipc_steps() {
   $BUILD/tests/cuda_ipc_bench --json /tmp/cuda_ipc_bench.json 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
 }
@@ -87,6 +97,8 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
   for step in $FABRIC_GPU_ONLY; do
     case $step in
       weights-bench) weights_bench_steps ;;
+      python-install) python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; } ;;
+      post) post_steps ;;
       cuda-ipc) cuda_ipc_steps ;;
       gpu-tests)  # the C++ GPU tests (cuda_ipc batches among them)
         ctest --test-dir $BUILD -L gpu --timeout 300 > "$OUT/gpu_tests.log" 2>&1 || status=1
@@ -95,7 +107,7 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
         python3 -m pytest -s -v tests/gpu/test_python_gpu.py tests/gpu/test_weights_gpu.py > "$OUT/python_gpu.txt" 2>&1 || status=1
         grep -E "weights-gpu|passed|failed|error" "$OUT/python_gpu.txt" | tail -4 || true ;;
       python-watcher)  # Python signal round trips beside the C++ watcher's (the package installed)
-        timeout 300 python3 bench/python_watcher.py > "$OUT/python_watcher.txt" 2>&1 || status=1
+        timeout 300 python3 bench/python_watcher.py --cxx-bench $BUILD/tests/cuda_ipc_bench > "$OUT/python_watcher.txt" 2>&1 || status=1
         grep -E "python-watcher" "$OUT/python_watcher.txt" || tail -5 "$OUT/python_watcher.txt" ;;
       moe-gpu) moe_steps ;;
       *) echo "unknown step $step"; status=1 ;;
@@ -144,15 +156,7 @@ if ! skip topo-pass; then
   echo "from the topology:"; grep -E "tests passed|Failed|\*\*\*" /tmp/gpu_tests_topo.log || true
 fi
 if ! skip cuda-ipc; then cuda_ipc_steps; fi
-if ! skip post; then
-  # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
-  bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
-  grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
-  # A worker of a two-worker engine against the only worker of a one-worker engine, both busy.
-  for p in shm "tcp;ofi_rxm"; do $BUILD/bench/multi-worker-post --provider "$p" --workers 2; done \
-    >> "$OUT/post.txt" 2>&1 || status=1
-  grep -E "^workers=|^ratio workers" "$OUT/post.txt" || true
-fi
+if ! skip post; then post_steps; fi
 # KV-cache transfer with both caches on the GPU (cuda_ipc): the Qwen3-235B-like shard at 4K and
 # 16K tokens, with the reference's ~9.9 ms of compute per layer at 16K and a short 1 ms.
 for args in "--tokens 4096 --compute-us 1000" "--tokens 16384 --compute-us 9900" "--tokens 16384 --compute-us 1000" \

@@ -3,8 +3,6 @@
 // the kill, to a peer that starts after it, and to itself, every byte checked.
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,7 +10,6 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,42 +21,11 @@ namespace fabric::testing {
 namespace {
 
 using tools::Channel;
+using tools::spawn_child;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kPage = 16 << 10;  // above shm's 4 KiB inject size: each WRITE waits for an answer
 constexpr uint32_t kLivePages = 33;
-
-// A child process started before any engine or thread of the test exists.
-struct Child {
-  pid_t pid = -1;
-  std::optional<Channel> ch;
-};
-
-Child spawn(const std::function<int(Channel&)>& role) {
-  int sv[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) throw std::runtime_error("socketpair failed");
-  std::fflush(nullptr);
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(sv[0]);
-    Channel ch(sv[1]);
-    int rc = 1;
-    try {
-      rc = role(ch);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "child: %s\n", e.what());
-    }
-    std::fflush(nullptr);
-    _exit(rc);
-  }
-  close(sv[1]);
-  Child c;
-  c.pid = pid;
-  c.ch.emplace(sv[0]);
-  return c;
-}
 
 EngineConfig shm_config(size_t nics) {
   EngineConfig cfg = config_for(ProviderCase{"shm", nics, false});
@@ -166,10 +132,10 @@ class ShmDeadPeer : public ::testing::TestWithParam<Case> {};
 TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight) {
   const Case c = GetParam();
   const size_t nics = c.nics;
-  Child victim = spawn([&](Channel& ch) { return victim_role(ch, c); });
-  Child early = spawn([&](Channel& ch) { return live_role(ch, nics); });
-  Child late = spawn([&](Channel& ch) { return live_role(ch, nics); });  // starts after the kill
-  early.ch->send("start");
+  tools::ChildProcess victim = spawn_child([&](Channel& ch) { return victim_role(ch, c); });
+  tools::ChildProcess early = spawn_child([&](Channel& ch) { return live_role(ch, nics); });
+  tools::ChildProcess late = spawn_child([&](Channel& ch) { return live_role(ch, nics); });  // starts after the kill
+  early.ch.send("start");
 
   {
     TransferEngine engine(shm_config(nics));
@@ -181,30 +147,30 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
       std::copy(bytes.begin(), bytes.end(), src.begin());
     };
 
-    const RemoteMr victim_dst = engine.add_remote(MrDesc::from_bytes(victim.ch->recv_bytes()));
-    EXPECT_EQ(std::stoi(victim.ch->recv()), victim.pid);
-    const RemoteMr early_dst = engine.add_remote(MrDesc::from_bytes(early.ch->recv_bytes()));
+    const RemoteMr victim_dst = engine.add_remote(MrDesc::from_bytes(victim.ch.recv_bytes()));
+    EXPECT_EQ(std::stoi(victim.ch.recv()), victim.pid);
+    const RemoteMr early_dst = engine.add_remote(MrDesc::from_bytes(early.ch.recv_bytes()));
 
     // Every peer reached once before the kill.
     fill(11);
     Outcome warm;
-    EXPECT_EQ(write_live(engine, *early.ch, h, early_dst, 11, warm), "ok");
+    EXPECT_EQ(write_live(engine, early.ch, h, early_dst, 11, warm), "ok");
     std::vector<uint32_t> vidx(32), vdst(32);
     for (uint32_t i = 0; i < 32; i++) vidx[i] = i, vdst[i] = i % 16;
     engine.submit(PagedWrites{.page_len = kPage, .src = h, .src_pages = Pages{vidx, kPage, 0}, .dst = victim_dst, .dst_pages = Pages{vdst, kPage, 0}},
                   warm.on_done());
     EXPECT_TRUE(wait_until([&] { return warm.ended() == 2; }));
     EXPECT_EQ(warm.ok.load(), 2u);
-    victim.ch->send("stop");
-    EXPECT_EQ(victim.ch->recv(), "stopped");
+    victim.ch.send("stop");
+    EXPECT_EQ(victim.ch.recv(), "stopped");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // kUnprocessed: its worker stops
 
     // The kill: 16 x 32 pages to the victim and 33 pages to the live peer, all posted; the victim
     // dies while it works through them, holding some without an answer.
     fill(12);
     Outcome to_victim, during;
-    early.ch->send("12 2000");  // a lost transfer's pages may never all arrive
-    EXPECT_EQ(early.ch->recv(), "cleared");
+    early.ch.send("12 2000");  // a lost transfer's pages may never all arrive
+    EXPECT_EQ(early.ch.recv(), "cleared");
     constexpr uint32_t kVictimTransfers = 16;
     for (uint32_t t = 0; t < kVictimTransfers; t++) {
       // With an immediate: shm then hands each WRITE to the victim and waits for its answer (a
@@ -231,7 +197,7 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
     const double ended_s = std::chrono::duration<double>(Clock::now() - killed).count();
     EXPECT_GT(to_victim.failed.load(), 0u) << "the victim died: some of its transfers must fail";
     // The live peer's transfer of that round either landed, or failed saying why; never garbage.
-    const std::string during_check = early.ch->recv();
+    const std::string during_check = early.ch.recv();
     if (during.ok.load() == 1) {
       EXPECT_EQ(during_check, "ok");
     } else {
@@ -248,16 +214,16 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
     for (uint32_t seed = 20; seed < 23; seed++) {
       fill(seed);
       Outcome after;
-      EXPECT_EQ(write_live(engine, *early.ch, h, early_dst, seed, after), "ok") << "round " << seed;
+      EXPECT_EQ(write_live(engine, early.ch, h, early_dst, seed, after), "ok") << "round " << seed;
       EXPECT_TRUE(wait_until([&] { return after.ended() == 1; }, std::chrono::seconds(20)));
       EXPECT_EQ(after.ok.load(), 1u) << (after.errors.empty() ? "" : after.errors[0]);
     }
     // A peer that starts after the kill.
-    late.ch->send("start");
-    const RemoteMr late_dst = engine.add_remote(MrDesc::from_bytes(late.ch->recv_bytes()));
+    late.ch.send("start");
+    const RemoteMr late_dst = engine.add_remote(MrDesc::from_bytes(late.ch.recv_bytes()));
     fill(30);
     Outcome fresh;
-    EXPECT_EQ(write_live(engine, *late.ch, h, late_dst, 30, fresh), "ok");
+    EXPECT_EQ(write_live(engine, late.ch, h, late_dst, 30, fresh), "ok");
     EXPECT_TRUE(wait_until([&] { return fresh.ended() == 1; }, std::chrono::seconds(20)));
     EXPECT_EQ(fresh.ok.load(), 1u) << (fresh.errors.empty() ? "" : fresh.errors[0]);
     // Ourselves.
@@ -274,8 +240,8 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
       EXPECT_NE(std::string(e.what()).find("shm"), std::string::npos) << e.what();
     }
     EXPECT_NO_THROW(engine.peer_count()) << "the worker is not stuck inside shm";
-    early.ch->send("done");
-    late.ch->send("done");
+    early.ch.send("done");
+    late.ch.send("done");
   }
   int status = tools::reap(victim.pid);
   EXPECT_TRUE(WIFSIGNALED(status));

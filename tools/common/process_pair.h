@@ -85,10 +85,15 @@ struct PairResult {
   bool ok() const { return parent_rc == 0 && WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0; }
 };
 
-// Forks; the child runs `child` and exits with its return value (killed if the parent dies).
-// Call before creating any engine or thread in this process.
-inline PairResult run_process_pair(const std::function<int(Channel&)>& parent,
-                                   const std::function<int(Channel&)>& child) {
+// A child process joined to this one by a socket pair: `ch` is this side's end. The child runs
+// `role` and exits with its return value (killed if the parent dies). Call before creating any
+// engine or thread in this process.
+struct ChildProcess {
+  pid_t pid = -1;
+  Channel ch{-1};
+};
+
+inline ChildProcess spawn_child(const std::function<int(Channel&)>& role) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) throw std::runtime_error("socketpair failed");
   std::fflush(nullptr);
@@ -100,7 +105,7 @@ inline PairResult run_process_pair(const std::function<int(Channel&)>& parent,
     Channel ch(sv[1]);
     int rc = 1;
     try {
-      rc = child(ch);
+      rc = role(ch);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "child: %s\n", e.what());
     }
@@ -108,16 +113,23 @@ inline PairResult run_process_pair(const std::function<int(Channel&)>& parent,
     _exit(rc);
   }
   close(sv[1]);
-  Channel ch(sv[0]);
+  return ChildProcess{pid, Channel(sv[0])};
+}
+
+// Forks; the child runs `child` and exits with its return value (killed if the parent dies).
+// Call before creating any engine or thread in this process.
+inline PairResult run_process_pair(const std::function<int(Channel&)>& parent,
+                                   const std::function<int(Channel&)>& child) {
+  ChildProcess c = spawn_child(child);
   PairResult r;
   try {
-    r.parent_rc = parent(ch);
+    r.parent_rc = parent(c.ch);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "parent: %s\n", e.what());
     r.parent_rc = 1;
   }
-  close(sv[0]);
-  r.child_status = reap(pid);
+  close(c.ch.fd());
+  r.child_status = reap(c.pid);
   return r;
 }
 
