@@ -165,13 +165,14 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
     EXPECT_EQ(victim.ch.recv(), "stopped");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // kUnprocessed: its worker stops
 
-    // The kill: 16 x 32 pages to the victim and 33 pages to the live peer, all posted; the victim
-    // dies while it works through them, holding some without an answer.
+    // The kill: 64 x 32 pages to the victim (32 MiB: more than it can copy before the kill, even
+    // on a loaded machine, and more than its command queue holds, so some wait with us) and 33
+    // pages to the live peer among them; the victim dies while it works through them.
     fill(12);
     Outcome to_victim, during;
     early.ch.send("12 2000");  // a lost transfer's pages may never all arrive
     EXPECT_EQ(early.ch.recv(), "cleared");
-    constexpr uint32_t kVictimTransfers = 16;
+    constexpr uint32_t kVictimTransfers = 64;
     for (uint32_t t = 0; t < kVictimTransfers; t++) {
       // With an immediate: shm then hands each WRITE to the victim and waits for its answer (a
       // WRITE without one is copied by us, and fails at once when the victim is gone).
@@ -184,7 +185,6 @@ TEST_P(ShmDeadPeer, WritesToLivePeersSucceedAfterAPeerIsKilledWithWritesInFlight
                       during.on_done());
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
     ASSERT_EQ(kill(victim.pid, SIGKILL), 0);
     const Clock::time_point killed = Clock::now();  // left a zombie until the end: still "a process"
 
