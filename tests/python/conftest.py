@@ -8,6 +8,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# ctest's environment for the engines these tests start, and the processes they spawn inherit it
+# (FABRIC_TEST_ENV in tests/CMakeLists.txt: ofi_rxm's default bounce-buffer pools, about 70 MB per
+# tcp NIC, become 18 MB). Read by libfabric when the first engine opens.
+os.environ.setdefault("FI_OFI_RXM_MSG_RX_SIZE", "64")
+
 
 @pytest.fixture
 def peer():
