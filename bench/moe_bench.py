@@ -101,13 +101,13 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
             torch.cuda.synchronize()
         dist.barrier()
         marks = [clock.mark()]
-        a2a.dispatch(x, xs, idx, w, do_send=True, do_recv=False)
+        h = a2a.dispatch_send(x, idx, xs)
         marks.append(clock.mark())
-        a2a.dispatch(do_send=False, do_recv=True)
+        a2a.dispatch_recv(h)
         marks.append(clock.mark())
-        a2a.combine(expert_out, do_send=True, do_recv=False)
+        a2a.combine_send(expert_out, h)
         marks.append(clock.mark())
-        a2a.combine(out=out, do_send=False, do_recv=True)
+        a2a.combine_recv(w, h, out)
         marks.append(clock.mark())
         us = clock.elapsed_us(marks)
         if step >= args.warmup:

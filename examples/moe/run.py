@@ -111,11 +111,11 @@ def rank_main(conn, cfg: dict) -> None:
             for step in range(cfg["steps"]):
                 x, idx, w = _tokens(cfg, rank, step)
                 t0 = time.perf_counter()
-                recv = a2a.dispatch(x, None, idx, w)
+                *recv, handle = a2a.dispatch(x, idx)
                 t1 = time.perf_counter()
                 _experts(cfg, rank, mine, recv, expert_out)
                 t2 = time.perf_counter()
-                a2a.combine(expert_out, out)
+                a2a.combine(expert_out, w, handle, out)
                 t3 = time.perf_counter()
                 timed.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, int(recv[2].sum()),
                               a2a.proxy_stats().writes))

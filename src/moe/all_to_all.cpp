@@ -1,12 +1,13 @@
-// AllToAll (include/fabric/moe/all_to_all.h): allocates and shares the buffers once, then runs each half on
-// the chosen kernel side, in the order dispatch send, dispatch receive, combine send, combine
-// receive.
+// AllToAll (include/fabric/moe/all_to_all.h): allocates and shares the buffer sets once, then runs
+// each half of a handle's dispatch on the chosen kernel side, in the order dispatch send, dispatch
+// receive, combine send, combine receive, refusing calls out of that order.
+#include "fabric/moe/all_to_all.h"
+
 #include <fmt/format.h>
 
 #include <cstring>
 
 #include "fabric/error.h"
-#include "fabric/moe/all_to_all.h"
 #include "kernel_side.h"
 #include "memory.h"
 #include "proxy.h"
@@ -19,39 +20,75 @@ namespace {
 
 enum class Phase { kIdle, kDispatchSent, kDispatched, kCombineSent };
 
-constexpr uint32_t kBlobMagic = 0x4D6F4531;  // "MoE1"
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::kIdle:
+      return "combined";
+    case Phase::kDispatchSent:
+      return "dispatch sent";
+    case Phase::kDispatched:
+      return "dispatched";
+    case Phase::kCombineSent:
+      return "combine sent";
+  }
+  return "?";
+}
+
+constexpr uint32_t kBlobMagic = 0x4D6F4532;  // "MoE2"
+constexpr uint32_t kMaxBuffers = 4;          // 2^28 immediates each: the whole space holds 16
 
 void fail_config(const std::string& what) {
   throw Error(ErrorCode::kInvalidArgument, "AllToAllConfig: " + what);
 }
 
 void check_config(const AllToAllConfig& c) {
-  if (c.ranks == 0 || c.ranks > (1u << 16)) fail_config(fmt::format("ranks {} (1 to 65536)", c.ranks));
+  if (c.ranks == 0 || c.ranks > (1u << 16))
+    fail_config(fmt::format("ranks {} (1 to 65536)", c.ranks));
   if (c.rank >= c.ranks) fail_config(fmt::format("rank {} of {} ranks", c.rank, c.ranks));
   if (c.node_size == 0 || c.node_size > kMaxNodeSize || c.ranks % c.node_size != 0)
-    fail_config(fmt::format("node_size {}: 1 to {} and dividing ranks {}", c.node_size, kMaxNodeSize, c.ranks));
+    fail_config(fmt::format("node_size {}: 1 to {} and dividing ranks {}", c.node_size,
+                            kMaxNodeSize, c.ranks));
   if (c.experts == 0 || c.experts % c.ranks != 0)
     fail_config(fmt::format("experts {}: a positive multiple of ranks {}", c.experts, c.ranks));
   if (c.topk == 0 || c.topk > 8) fail_config(fmt::format("topk {} (1 to 8)", c.topk));
-  if (c.hidden == 0 || c.hidden % kScaleBlock != 0) fail_config(fmt::format("hidden {}: a positive multiple of 128", c.hidden));
+  if (c.hidden == 0 || c.hidden % kScaleBlock != 0)
+    fail_config(fmt::format("hidden {}: a positive multiple of 128", c.hidden));
   if (c.max_tokens == 0) fail_config("max_tokens 0");
   if (c.timeout.count() <= 0) fail_config("timeout must be positive");
+  if (c.buffers == 0 || c.buffers > kMaxBuffers)
+    fail_config(fmt::format("buffers {} (1 to {})", c.buffers, kMaxBuffers));
+  if (c.num_sms > 1024)
+    fail_config(fmt::format("num_sms {} (0: the default, else 1 to 1024)", c.num_sms));
+  if (c.imm_base &&
+      (uint64_t{*c.imm_base} + (uint64_t{c.buffers} << kMoeImmBits) > (uint64_t{1} << 32)))
+    fail_config(
+        fmt::format("imm_base {:#x}: {} buffer sets of 2^{} immediates do not fit below 2^32",
+                    *c.imm_base, c.buffers, kMoeImmBits));
   if (c.job.empty() || c.job.size() > 64 ||
-      c.job.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
+      c.job.find_first_not_of(
+          "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos)
     fail_config(fmt::format("job '{}': 1 to 64 of [A-Za-z0-9_.-]", c.job));
 }
 
-// What every rank publishes: the dimensions (all ranks must agree), its receive region and the
-// handle of its node region.
+// What every rank publishes: the dimensions (all ranks must agree), and for each buffer set its
+// receive region and the handle of its node region.
 struct Blob {
-  std::array<uint32_t, 9> dims{};
-  std::vector<uint8_t> recv_desc;
-  std::vector<std::byte> node_handle;
+  std::array<uint32_t, 10> dims{};
+  std::vector<std::vector<uint8_t>> recv_desc;
+  std::vector<std::vector<std::byte>> node_handle;
 };
 
-std::array<uint32_t, 9> dims_of(const AllToAllConfig& c) {
-  return {c.ranks, c.node_size, c.experts, c.topk, c.hidden, c.max_tokens, static_cast<uint32_t>(c.dispatch_dtype),
-          c.private_rows, static_cast<uint32_t>(c.side)};
+std::array<uint32_t, 10> dims_of(const AllToAllConfig& c) {
+  return {c.ranks,
+          c.node_size,
+          c.experts,
+          c.topk,
+          c.hidden,
+          c.max_tokens,
+          static_cast<uint32_t>(c.dispatch_dtype),
+          c.private_rows,
+          static_cast<uint32_t>(c.side),
+          c.buffers};
 }
 
 template <typename T>
@@ -61,46 +98,69 @@ void put(std::vector<std::byte>& out, const T& v) {
   std::memcpy(out.data() + at, &v, sizeof v);
 }
 
+template <typename Bytes>
+void put_bytes(std::vector<std::byte>& out, const Bytes& b) {
+  put(out, static_cast<uint32_t>(b.size()));
+  for (auto x : b) out.push_back(std::byte(x));
+}
+
 std::vector<std::byte> encode(const Blob& b) {
   std::vector<std::byte> out;
   put(out, kBlobMagic);
   put(out, b.dims);
-  put(out, static_cast<uint32_t>(b.recv_desc.size()));
-  for (uint8_t x : b.recv_desc) out.push_back(std::byte{x});
-  put(out, static_cast<uint32_t>(b.node_handle.size()));
-  out.insert(out.end(), b.node_handle.begin(), b.node_handle.end());
+  for (size_t i = 0; i < b.node_handle.size(); ++i) {
+    put_bytes(out, b.recv_desc[i]);
+    put_bytes(out, b.node_handle[i]);
+  }
   return out;
 }
 
 Blob decode(const std::vector<std::byte>& in, uint32_t rank) {
   size_t at = 0;
   auto take = [&](void* dst, size_t n) {
-    if (at + n > in.size()) throw Error(ErrorCode::kMalformed, fmt::format("MoE: rank {}'s published bytes are truncated", rank));
+    if (at + n > in.size())
+      throw Error(ErrorCode::kMalformed,
+                  fmt::format("MoE: rank {}'s published bytes are truncated", rank));
     if (n == 0) return;
     std::memcpy(dst, in.data() + at, n);
     at += n;
   };
-  uint32_t magic = 0, n = 0;
+  auto take_bytes = [&](auto& v) {
+    uint32_t n = 0;
+    take(&n, 4);
+    v.resize(n);
+    take(v.data(), n);
+  };
+  uint32_t magic = 0;
   take(&magic, 4);
-  if (magic != kBlobMagic) throw Error(ErrorCode::kMalformed, fmt::format("MoE: rank {} published something else than an AllToAll", rank));
+  if (magic != kBlobMagic)
+    throw Error(
+        ErrorCode::kMalformed,
+        fmt::format("MoE: rank {} published something else than an AllToAll of this version",
+                    rank));
   Blob b;
   take(b.dims.data(), sizeof b.dims);
-  take(&n, 4);
-  b.recv_desc.resize(n);
-  take(b.recv_desc.data(), n);
-  take(&n, 4);
-  b.node_handle.resize(n);
-  take(b.node_handle.data(), n);
-  if (at != in.size()) throw Error(ErrorCode::kMalformed, fmt::format("MoE: rank {}'s published bytes are too long", rank));
+  const uint32_t sets = b.dims[9];
+  if (sets == 0 || sets > kMaxBuffers)
+    throw Error(ErrorCode::kMalformed,
+                fmt::format("MoE: rank {} published {} buffer sets", rank, sets));
+  b.recv_desc.resize(sets);
+  b.node_handle.resize(sets);
+  for (uint32_t i = 0; i < sets; ++i) {
+    take_bytes(b.recv_desc[i]);
+    take_bytes(b.node_handle[i]);
+  }
+  if (at != in.size())
+    throw Error(ErrorCode::kMalformed,
+                fmt::format("MoE: rank {}'s published bytes are too long", rank));
   return b;
 }
 
 }  // namespace
 
-struct AllToAll::Impl {
-  TransferEngine& engine;
-  AllToAllConfig cfg;
-  Layout lay;
+// One buffer set: a whole instance of the protocol (node region, RDMA regions, immediates,
+// signal words, proxy), so two dispatches in flight never share a byte or an immediate.
+struct BufferSet {
   std::unique_ptr<NodeRegion> node;
   Block recv, send, local, out;
   std::shared_ptr<Block> signals;
@@ -110,75 +170,156 @@ struct AllToAll::Impl {
   Views views;                    // what the kernel side uses
   std::unique_ptr<Proxy> proxy;
   Phase phase = Phase::kIdle;
-  uint64_t step = 0;
-  uint32_t tokens = 0;  // of the last dispatch
-  bool failed = false;
+  uint64_t step = 0;    // this set's dispatches: the protocol's step (host kernels)
+  uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
+  uint32_t tokens = 0;  // of that dispatch
 
-  Impl(TransferEngine& e, AllToAllConfig c) : engine(e), cfg(std::move(c)) {}
-  ~Impl() {
-    proxy.reset();  // no more submits or expectations
-    for (RemoteMr r : remotes)
-      if (r.slot != UINT32_MAX) engine.remove_remote(r);
-    if (recv_mr.slot != UINT32_MAX) engine.dereg_mr(recv_mr);
-    if (send_mr.slot != UINT32_MAX) engine.dereg_mr(send_mr);
-  }
-  bool cuda() const { return cfg.side == KernelSide::kCuda; }
   const std::atomic<uint64_t>& signal(uint64_t offset) const {
     return *reinterpret_cast<const std::atomic<uint64_t>*>(signals->host() + offset);
   }
+};
 
-  void allocate() {
+struct AllToAll::Impl {
+  TransferEngine& engine;
+  AllToAllConfig cfg;
+  Layout lay;
+  std::vector<std::unique_ptr<BufferSet>> sets;
+  uint64_t dispatches = 0;  // dispatch_send calls that were accepted
+  bool failed = false;      // a host receive half failed
+
+  Impl(TransferEngine& e, AllToAllConfig c) : engine(e), cfg(std::move(c)) {}
+  ~Impl() {
+    for (auto& b : sets) b->proxy.reset();  // no more submits or expectations
+    for (auto& b : sets) {
+      for (RemoteMr r : b->remotes)
+        if (r.slot != UINT32_MAX) engine.remove_remote(r);
+      if (b->recv_mr.slot != UINT32_MAX) engine.dereg_mr(b->recv_mr);
+      if (b->send_mr.slot != UINT32_MAX) engine.dereg_mr(b->send_mr);
+    }
+  }
+  bool cuda() const { return cfg.side == KernelSide::kCuda; }
+
+  void allocate(BufferSet& b, uint32_t index) {
     if (cuda()) {
-      node = cuda_node_region(lay.node.bytes);
-      recv = pinned_block(lay.recv.bytes);
-      send = pinned_block(lay.send.bytes);
-      signals = std::make_shared<Block>(pinned_block(lay.signals.bytes));
-      local = device_block(lay.local.bytes);
-      out = device_block(lay.out.bytes);
+      b.node = cuda_node_region(lay.node.bytes);
+      b.recv = pinned_block(lay.recv.bytes);
+      b.send = pinned_block(lay.send.bytes);
+      b.signals = std::make_shared<Block>(pinned_block(lay.signals.bytes));
+      b.local = device_block(lay.local.bytes);
+      b.out = device_block(lay.out.bytes);
     } else {
-      node = host_node_region(lay.node.bytes, cfg.job, cfg.rank);
-      recv = host_block(lay.recv.bytes);
-      send = host_block(lay.send.bytes);
-      signals = std::make_shared<Block>(host_block(lay.signals.bytes));
-      local = host_block(lay.local.bytes);
-      out = host_block(lay.out.bytes);
+      b.node = host_node_region(lay.node.bytes, fmt::format("{}.{}", cfg.job, index), cfg.rank);
+      b.recv = host_block(lay.recv.bytes);
+      b.send = host_block(lay.send.bytes);
+      b.signals = std::make_shared<Block>(host_block(lay.signals.bytes));
+      b.local = host_block(lay.local.bytes);
+      b.out = host_block(lay.out.bytes);
     }
   }
 
   // Host pointers for the proxy and host kernels, device pointers for CUDA kernels.
-  Views make_views(bool device) const {
+  Views make_views(const BufferSet& b, bool device) const {
     Views v;
     v.lay = lay;
     v.rank = cfg.rank;
     v.timeout_ns = static_cast<uint64_t>(std::chrono::nanoseconds(cfg.timeout).count());
-    auto pick = [device](const Block& b) { return device && b.device() ? b.device() : b.host(); };
-    v.recv = pick(recv);
-    v.send = pick(send);
-    v.signals = pick(*signals);
-    v.local = pick(local);
-    v.out = pick(out);
+    v.max_blocks = device && cuda() ? cuda::blocks_per_half(cfg.num_sms) : 0;
+    auto pick = [device](const Block& blk) {
+      return device && blk.device() ? blk.device() : blk.host();
+    };
+    v.recv = pick(b.recv);
+    v.send = pick(b.send);
+    v.signals = pick(*b.signals);
+    v.local = pick(b.local);
+    v.out = pick(b.out);
     return v;
   }
 
-  void check_usable(const char* what) const {
+  // Every call first reports an earlier failure: a host receive half's, a CUDA kernel's (it
+  // gave up on the device, after the call that enqueued it returned) or a proxy's.
+  void check_before(const char* what) const {
+    for (const auto& b : sets) {
+      const uint64_t kernel = b->signal(lay.signals.kernel_error).load(std::memory_order_acquire);
+      if (kernel != 0) throw kernel_failure(kernel);
+      if (b->signal(lay.signals.failed).load(std::memory_order_acquire) != 0)
+        throw Error(ErrorCode::kProvider,
+                    fmt::format("MoE {} on rank {}: a transfer or expectation of the proxy failed "
+                                "earlier (see the log); build a new "
+                                "AllToAll (with the job's live ranks)",
+                                what, cfg.rank));
+    }
     if (failed)
       throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE {} on rank {}: this AllToAll failed earlier; build a new one (with the job's live ranks)", what, cfg.rank));
-  }
-  void expect_phase(Phase want, const char* what) const {
-    check_usable(what);
-    if (phase != want)
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE {} on rank {}: out of order (calls go dispatch send, dispatch receive, combine send, combine receive)",
+                  fmt::format("MoE {} on rank {}: this AllToAll failed earlier; build a new one "
+                              "(with the job's live ranks)",
                               what, cfg.rank));
   }
-  // Runs a host receive half; a failure fails the AllToAll.
-  template <typename F>
-  void guarded(F&& f) {
+
+  Error kernel_failure(uint64_t kernel) const {
+    const auto what = static_cast<KernelError>(kernel >> 32);
+    const uint64_t who = kernel & 0xFFFFFFFFu;
+    switch (what) {
+      case KernelError::kDispatchTimeout:
+      case KernelError::kCombineTimeout:
+        return Error(
+            ErrorCode::kTimeout,
+            fmt::format("MoE {} receive on rank {}: rows from {} missing after {} ms (peer dead or "
+                        "stalled?); its outputs are "
+                        "marked invalid and this AllToAll is failed",
+                        what == KernelError::kDispatchTimeout ? "dispatch" : "combine", cfg.rank,
+                        who == 0 ? std::string("some rank") : fmt::format("rank {}", who - 1),
+                        cfg.timeout.count()));
+      case KernelError::kBadExpert:
+        return Error(ErrorCode::kInvalidArgument,
+                     fmt::format("MoE dispatch on rank {}: an expert index was >= experts {} or "
+                                 "repeated within a token (those slots "
+                                 "were dropped)",
+                                 cfg.rank, cfg.experts));
+      case KernelError::kStaleRow:
+        return Error(ErrorCode::kMalformed,
+                     fmt::format("MoE dispatch on rank {}: a row from rank {} carried another step",
+                                 cfg.rank, who - 1));
+      default:
+        return Error(
+            ErrorCode::kProvider,
+            fmt::format("MoE on rank {}: a kernel gave up (error word {:#x})", cfg.rank, kernel));
+    }
+  }
+
+  // The set a handle names, once the handle is one of this AllToAll's, not spent, and at `want`.
+  BufferSet& set_of(const Handle& h, Phase want, const char* what) {
+    check_before(what);
+    const uint32_t B = cfg.buffers;
+    if (h.step == 0 || h.step > dispatches || h.buffer >= B || (h.step - 1) % B != h.buffer)
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("MoE {} on rank {}: not a handle of this AllToAll (dispatch {}, "
+                              "buffer set {}; {} dispatches so far)",
+                              what, cfg.rank, h.step, h.buffer, dispatches));
+    BufferSet& b = *sets[h.buffer];
+    if (h.step != b.handle || b.phase == Phase::kIdle)
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent (it was "
+                              "combined; its buffer set {} {})",
+                              what, cfg.rank, h.step, h.buffer,
+                              b.handle == h.step ? "is free"
+                                                 : fmt::format("holds dispatch {} now", b.handle)));
+    if (b.phase != want)
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("MoE {} on rank {}: out of order for dispatch {} (it is at '{}'; "
+                              "each handle goes dispatch send, "
+                              "dispatch receive, combine send, combine receive)",
+                              what, cfg.rank, h.step, phase_name(b.phase)));
+    return b;
+  }
+
+  // Runs a host receive half; a failure marks its outputs invalid and fails the AllToAll.
+  template <typename F, typename Mark>
+  void guarded(F&& f, Mark&& mark) {
     try {
       f();
     } catch (...) {
       failed = true;
+      mark();
       throw;
     }
   }
@@ -190,138 +331,191 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   Impl& s = *impl_;
   const AllToAllConfig& c = s.cfg;
   Dims d;
-  d.ranks = c.ranks, d.node_size = c.node_size, d.experts = c.experts, d.local_experts = c.experts / c.ranks;
-  d.topk = c.topk, d.hidden = c.hidden, d.max_tokens = c.max_tokens, d.private_rows = c.private_rows;
+  d.ranks = c.ranks, d.node_size = c.node_size, d.experts = c.experts,
+  d.local_experts = c.experts / c.ranks;
+  d.topk = c.topk, d.hidden = c.hidden, d.max_tokens = c.max_tokens,
+  d.private_rows = c.private_rows;
   d.fp8 = c.dispatch_dtype == Dtype::kFp8;
   s.lay = make_layout(d);
-  s.allocate();
   const bool remote = c.ranks > c.node_size;
   Blob mine;
   mine.dims = dims_of(c);
-  mine.node_handle = s.node->handle();
-  if (remote) {
-    s.imms = engine.reserve_imms({.holder = fmt::format("moe all-to-all: job {} rank {}", c.job, c.rank),
-                                  .bits = kMoeImmBits,
-                                  .base = c.imm_base});
-    auto [recv_mr, recv_desc] = engine.reg_mr(s.recv.host(), s.recv.len(), Device::host(), s.imms);
-    s.recv_mr = recv_mr;
-    s.send_mr = engine.reg_mr(s.send.host(), s.send.len()).first;
-    mine.recv_desc = recv_desc.to_bytes();
+  for (uint32_t i = 0; i < c.buffers; ++i) {
+    s.sets.push_back(std::make_unique<BufferSet>());
+    BufferSet& b = *s.sets.back();
+    s.allocate(b, i);
+    mine.node_handle.push_back(b.node->handle());
+    mine.recv_desc.emplace_back();
+    if (!remote) continue;
+    const std::optional<uint32_t> base =
+        c.imm_base ? std::optional<uint32_t>(*c.imm_base + (i << kMoeImmBits)) : std::nullopt;
+    b.imms = engine.reserve_imms(
+        {.holder = fmt::format("moe all-to-all: job {} rank {} buffer set {}", c.job, c.rank, i),
+         .bits = kMoeImmBits,
+         .base = base});
+    auto [recv_mr, recv_desc] = engine.reg_mr(b.recv.host(), b.recv.len(), Device::host(), b.imms);
+    b.recv_mr = recv_mr;
+    b.send_mr = engine.reg_mr(b.send.host(), b.send.len()).first;
+    mine.recv_desc.back() = recv_desc.to_bytes();
   }
   const std::vector<std::vector<std::byte>> all = all_gather(encode(mine));
   if (all.size() != c.ranks)
-    throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE: the all-gather returned {} entries for {} ranks", all.size(), c.ranks));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("MoE: the all-gather returned {} entries for {} ranks", all.size(), c.ranks));
   std::vector<Blob> blobs;
   for (uint32_t r = 0; r < c.ranks; ++r) {
     blobs.push_back(decode(all[r], r));
     if (blobs[r].dims != mine.dims)
       throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE: rank {} was built with other dimensions than rank {} (ranks, node_size, experts, topk, hidden, "
-                              "max_tokens, dtype, private_rows, kernel side differ)",
+                  fmt::format("MoE: rank {} was built with other dimensions than rank {} (ranks, "
+                              "node_size, experts, topk, hidden, "
+                              "max_tokens, dtype, private_rows, kernel side, buffers differ)",
                               r, c.rank));
   }
-  Views host = s.make_views(false), device = s.make_views(true);
   const uint32_t first = c.rank / c.node_size * c.node_size;
-  for (uint32_t i = 0; i < c.node_size; ++i) {
-    std::byte* p = first + i == c.rank ? s.node->own() : s.node->open(blobs[first + i].node_handle);
-    host.node[i] = device.node[i] = p;
+  std::vector<Views> hosts;
+  for (uint32_t i = 0; i < c.buffers; ++i) {
+    BufferSet& b = *s.sets[i];
+    Views host = s.make_views(b, false), device = s.make_views(b, true);
+    for (uint32_t j = 0; j < c.node_size; ++j) {
+      std::byte* p =
+          first + j == c.rank ? b.node->own() : b.node->open(blobs[first + j].node_handle[i]);
+      host.node[j] = device.node[j] = p;
+    }
+    if (remote) {
+      b.remotes.assign(c.ranks, RemoteMr{});
+      for (uint32_t r = 0; r < c.ranks; ++r)
+        if (r != c.rank)
+          b.remotes[r] = engine.add_remote(MrDesc::from_bytes(blobs[r].recv_desc[i]));
+    }
+    b.views = s.cuda() ? device : host;
+    hosts.push_back(host);
   }
-  if (remote) {
-    s.remotes.assign(c.ranks, RemoteMr{});
-    for (uint32_t r = 0; r < c.ranks; ++r)
-      if (r != c.rank) s.remotes[r] = engine.add_remote(MrDesc::from_bytes(blobs[r].recv_desc));
+  all_gather({});  // every node-mate has mapped our node regions: their names can go
+  for (uint32_t i = 0; i < c.buffers; ++i) {
+    BufferSet& b = *s.sets[i];
+    b.node->seal();
+    if (remote)
+      b.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = hosts[i],
+                                                            .signals = b.signals,
+                                                            .send_mr = b.send_mr,
+                                                            .imms = &b.imms,
+                                                            .recv = b.remotes,
+                                                            .busy_poll = c.proxy_busy_poll});
   }
-  all_gather({});  // every node-mate has mapped our node region: its name can go
-  s.node->seal();
-  s.views = s.cuda() ? device : host;
-  if (remote)
-    s.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = host, .signals = s.signals, .send_mr = s.send_mr,
-                                                           .imms = &s.imms, .recv = s.remotes, .busy_poll = c.proxy_busy_poll});
 }
 
 AllToAll::~AllToAll() = default;
 
-void AllToAll::dispatch(const DispatchArgs& args, bool do_send, bool do_recv) {
+Handle AllToAll::dispatch_send(const DispatchArgs& args) {
   Impl& s = *impl_;
-  if (do_send) {
-    s.expect_phase(Phase::kIdle, "dispatch send");
-    if (s.cuda()) {
-      cuda::dispatch_send(s.views, args);
-    } else {
-      host::check_dispatch_args(s.lay.dims, args);  // refused input changes nothing
-      s.guarded([&] { host::dispatch_send(s.views, args, s.step + 1); });
-    }
-    ++s.step;
-    s.tokens = args.num_tokens;
-    s.phase = Phase::kDispatchSent;
+  s.check_before("dispatch send");
+  const uint32_t index = static_cast<uint32_t>(s.dispatches % s.cfg.buffers);
+  BufferSet& b = *s.sets[index];
+  if (b.phase != Phase::kIdle)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("MoE dispatch send on rank {}: at most {} dispatches in flight "
+                            "(buffers = {}); dispatch {} still holds "
+                            "buffer set {}: combine it first",
+                            s.cfg.rank, s.cfg.buffers, s.cfg.buffers, b.handle, index));
+  if (s.cuda()) {
+    cuda::dispatch_send(b.views, args);
+  } else {
+    host::check_dispatch_args(s.lay.dims, args);  // refused input changes nothing
+    s.guarded([&] { host::dispatch_send(b.views, args, b.step + 1); }, [] {});
   }
-  if (do_recv) {
-    s.expect_phase(Phase::kDispatchSent, "dispatch receive");
-    if (s.cuda()) cuda::dispatch_recv(s.views, args.stream);
-    else s.guarded([&] { host::dispatch_recv(s.views, s.step); });
-    s.phase = Phase::kDispatched;
-  }
+  ++b.step;
+  b.handle = ++s.dispatches;
+  b.tokens = args.num_tokens;
+  b.phase = Phase::kDispatchSent;
+  return Handle{.buffer = index, .step = b.handle, .num_tokens = args.num_tokens};
 }
 
-void AllToAll::combine(const CombineArgs& args, bool do_send, bool do_recv) {
+void AllToAll::dispatch_recv(const Handle& h, void* stream) {
   Impl& s = *impl_;
-  if (do_send) {
-    s.expect_phase(Phase::kDispatched, "combine send");
-    if (!args.expert_out) throw Error(ErrorCode::kInvalidArgument, "MoE combine: expert_out must be given");
-    if (s.cuda()) cuda::combine_send(s.views, args);
-    else s.guarded([&] { host::combine_send(s.views, args, s.step); });
-    s.phase = Phase::kCombineSent;
-  }
-  if (do_recv) {
-    s.expect_phase(Phase::kCombineSent, "combine receive");
-    if (!args.out && s.tokens > 0) throw Error(ErrorCode::kInvalidArgument, "MoE combine: out must be given");
-    if (s.cuda()) cuda::combine_recv(s.views, args);
-    else s.guarded([&] { host::combine_recv(s.views, args, s.step); });
-    s.phase = Phase::kIdle;
-  }
+  BufferSet& b = s.set_of(h, Phase::kDispatchSent, "dispatch receive");
+  if (s.cuda())
+    cuda::dispatch_recv(b.views, stream);
+  else
+    s.guarded([&] { host::dispatch_recv(b.views, b.step); },
+              [&] { host::mark_dispatch_failed(b.views); });
+  b.phase = Phase::kDispatched;
 }
 
-DispatchOutput AllToAll::output() const {
+void AllToAll::combine_send(const Handle& h, const CombineArgs& args) {
+  Impl& s = *impl_;
+  BufferSet& b = s.set_of(h, Phase::kDispatched, "combine send");
+  if (!args.expert_out)
+    throw Error(ErrorCode::kInvalidArgument, "MoE combine send: expert_out must be given");
+  if (s.cuda())
+    cuda::combine_send(b.views, args);
+  else
+    s.guarded([&] { host::combine_send(b.views, args, b.step); }, [] {});
+  b.phase = Phase::kCombineSent;
+}
+
+void AllToAll::combine_recv(const Handle& h, const CombineArgs& args) {
+  Impl& s = *impl_;
+  BufferSet& b = s.set_of(h, Phase::kCombineSent, "combine receive");
+  if (b.tokens > 0 && (!args.out || !args.topk_weights))
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("MoE combine receive: out and topk_weights [{}][{}] must be given",
+                            b.tokens, s.cfg.topk));
+  if (s.cuda())
+    cuda::combine_recv(b.views, args);
+  else
+    s.guarded([&] { host::combine_recv(b.views, args, b.step); },
+              [&] { host::mark_combine_failed(b.views, args); });
+  b.phase = Phase::kIdle;
+}
+
+Handle AllToAll::dispatch(const DispatchArgs& args) {
+  const Handle h = dispatch_send(args);
+  dispatch_recv(h, args.stream);
+  return h;
+}
+
+void AllToAll::combine(const Handle& h, const CombineArgs& args) {
+  // Both halves' checks first, so a refused call sends nothing.
+  Impl& s = *impl_;
+  const BufferSet& b = s.set_of(h, Phase::kDispatched, "combine");
+  if (b.tokens > 0 && (!args.out || !args.topk_weights))
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("MoE combine: out and topk_weights [{}][{}] must be given", b.tokens,
+                            s.cfg.topk));
+  combine_send(h, args);
+  combine_recv(h, args);
+}
+
+DispatchOutput AllToAll::output(const Handle& h) const {
   const Impl& s = *impl_;
+  if (h.buffer >= s.sets.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("MoE output: buffer set {} of {}", h.buffer, s.sets.size()));
   const Layout& l = s.lay;
-  std::byte* out = s.views.out;
-  return DispatchOutput{.x = out + l.out.x,
-                        .scales = l.dims.fp8 ? reinterpret_cast<float*>(out + l.out.scales) : nullptr,
-                        .counts = reinterpret_cast<int32_t*>(out + l.out.counts),
-                        .src = reinterpret_cast<int32_t*>(out + l.out.src),
-                        .local_experts = l.dims.local_experts,
-                        .rows_per_expert = l.dims.rows_per_expert()};
+  std::byte* out = s.sets[h.buffer]->views.out;
+  return DispatchOutput{
+      .x = out + l.out.x,
+      .scales = l.dims.fp8 ? reinterpret_cast<float*>(out + l.out.scales) : nullptr,
+      .counts = reinterpret_cast<int32_t*>(out + l.out.counts),
+      .src = reinterpret_cast<int32_t*>(out + l.out.src),
+      .local_experts = l.dims.local_experts,
+      .rows_per_expert = l.dims.rows_per_expert()};
 }
 
-void AllToAll::check() const {
-  const Impl& s = *impl_;
-  const uint64_t kernel = s.signal(s.lay.signals.kernel_error).load(std::memory_order_acquire);
-  if (kernel != 0) {
-    const auto what = static_cast<KernelError>(kernel >> 32);
-    const uint64_t who = kernel & 0xFFFFFFFFu;
-    switch (what) {
-      case KernelError::kDispatchTimeout:
-      case KernelError::kCombineTimeout:
-        throw Error(ErrorCode::kTimeout, fmt::format("MoE {} receive on rank {}: rows from {} missing after {} ms (peer dead or stalled?)",
-                                                     what == KernelError::kDispatchTimeout ? "dispatch" : "combine", s.cfg.rank,
-                                                     who == 0 ? std::string("some rank") : fmt::format("rank {}", who - 1),
-                                                     s.cfg.timeout.count()));
-      case KernelError::kBadExpert:
-        throw Error(ErrorCode::kInvalidArgument,
-                    fmt::format("MoE dispatch on rank {}: an expert index was >= experts {} or repeated within a token (those slots were dropped)",
-                                s.cfg.rank, s.cfg.experts));
-      case KernelError::kStaleRow:
-        throw Error(ErrorCode::kMalformed, fmt::format("MoE dispatch on rank {}: a row from rank {} carried another step", s.cfg.rank, who - 1));
-      default:
-        throw Error(ErrorCode::kProvider, fmt::format("MoE on rank {}: a kernel gave up (error word {:#x})", s.cfg.rank, kernel));
-    }
+void AllToAll::check() const { impl_->check_before("check"); }
+
+ProxyStats AllToAll::proxy_stats() const {
+  ProxyStats sum;
+  for (const auto& b : impl_->sets) {
+    if (!b->proxy) continue;
+    const ProxyStats one = b->proxy->stats();
+    sum.steps += one.steps, sum.writes += one.writes, sum.bytes += one.bytes,
+        sum.cpu_ms += one.cpu_ms;
   }
-  if (s.signal(s.lay.signals.failed).load(std::memory_order_acquire) != 0)
-    throw Error(ErrorCode::kProvider, fmt::format("MoE on rank {}: a transfer or expectation of the proxy failed (see the log)", s.cfg.rank));
-  s.check_usable("check");
+  return sum;
 }
-
-ProxyStats AllToAll::proxy_stats() const { return impl_->proxy ? impl_->proxy->stats() : ProxyStats{}; }
 const AllToAllConfig& AllToAll::config() const { return impl_->cfg; }
 
 }  // namespace fabric::moe

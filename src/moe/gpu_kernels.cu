@@ -48,7 +48,7 @@ constexpr uint32_t kSleepNs = 200;           // short against the ~tens of us a 
 constexpr uint32_t kFailureCheckEvery = 16;  // polls between looks at the failure words (host memory)
 constexpr uint64_t kGoMarginNs = 1000000000ull;  // a go-word waiter outwaits the poller by this
 constexpr size_t kDefaultSharedBytes = 48 * 1024;  // dynamic shared memory without opting in
-constexpr uint32_t kCombineBlocksPerSm = 2;        // combine receive: warps to cover the load latency
+constexpr uint32_t kDefaultBlocksPerHalf = 16;     // AllToAllConfig::num_sms 0: room for other halves
 
 // Words the CUDA kernels keep in local.scratch, 8 bytes apart.
 enum ScratchWord : uint32_t {
@@ -58,6 +58,8 @@ enum ScratchWord : uint32_t {
   kCombineRecvTicket,     // u32: which block of combine_recv polls
   kDispatchRecvGo,        // u64: step << 1 | gave up, published by dispatch_recv's poller
   kCombineRecvGo,         // u64: the same for combine_recv
+  kDispatchRecvDone,      // u32 completion counter of dispatch_recv's blocks
+  kCombineRecvDone,       // u32 completion counter of combine_recv's blocks
 };
 
 // Views as a kernel parameter (std::array has no device-side operator[]).
@@ -77,7 +79,6 @@ struct DispatchInput {
   const std::byte* x;
   const float* scales;
   const int64_t* idx;
-  const float* weights;
   uint32_t tokens;
 };
 
@@ -416,7 +417,6 @@ __device__ void send_rows(const Ptrs& p, const DispatchInput& in, const Routing&
   const uint32_t lane = threadIdx.x % 32;
   int32_t* pos = reinterpret_cast<int32_t*>(p.local + p.lay.local.pos);
   int32_t* dst_of = reinterpret_cast<int32_t*>(p.local + p.lay.local.dst);
-  float* weights = reinterpret_cast<float*>(p.local + p.lay.local.weights);
   const uint32_t slots = in.tokens * d.topk;
   for (uint32_t slot = blockIdx.x * kWarps + threadIdx.x / 32; slot < slots; slot += gridDim.x * kWarps) {
     const uint32_t t = slot / d.topk, k = slot % d.topk;
@@ -424,7 +424,6 @@ __device__ void send_rows(const Ptrs& p, const DispatchInput& in, const Routing&
     const int32_t e = slot_expert(in.idx, t, k, d, bad);  // the same for every lane
     const uint32_t j = e < 0 ? 0 : rank_in_expert(r, e, t);
     if (lane == 0) {
-      weights[slot] = in.weights[slot];
       pos[slot] = e < 0 ? -1 : static_cast<int32_t>(r.before[e] + j);
       dst_of[slot] = e < 0 ? -1 : static_cast<int32_t>(d.rank_of_expert(e));
     }
@@ -586,20 +585,11 @@ __device__ __forceinline__ const std::byte* received_row(const Ptrs& p, const So
 }
 
 template <uint32_t kHidden, bool kFp8, typename Vec>
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
-  extern __shared__ uint32_t smem[];
+__device__ void copy_received_rows(const Ptrs& p, const Sources& t, uint64_t step) {
   const Dims& d = p.lay.dims;
-  const uint64_t step = current_step(p);
-  if (!wait_sources(p, step, KernelError::kDispatchTimeout, kDispatchRecvTicket, kDispatchRecvGo,
-                    [&](uint32_t s) { return dispatch_arrived(p, s, step); }))
-    return;
-  const Sources t = build_sources(p, smem, false);
   const RowBytes rb = row_bytes<kHidden, kFp8>(d);
   const uint64_t M = d.rows_per_expert();
   int32_t* out_src = reinterpret_cast<int32_t*>(p.out + p.lay.out.src);
-  if (blockIdx.x == 0)
-    for (uint32_t el = threadIdx.x; el < d.local_experts; el += kThreads)
-      reinterpret_cast<int32_t*>(p.out + p.lay.out.counts)[el] = static_cast<int32_t>(t.expert_base[el + 1] - t.expert_base[el]);
   const uint32_t lane = threadIdx.x % 32, rows = t.expert_base[d.local_experts];
   for (uint32_t flat = blockIdx.x * kWarps + threadIdx.x / 32; flat < rows; flat += gridDim.x * kWarps) {
     const RowAt a = locate(t, d, flat);
@@ -613,6 +603,33 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
       if (tail.z != static_cast<uint32_t>(step)) report(p, error_word(KernelError::kStaleRow, a.s + 1));
       out_src[out_row] = static_cast<int32_t>(a.s * d.max_tokens + tail.x);
     }
+  }
+}
+
+__device__ __forceinline__ bool kernel_failed(const Ptrs& p) {
+  return load_acquire_sys(p.signals + p.lay.signals.kernel_error) != 0;
+}
+
+// The rows of every source, copied by the blocks whose wait succeeded. The counts are written
+// last, by the last block to finish: the real counts when no block of this rank gave up (and no
+// row was stale), else kInvalidCount, so a failed step never leaves plausible outputs behind.
+template <uint32_t kHidden, bool kFp8, typename Vec>
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
+  extern __shared__ uint32_t smem[];
+  const Dims& d = p.lay.dims;
+  const uint64_t step = current_step(p);
+  const bool ok = wait_sources(p, step, KernelError::kDispatchTimeout, kDispatchRecvTicket, kDispatchRecvGo,
+                               [&](uint32_t s) { return dispatch_arrived(p, s, step); });
+  Sources t{};
+  if (ok) {
+    t = build_sources(p, smem, false);
+    copy_received_rows<kHidden, kFp8, Vec>(p, t, step);
+  }
+  if (finish_block(scratch(p, kDispatchRecvDone))) {
+    const bool valid = ok && !kernel_failed(p);
+    for (uint32_t el = threadIdx.x; el < d.local_experts; el += kThreads)
+      reinterpret_cast<int32_t*>(p.out + p.lay.out.counts)[el] =
+          valid ? static_cast<int32_t>(t.expert_base[el + 1] - t.expert_base[el]) : kInvalidCount;
   }
 }
 
@@ -671,11 +688,12 @@ __device__ __forceinline__ uint4 to_bf16(const float (&acc)[8]) {
 // Values [seg * 256, (seg + 1) * 256) of token t: the used slots' rows weighted and summed in slot
 // order in fp32 with fmaf, rounded to BF16 once (as host_kernels.cpp does). Every slot's load is
 // issued before the sum starts, so a warp waits one memory latency, not topk of them.
-__device__ void combine_segment(const Ptrs& p, uint16_t* out, uint32_t hidden, uint32_t t, uint32_t seg, uint32_t lane) {
+__device__ void combine_segment(const Ptrs& p, uint16_t* out, const float* topk_weights, uint32_t hidden, uint32_t t, uint32_t seg,
+                                uint32_t lane) {
   const Dims& d = p.lay.dims;
   const int32_t* pos = reinterpret_cast<const int32_t*>(p.local + p.lay.local.pos) + uint64_t{t} * d.topk;
   const int32_t* dst_of = reinterpret_cast<const int32_t*>(p.local + p.lay.local.dst) + uint64_t{t} * d.topk;
-  const float* weights = reinterpret_cast<const float*>(p.local + p.lay.local.weights) + uint64_t{t} * d.topk;
+  const float* weights = topk_weights + uint64_t{t} * d.topk;
   const uint32_t h = seg * kSegmentValues + lane * 8;
   const bool mine = h < hidden;  // the last segment of a hidden size not a multiple of 256
   const uint64_t B = 2ull * hidden;
@@ -701,19 +719,26 @@ __device__ void combine_segment(const Ptrs& p, uint16_t* out, uint32_t hidden, u
 
 __host__ __device__ inline uint32_t combine_segments(uint32_t hidden) { return (hidden + kSegmentValues - 1) / kSegmentValues; }
 
+// The blocks whose wait succeeded sum their segments; the last block to finish overwrites all of
+// `out` with NaN when a block of this rank gave up, so a failed step leaves no plausible sums.
 template <uint32_t kHidden>
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t* out) {
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t* out, const float* topk_weights) {
   const Dims& d = p.lay.dims;
   const uint64_t step = current_step(p);
-  if (!wait_sources(p, step, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
-                    [&](uint32_t s) { return combine_arrived(p, s, step); }))
-    return;
+  const bool ok = wait_sources(p, step, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
+                               [&](uint32_t s) { return combine_arrived(p, s, step); });
   const uint32_t hidden = kHidden != 0 ? kHidden : d.hidden, segs = combine_segments(hidden);
   // The caller gives no `out` only for a dispatch of no tokens (all_to_all.cpp checks).
   const uint32_t tokens = out ? *reinterpret_cast<const uint32_t*>(p.local + p.lay.local.tokens) : 0;
   const uint32_t lane = threadIdx.x % 32;
-  for (uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < tokens * segs; item += gridDim.x * kWarps)
-    combine_segment(p, out, hidden, item / segs, item % segs, lane);
+  if (ok)
+    for (uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < tokens * segs; item += gridDim.x * kWarps)
+      combine_segment(p, out, topk_weights, hidden, item / segs, item % segs, lane);
+  if (finish_block(scratch(p, kCombineRecvDone)) && (!ok || kernel_failed(p))) {
+    const uint32_t nan2 = uint32_t{kInvalidBf16} | (uint32_t{kInvalidBf16} << 16);
+    auto* words = reinterpret_cast<uint32_t*>(out);  // hidden is a multiple of 128: whole words
+    for (uint64_t i = threadIdx.x; i < uint64_t{tokens} * hidden / 2; i += kThreads) words[i] = nan2;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -821,26 +846,31 @@ void check_dispatch(const Dims& d, const DispatchArgs& a) {
   if (a.num_tokens > d.max_tokens)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
   if (a.num_tokens == 0) return;
-  if (!a.x || !a.topk_idx || !a.topk_weights || (d.fp8 && !a.x_scales))
-    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x, topk_idx, topk_weights (and x_scales for FP8) must be given");
+  if (!a.x || !a.topk_idx || (d.fp8 && !a.x_scales))
+    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x and topk_idx (and x_scales for FP8) must be given");
   const size_t word = dispatch_rows_vec16(d) ? 16 : 4;
   require_aligned(a.x, word, "dispatch x");
   if (d.fp8) require_aligned(a.x_scales, word, "dispatch x_scales");
   require_aligned(a.topk_idx, 8, "dispatch topk_idx");
-  require_aligned(a.topk_weights, 4, "dispatch topk_weights");
 }
 
 }  // namespace
+
+uint32_t blocks_per_half(uint32_t num_sms) {
+  if (num_sms != 0) return num_sms;
+  const uint32_t sms = sm_count();
+  return sms < kDefaultBlocksPerHalf ? sms : kDefaultBlocksPerHalf;
+}
 
 void dispatch_send(const Views& v, const DispatchArgs& a) {
   const Dims& d = v.lay.dims;
   check_dispatch(d, a);
   const Ptrs p = to_ptrs(v);
-  const DispatchInput in{static_cast<const std::byte*>(a.x), a.x_scales, a.topk_idx, a.topk_weights, a.num_tokens};
+  const DispatchInput in{static_cast<const std::byte*>(a.x), a.x_scales, a.topk_idx, a.num_tokens};
   const size_t shared = routing_shared_bytes(d, a.num_tokens);
   const uint32_t slots = a.num_tokens * d.topk;
   uint32_t blocks = (slots + kWarps - 1) / kWarps;  // a warp per slot, as far as the SMs go
-  blocks = blocks == 0 ? 1 : (blocks < sm_count() ? blocks : sm_count());
+  blocks = blocks == 0 ? 1 : (blocks < v.max_blocks ? blocks : v.max_blocks);
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);
     auto* kernel = dispatch_send_kernel<S::kHidden, S::kFp8, typename S::Vec>;
@@ -854,7 +884,7 @@ void dispatch_recv(const Views& v, void* stream) {
   const Dims& d = v.lay.dims;
   const Ptrs p = to_ptrs(v);
   const size_t shared = sources_shared_bytes(d);
-  const uint32_t blocks = sm_count();  // rows to copy are known only on the device
+  const uint32_t blocks = v.max_blocks;  // rows to copy are known only on the device
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);
     auto* kernel = dispatch_recv_kernel<S::kHidden, S::kFp8, typename S::Vec>;
@@ -870,7 +900,7 @@ void combine_send(const Views& v, const CombineArgs& a) {
   require_aligned(a.expert_out, 16, "combine expert_out");
   const Ptrs p = to_ptrs(v);
   const size_t shared = sources_shared_bytes(d);
-  const uint32_t blocks = sm_count();
+  const uint32_t blocks = v.max_blocks;
   with_combine_shape(d, [&](auto shape) {
     using S = decltype(shape);
     auto* kernel = combine_send_kernel<S::kHidden>;
@@ -883,16 +913,15 @@ void combine_send(const Views& v, const CombineArgs& a) {
 void combine_recv(const Views& v, const CombineArgs& a) {
   const Dims& d = v.lay.dims;
   if (a.out) require_aligned(a.out, 16, "combine out");
+  if (a.topk_weights) require_aligned(a.topk_weights, 4, "combine topk_weights");
   const Ptrs p = to_ptrs(v);
   with_combine_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    // Tokens are known on the device only: size for max_tokens, up to a few blocks per SM (none
-    // waits on a block that has not started, so more blocks than fit at once are fine).
+    // Tokens are known on the device only: size for max_tokens, up to the grid cap.
     const uint32_t items = d.max_tokens * combine_segments(d.hidden);
-    const uint32_t most = kCombineBlocksPerSm * sm_count();
     uint32_t blocks = (items + kWarps - 1) / kWarps;
-    blocks = blocks == 0 ? 1 : (blocks < most ? blocks : most);
-    combine_recv_kernel<S::kHidden><<<blocks, kThreads, 0, stream_of(a.stream)>>>(p, a.out);
+    blocks = blocks == 0 ? 1 : (blocks < v.max_blocks ? blocks : v.max_blocks);
+    combine_recv_kernel<S::kHidden><<<blocks, kThreads, 0, stream_of(a.stream)>>>(p, a.out, a.topk_weights);
   });
   launched("MoE combine_recv kernel launch");
 }

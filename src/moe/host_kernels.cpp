@@ -88,8 +88,8 @@ void wait_all(const Views& v, const char* what, uint64_t step, Ready ready) {
 void check_dispatch_args(const Dims& d, const DispatchArgs& a) {
   if (a.num_tokens > d.max_tokens)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
-  if (a.num_tokens > 0 && (!a.x || !a.topk_idx || !a.topk_weights || (d.fp8 && !a.x_scales)))
-    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x, topk_idx, topk_weights (and x_scales for FP8) must be given");
+  if (a.num_tokens > 0 && (!a.x || !a.topk_idx || (d.fp8 && !a.x_scales)))
+    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x and topk_idx (and x_scales for FP8) must be given");
   for (uint32_t t = 0; t < a.num_tokens; ++t)
     for (uint32_t k = 0; k < d.topk; ++k) {
       const int64_t e = a.topk_idx[uint64_t{t} * d.topk + k];
@@ -122,7 +122,6 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   uint32_t* counts = at<uint32_t>(v.local, v.lay.local.counts);
   int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
   int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
-  float* weights = at<float>(v.local, v.lay.local.weights);
   std::memset(counts, 0, 4ull * d.experts);
   for (uint64_t i = 0; i < uint64_t{a.num_tokens} * d.topk; ++i)
     if (a.topk_idx[i] >= 0) ++counts[a.topk_idx[i]];
@@ -144,7 +143,6 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   for (uint32_t t = 0; t < a.num_tokens; ++t)
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
-      weights[slot] = a.topk_weights[slot];
       const int64_t e64 = a.topk_idx[slot];
       if (e64 < 0) {
         pos[slot] = dst_of[slot] = -1;
@@ -228,6 +226,17 @@ void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
   if (d.ranks > N) word(v.signals, v.lay.signals.combine_sent).store(step, std::memory_order_release);
 }
 
+void mark_dispatch_failed(const Views& v) {
+  int32_t* counts = at<int32_t>(v.out, v.lay.out.counts);
+  std::fill(counts, counts + v.lay.dims.local_experts, kInvalidCount);
+}
+
+void mark_combine_failed(const Views& v, const CombineArgs& a) {
+  if (!a.out) return;
+  const uint64_t n = uint64_t{*at<uint32_t>(v.local, v.lay.local.tokens)} * v.lay.dims.hidden;
+  std::fill(a.out, a.out + n, kInvalidBf16);
+}
+
 void combine_recv(const Views& v, const CombineArgs& a, uint64_t step) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
@@ -239,7 +248,7 @@ void combine_recv(const Views& v, const CombineArgs& a, uint64_t step) {
   const uint32_t tokens = *at<uint32_t>(v.local, v.lay.local.tokens);
   const int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
   const int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
-  const float* weights = at<float>(v.local, v.lay.local.weights);
+  const float* weights = a.topk_weights;
   float* acc = at<float>(v.local, v.lay.local.scratch);
   for (uint32_t t = 0; t < tokens; ++t) {
     std::fill(acc, acc + d.hidden, 0.0f);

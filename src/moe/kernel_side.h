@@ -26,6 +26,7 @@ struct Views {
   std::byte* local = nullptr;
   std::byte* out = nullptr;
   uint64_t timeout_ns = 0;  // a receive half waiting longer gives up
+  uint32_t max_blocks = 0;  // CUDA: the most blocks a half's grid takes (AllToAllConfig::num_sms)
 };
 
 namespace host {
@@ -38,16 +39,22 @@ void dispatch_send(const Views& v, const DispatchArgs& args, uint64_t step);
 void dispatch_recv(const Views& v, uint64_t step);
 void combine_send(const Views& v, const CombineArgs& args, uint64_t step);
 void combine_recv(const Views& v, const CombineArgs& args, uint64_t step);
+// What a failed receive half leaves: counts = kInvalidCount; out = NaN (the last dispatch's tokens).
+void mark_dispatch_failed(const Views& v);
+void mark_combine_failed(const Views& v, const CombineArgs& args);
 }  // namespace host
 
 namespace cuda {
 // Enqueue kernels on args.stream; the step lives in device memory (local.step: dispatch_send
 // increments it), so a captured graph replays correctly. A wait that times out stores
-// KernelError into signals.kernel_error and ends its kernel. Only in CUDA builds.
+// KernelError into signals.kernel_error, marks its outputs invalid (counts = kInvalidCount,
+// combine out = NaN) and ends its kernel. Only in CUDA builds.
 void dispatch_send(const Views& v, const DispatchArgs& args);
 void dispatch_recv(const Views& v, void* stream);
 void combine_send(const Views& v, const CombineArgs& args);
 void combine_recv(const Views& v, const CombineArgs& args);
+// The grid cap for config.num_sms on the current device: num_sms if set, else min(SMs, 16).
+uint32_t blocks_per_half(uint32_t num_sms);
 }  // namespace cuda
 
 }  // namespace fabric::moe::detail

@@ -136,7 +136,6 @@ struct SignalLayout {
 struct LocalLayout {
   uint64_t counts = 0;     // [E] u32: this rank's counts (the last dispatch)
   uint64_t pos = 0;        // [T][K] i32: combine position of (t, k), -1 for a masked slot
-  uint64_t weights = 0;    // [T][K] f32: the routing weights, copied at dispatch
   uint64_t dst = 0;        // [T][K] i32: rank holding slot (t, k)'s expert, -1 for a masked slot
   uint64_t step = 0;       // u64: the last dispatch step (GPU kernels keep it here)
   uint64_t tokens = 0;     // u32: tokens of the last dispatch
@@ -207,7 +206,6 @@ inline Layout make_layout(const Dims& d) {
   o = 0;
   l.local.counts = take(4ull * d.experts);
   l.local.pos = take(4 * TK);
-  l.local.weights = take(4 * TK);
   l.local.dst = take(4 * TK);
   l.local.step = take(8);
   l.local.tokens = take(4);

@@ -24,6 +24,7 @@ void dispatch_send(const Views&, const DispatchArgs&) { needs_cuda("KernelSide::
 void dispatch_recv(const Views&, void*) { needs_cuda("KernelSide::kCuda dispatch receive"); }
 void combine_send(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine send"); }
 void combine_recv(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine receive"); }
+uint32_t blocks_per_half(uint32_t) { needs_cuda("KernelSide::kCuda"); }
 }  // namespace cuda
 
 }  // namespace fabric::moe::detail

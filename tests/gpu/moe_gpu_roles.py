@@ -99,11 +99,11 @@ def run(conn, cfg: dict, me: GpuRank) -> dict:
         x, idx, w = (t.to(DEV) for t in inputs[me.rank])
         e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         e[0].record()
-        recv = a2a.dispatch(x, None, idx, w)
+        *recv, h = a2a.dispatch(x, idx)
         e[1].record()
         me.experts(recv, expert_out)
         e[2].record()
-        out = a2a.combine(expert_out)
+        out = a2a.combine(expert_out, w, h)
         e[3].record()
         torch.cuda.synchronize()
         a2a.check()
@@ -120,9 +120,9 @@ def run(conn, cfg: dict, me: GpuRank) -> dict:
     sout = torch.empty(T, H, dtype=torch.bfloat16, device=DEV)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        grecv = a2a.dispatch(sx, None, sidx, sw)
+        *grecv, gh = a2a.dispatch(sx, sidx)
         me.experts(grecv, expert_out)
-        a2a.combine(expert_out, sout)
+        a2a.combine(expert_out, sw, gh, sout)
     replay_us = []
     for i in range(cfg["replays"]):
         inputs = [graph_input(cfg, s, i) for s in range(cfg["ranks"])]

@@ -65,14 +65,16 @@ struct MoeCase {
 };
 inline void PrintTo(const MoeCase& c, std::ostream* os) {
   PrintTo(c.provider, os);
-  *os << ", " << c.ranks << " ranks in nodes of " << c.node_size << ", hidden " << c.hidden << ", private " << c.private_rows
-      << (c.dtype == moe::Dtype::kFp8 ? ", fp8" : ", bf16");
+  *os << ", " << c.ranks << " ranks in nodes of " << c.node_size << ", hidden " << c.hidden
+      << ", private " << c.private_rows << (c.dtype == moe::Dtype::kFp8 ? ", fp8" : ", bf16");
 }
 
 inline AllToAllConfig config_of(const MoeCase& c, uint32_t rank, const std::string& job) {
   AllToAllConfig cfg;
-  cfg.rank = rank, cfg.ranks = c.ranks, cfg.node_size = c.node_size, cfg.experts = c.experts, cfg.topk = c.topk;
-  cfg.hidden = c.hidden, cfg.max_tokens = c.max_tokens, cfg.private_rows = c.private_rows, cfg.dispatch_dtype = c.dtype;
+  cfg.rank = rank, cfg.ranks = c.ranks, cfg.node_size = c.node_size, cfg.experts = c.experts,
+  cfg.topk = c.topk;
+  cfg.hidden = c.hidden, cfg.max_tokens = c.max_tokens, cfg.private_rows = c.private_rows,
+  cfg.dispatch_dtype = c.dtype;
   cfg.timeout = std::chrono::seconds(60);
   cfg.job = job;
   return cfg;
@@ -81,7 +83,8 @@ inline AllToAllConfig config_of(const MoeCase& c, uint32_t rank, const std::stri
 // One engine per rank.
 inline std::vector<std::unique_ptr<TransferEngine>> engines_for(const MoeCase& mc) {
   std::vector<std::unique_ptr<TransferEngine>> engines;
-  for (uint32_t r = 0; r < mc.ranks; ++r) engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
+  for (uint32_t r = 0; r < mc.ranks; ++r)
+    engines.push_back(std::make_unique<TransferEngine>(config_for(mc.provider)));
   return engines;
 }
 
@@ -90,7 +93,8 @@ inline std::vector<std::unique_ptr<TransferEngine>> engines_for(const MoeCase& m
 inline ReferenceInput make_input(const AllToAllConfig& c, uint32_t rank, uint32_t step) {
   std::mt19937_64 rng(rank * 1000003ull + step * 7919ull + 17);
   ReferenceInput in;
-  in.num_tokens = (rank == 1 && step % 2 == 1) ? 0 : static_cast<uint32_t>(rng() % (c.max_tokens + 1));
+  in.num_tokens =
+      (rank == 1 && step % 2 == 1) ? 0 : static_cast<uint32_t>(rng() % (c.max_tokens + 1));
   if (rank == 0) in.num_tokens = c.max_tokens;
   const bool fp8 = c.dispatch_dtype == moe::Dtype::kFp8;
   const uint64_t payload = fp8 ? c.hidden : 2ull * c.hidden;
@@ -107,7 +111,8 @@ inline ReferenceInput make_input(const AllToAllConfig& c, uint32_t rank, uint32_
       in.topk_weights[t * c.topk + k] = static_cast<float>(rng() % 4096) / 4096.0f;
       if (rng() % 8 == 0) continue;  // masked
       for (;;) {
-        const int64_t e = rng() % 3 == 0 ? static_cast<int64_t>(rng() % 2) : static_cast<int64_t>(rng() % c.experts);
+        const int64_t e = rng() % 3 == 0 ? static_cast<int64_t>(rng() % 2)
+                                         : static_cast<int64_t>(rng() % c.experts);
         bool taken = false;
         for (uint32_t k2 = 0; k2 < k; ++k2) taken |= in.topk_idx[t * c.topk + k2] == e;
         if (taken) continue;
@@ -120,51 +125,71 @@ inline ReferenceInput make_input(const AllToAllConfig& c, uint32_t rank, uint32_
 
 // The "expert": a BF16 row that depends on the row's source token, the expert and the column,
 // so a row combined from the wrong place shows.
-inline std::vector<uint16_t> expert_output(const AllToAllConfig& c, uint32_t rank, const moe::DispatchOutput& out) {
+inline std::vector<uint16_t> expert_output(const AllToAllConfig& c, uint32_t rank,
+                                           const moe::DispatchOutput& out) {
   const uint64_t M = out.rows_per_expert;
   std::vector<uint16_t> y(uint64_t{out.local_experts} * M * c.hidden, 0);
   for (uint32_t el = 0; el < out.local_experts; ++el)
     for (int32_t m = 0; m < out.counts[el]; ++m) {
       const int64_t src = out.src[el * M + m];
       for (uint32_t h = 0; h < c.hidden; ++h) {
-        const float v = static_cast<float>((src * 31 + (rank * out.local_experts + el) * 7 + h) % 97) * 0.125f - 6.0f;
+        const float v =
+            static_cast<float>((src * 31 + (rank * out.local_experts + el) * 7 + h) % 97) * 0.125f -
+            6.0f;
         y[(el * M + m) * c.hidden + h] = moe::detail::float_to_bf16(v);
       }
     }
   return y;
 }
 
+// How run_steps runs: shared, rank r's engine (empty: an engine each); seed, another input for
+// every step (two instances that share engines route differently); overlap, two dispatches in
+// flight (send A, send B, receive A, receive B, then combine A and B, received in the opposite
+// order), else one at a time with every other step's halves as separate calls.
+struct StepRun {
+  std::vector<TransferEngine*> shared{};
+  uint32_t seed = 0;
+  bool overlap = false;
+};
+
 // Runs `steps` steps on every rank (a thread each) and checks each rank's dispatch output and
-// combine output against the reference. Even steps run the send and receive halves as separate
-// calls. Returns per rank the first failure ("" when none).
-// shared: rank r's engine (empty: an engine each). seed: another input for every step (two
-// instances that share engines route differently).
+// combine output against the reference. Returns per rank the first failure ("" when none).
 inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, const std::string& job,
-                                          std::vector<TransferEngine*> shared = {}, uint32_t seed = 0) {
+                                          const StepRun& run = {}) {
   ThreadGather gather(mc.ranks);
-  const std::vector<std::unique_ptr<TransferEngine>> owned = shared.empty() ? engines_for(mc) : decltype(engines_for(mc)){};
-  std::vector<TransferEngine*> engines = shared;
+  const std::vector<std::unique_ptr<TransferEngine>> owned =
+      run.shared.empty() ? engines_for(mc) : decltype(engines_for(mc)){};
+  std::vector<TransferEngine*> engines = run.shared;
   for (const auto& e : owned) engines.push_back(e.get());
-  std::vector<std::vector<uint16_t>> expert_outs(mc.ranks);  // this step's, for combine's reference
+  const uint32_t batch = run.overlap ? 2 : 1;
+  // [batch][rank]: this step's expert outputs, for combine's reference.
+  std::vector<std::vector<std::vector<uint16_t>>> expert_outs(
+      batch, std::vector<std::vector<uint16_t>>(mc.ranks));
   std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
   std::vector<std::string> failures(mc.ranks);
   std::atomic<bool> any_failed{false};
 
-  auto check_dispatch = [&](const AllToAllConfig& cfg, uint32_t r, uint32_t step, const std::vector<ReferenceInput>& inputs,
+  auto check_dispatch = [&](const AllToAllConfig& cfg, uint32_t r, uint32_t step,
+                            const std::vector<ReferenceInput>& inputs,
                             const moe::DispatchOutput& out) -> std::string {
     const moe::ReferenceDispatch want = moe::reference_dispatch(cfg, inputs)[r];
-    const uint64_t M = out.rows_per_expert, payload = mc.dtype == moe::Dtype::kFp8 ? mc.hidden : 2ull * mc.hidden;
+    const uint64_t M = out.rows_per_expert,
+                   payload = mc.dtype == moe::Dtype::kFp8 ? mc.hidden : 2ull * mc.hidden;
     const uint64_t sc = mc.dtype == moe::Dtype::kFp8 ? mc.hidden / 128 : 0;
     for (uint32_t el = 0; el < out.local_experts; ++el) {
       const uint32_t e = r * out.local_experts + el;
       if (out.counts[el] != want.counts[el])
-        return fmt::format("step {} expert {}: {} rows, the reference {}", step, e, out.counts[el], want.counts[el]);
+        return fmt::format("step {} expert {}: {} rows, the reference {}", step, e, out.counts[el],
+                           want.counts[el]);
       const uint64_t rows = static_cast<uint64_t>(want.counts[el]);
-      if (std::memcmp(static_cast<const std::byte*>(out.x) + el * M * payload, want.x.data() + el * M * payload, rows * payload) != 0)
-        return fmt::format("step {} expert {}: received rows differ from their source tokens", step, e);
+      if (std::memcmp(static_cast<const std::byte*>(out.x) + el * M * payload,
+                      want.x.data() + el * M * payload, rows * payload) != 0)
+        return fmt::format("step {} expert {}: received rows differ from their source tokens", step,
+                           e);
       if (std::memcmp(out.src + el * M, want.src.data() + el * M, rows * 4) != 0)
         return fmt::format("step {} expert {}: rows name other source tokens", step, e);
-      if (sc && std::memcmp(out.scales + el * M * sc, want.scales.data() + el * M * sc, rows * sc * 4) != 0)
+      if (sc && std::memcmp(out.scales + el * M * sc, want.scales.data() + el * M * sc,
+                            rows * sc * 4) != 0)
         return fmt::format("step {} expert {}: scales differ", step, e);
     }
     return "";
@@ -173,36 +198,63 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
   auto rank_main = [&](uint32_t r) -> std::string {
     const AllToAllConfig cfg = config_of(mc, r, job);
     AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
-    for (uint32_t step = 1; step <= steps; ++step) {
-      std::vector<ReferenceInput> inputs;
-      for (uint32_t s = 0; s < mc.ranks; ++s) inputs.push_back(make_input(cfg, s, step + 1000 * seed));
-      const ReferenceInput& in = inputs[r];
-      const moe::DispatchArgs args{.num_tokens = in.num_tokens, .x = in.x.data(), .x_scales = in.x_scales.data(),
-                                   .topk_idx = in.topk_idx.data(), .topk_weights = in.topk_weights.data()};
-      const bool split = step % 2 == 0;
-      if (split) {
-        a2a.dispatch(args, true, false);
-        a2a.dispatch(args, false, true);
+    for (uint32_t first = 1; first + batch - 1 <= steps; first += batch) {
+      std::vector<std::vector<ReferenceInput>> inputs(batch);
+      std::vector<moe::Handle> handles(batch);
+      for (uint32_t b = 0; b < batch; ++b)
+        for (uint32_t s = 0; s < mc.ranks; ++s)
+          inputs[b].push_back(make_input(cfg, s, first + b + 1000 * run.seed));
+      auto args_of = [&](uint32_t b) {
+        const ReferenceInput& in = inputs[b][r];
+        return moe::DispatchArgs{.num_tokens = in.num_tokens,
+                                 .x = in.x.data(),
+                                 .x_scales = in.x_scales.data(),
+                                 .topk_idx = in.topk_idx.data()};
+      };
+      if (run.overlap) {
+        for (uint32_t b = 0; b < batch; ++b) handles[b] = a2a.dispatch_send(args_of(b));
+        for (uint32_t b = 0; b < batch; ++b) a2a.dispatch_recv(handles[b]);
+      } else if (first % 2 == 0) {
+        handles[0] = a2a.dispatch_send(args_of(0));
+        a2a.dispatch_recv(handles[0]);
       } else {
-        a2a.dispatch(args);
+        handles[0] = a2a.dispatch(args_of(0));
       }
-      const moe::DispatchOutput out = a2a.output();
-      if (std::string f = check_dispatch(cfg, r, step, inputs, out); !f.empty()) return f;
-      std::vector<uint16_t> y = expert_output(cfg, r, out);
-      expert_outs[r] = y;
-      sync.arrive_and_wait();  // every rank's expert output is in expert_outs
+      std::vector<std::vector<uint16_t>> ys(batch);
+      for (uint32_t b = 0; b < batch; ++b) {
+        if (handles[b].step != first + b || handles[b].num_tokens != inputs[b][r].num_tokens)
+          return fmt::format("step {}: the handle names dispatch {} of {} tokens", first + b,
+                             handles[b].step, handles[b].num_tokens);
+        const moe::DispatchOutput out = a2a.output(handles[b]);
+        if (std::string f = check_dispatch(cfg, r, first + b, inputs[b], out); !f.empty()) return f;
+        ys[b] = expert_output(cfg, r, out);
+        expert_outs[b][r] = ys[b];
+      }
+      sync.arrive_and_wait();            // every rank's expert outputs are in expert_outs
       if (any_failed.load()) return "";  // another rank failed: its failure is the one to report
-      const std::vector<uint16_t> want = moe::reference_combine(cfg, inputs, r, expert_outs);
-      sync.arrive_and_wait();  // nobody overwrites expert_outs before every rank took its reference
-      std::vector<uint16_t> combined(uint64_t{in.num_tokens} * mc.hidden, 0xFFFF);
-      const moe::CombineArgs cargs{.expert_out = y.data(), .out = combined.data()};
-      if (split) {
-        a2a.combine(cargs, true, false);
-        a2a.combine(cargs, false, true);
-      } else {
-        a2a.combine(cargs);
+      std::vector<std::vector<uint16_t>> want(batch), combined(batch);
+      for (uint32_t b = 0; b < batch; ++b) {
+        want[b] = moe::reference_combine(cfg, inputs[b], r, expert_outs[b]);
+        combined[b].assign(uint64_t{inputs[b][r].num_tokens} * mc.hidden, 0xFFFF);
       }
-      if (combined != want) return fmt::format("step {}: combine differs from the reference", step);
+      sync.arrive_and_wait();  // nobody overwrites expert_outs before every rank took its reference
+      auto cargs_of = [&](uint32_t b) {
+        return moe::CombineArgs{.expert_out = ys[b].data(),
+                                .topk_weights = inputs[b][r].topk_weights.data(),
+                                .out = combined[b].data()};
+      };
+      if (run.overlap) {
+        for (uint32_t b = 0; b < batch; ++b) a2a.combine_send(handles[b], cargs_of(b));
+        for (uint32_t b = batch; b-- > 0;) a2a.combine_recv(handles[b], cargs_of(b));
+      } else if (first % 2 == 0) {
+        a2a.combine_send(handles[0], cargs_of(0));
+        a2a.combine_recv(handles[0], cargs_of(0));
+      } else {
+        a2a.combine(handles[0], cargs_of(0));
+      }
+      for (uint32_t b = 0; b < batch; ++b)
+        if (combined[b] != want[b])
+          return fmt::format("step {}: combine differs from the reference", first + b);
     }
     a2a.check();
     return "";

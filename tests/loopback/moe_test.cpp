@@ -1,7 +1,7 @@
-// MoE dispatch/combine (include/fabric/moe/all_to_all.h) on the host kernel side: ranks as threads of this
-// process, each with its own engine, grouped into "nodes" that share node regions, the other
-// nodes reached through the proxy over tcp or shm. Every received row and every combined value is
-// checked against the CPU reference (moe_reference.h).
+// MoE dispatch/combine (include/fabric/moe/all_to_all.h) on the host kernel side: ranks as threads
+// of this process, each with its own engine, grouped into "nodes" that share node regions, the
+// other nodes reached through the proxy over tcp or shm. Every received row and every combined
+// value is checked against the CPU reference (moe_reference.h).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -22,7 +22,6 @@
 namespace fabric::testing {
 namespace {
 
-
 class MoeSteps : public ::testing::TestWithParam<MoeCase> {};
 
 TEST_P(MoeSteps, TwentyStepsOfRandomSkewedRoutingMatchTheReferenceByteForByte) {
@@ -32,7 +31,8 @@ TEST_P(MoeSteps, TwentyStepsOfRandomSkewedRoutingMatchTheReferenceByteForByte) {
 }
 
 std::vector<MoeCase> moe_cases() {
-  const ProviderCase tcp{"tcp;ofi_rxm", 1, false}, shm{"shm", 1, false}, tcp2{"tcp;ofi_rxm", 2, true};
+  const ProviderCase tcp{"tcp;ofi_rxm", 1, false}, shm{"shm", 1, false},
+      tcp2{"tcp;ofi_rxm", 2, true};
   return {
       // 4 ranks as 2 nodes, FP8, a private region smaller than most peers' rows.
       {tcp, 4, 2, 16, 8, 2048, 24, 3, moe::Dtype::kFp8},
@@ -49,15 +49,39 @@ std::vector<MoeCase> moe_cases() {
 std::string moe_case_name(const ::testing::TestParamInfo<MoeCase>& info) {
   const MoeCase& c = info.param;
   return case_name(::testing::TestParamInfo<ProviderCase>(c.provider, 0)) + "_" +
-         std::to_string(c.ranks) + "ranks_" + std::to_string(c.ranks / c.node_size) + "nodes_h" + std::to_string(c.hidden) + "_p" +
-         std::to_string(c.private_rows) + (c.dtype == moe::Dtype::kFp8 ? "_fp8" : "_bf16");
+         std::to_string(c.ranks) + "ranks_" + std::to_string(c.ranks / c.node_size) + "nodes_h" +
+         std::to_string(c.hidden) + "_p" + std::to_string(c.private_rows) +
+         (c.dtype == moe::Dtype::kFp8 ? "_fp8" : "_bf16");
 }
 
 INSTANTIATE_TEST_SUITE_P(Loopback, MoeSteps, ::testing::ValuesIn(moe_cases()), moe_case_name);
 
-// A rank that stops taking part: every other rank's receive half fails within the timeout naming
-// it, and the failed AllToAll refuses later calls.
-TEST(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt) {
+// Two dispatches in flight (two-batch overlap): dispatch A, dispatch B, combine A, combine B,
+// every output exact, through the proxy (two buffer sets, each with its own immediates) and
+// inside one node.
+class MoeOverlap : public ::testing::TestWithParam<MoeCase> {};
+
+TEST_P(MoeOverlap, TwoDispatchesInFlightMatchTheReferenceByteForByte) {
+  const MoeCase& mc = GetParam();
+  const std::vector<std::string> failures = run_steps(mc, 20, "moe-overlap", {.overlap = true});
+  for (uint32_t r = 0; r < mc.ranks; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Loopback, MoeOverlap,
+    ::testing::Values(
+        MoeCase{{"tcp;ofi_rxm", 1, false}, 4, 2, 16, 8, 2048, 24, 3, moe::Dtype::kFp8},
+        MoeCase{{"shm", 1, false}, 4, 2, 16, 4, 1024, 16, 0, moe::Dtype::kBf16},
+        MoeCase{{"shm", 1, false}, 4, 4, 8, 8, 2048, 16, 4, moe::Dtype::kFp8}),
+    moe_case_name);
+
+// A rank that stops taking part (before step 2's dispatch, or between its dispatch and combine):
+// every other rank's receive half fails within the timeout naming it, leaves its outputs marked
+// invalid (counts = kInvalidCount, combine out = NaN), and the failed AllToAll refuses later calls.
+class MoeFailure : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt) {
+  const bool at_combine = GetParam();
   const MoeCase mc{{"tcp;ofi_rxm", 1, false}, 4, 2, 16, 4, 2048, 8, 2, moe::Dtype::kFp8};
   ThreadGather gather(mc.ranks);
   const std::vector<std::unique_ptr<TransferEngine>> engines = engines_for(mc);
@@ -67,30 +91,52 @@ TEST(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt
   auto rank_main = [&](uint32_t r) {
     AllToAllConfig cfg = config_of(mc, r, "moe-dead");
     cfg.timeout = std::chrono::milliseconds(2000);
+    cfg.buffers = 1;  // step 2 reuses step 1's buffers: its stale outputs must not survive
     AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
+    auto wait_for_the_others = [&] {  // alive (its engine and regions too), sending nothing more
+      while (done.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    };
     for (uint32_t step = 1; step <= 2; ++step) {
       std::vector<ReferenceInput> inputs;
       for (uint32_t s = 0; s < mc.ranks; ++s) inputs.push_back(make_input(cfg, s, step));
-      if (r == 3 && step == 2) {
-        // Stays alive (its engine and regions too) but sends nothing more until the others failed.
-        while (done.load() < 3) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        return;
-      }
+      const bool stops_here = r == 3 && step == 2;
+      if (stops_here && !at_combine) return wait_for_the_others();
       const ReferenceInput& in = inputs[r];
+      const moe::DispatchArgs args{.num_tokens = in.num_tokens,
+                                   .x = in.x.data(),
+                                   .x_scales = in.x_scales.data(),
+                                   .topk_idx = in.topk_idx.data()};
+      std::vector<uint16_t> out(uint64_t{in.num_tokens} * mc.hidden, 0);
       const auto t0 = std::chrono::steady_clock::now();
+      const moe::Handle h = a2a.dispatch_send(args);
+      const moe::DispatchOutput o = a2a.output(h);
       try {
-        a2a.dispatch({.num_tokens = in.num_tokens, .x = in.x.data(), .x_scales = in.x_scales.data(),
-                      .topk_idx = in.topk_idx.data(), .topk_weights = in.topk_weights.data()});
+        a2a.dispatch_recv(h);
+        if (stops_here) return wait_for_the_others();
+        std::vector<uint16_t> y(uint64_t{o.local_experts} * o.rows_per_expert * mc.hidden, 0);
+        a2a.combine(
+            h, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
       } catch (const Error& e) {
         seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         errors[r] = std::string(to_string(e.code())) + " | " + e.what();
-        expect_error(ErrorCode::kInvalidArgument, "failed earlier", [&] { a2a.dispatch({}); });
+        // Nothing plausible is left in place: step 1's counts, zeros in out.
+        if (at_combine) {
+          for (size_t i = 0; i < out.size(); ++i)
+            if (out[i] != moe::kInvalidBf16) {
+              errors[r] += fmt::format(" | out[{}] = {:#x} after the failure", i, out[i]);
+              break;
+            }
+        } else {
+          for (uint32_t el = 0; el < o.local_experts; ++el)
+            if (o.counts[el] != moe::kInvalidCount)
+              errors[r] += fmt::format(" | counts[{}] = {} after the failure", el, o.counts[el]);
+        }
+        expect_error(ErrorCode::kInvalidArgument, "failed earlier",
+                     [&] { a2a.dispatch_send(args); });
+        expect_error(ErrorCode::kInvalidArgument, "failed earlier", [&] { a2a.check(); });
         done.fetch_add(1);
         return;
       }
-      std::vector<uint16_t> y(uint64_t{a2a.output().local_experts} * a2a.output().rows_per_expert * mc.hidden, 0);
-      std::vector<uint16_t> out(uint64_t{in.num_tokens} * mc.hidden);
-      a2a.combine({.expert_out = y.data(), .out = out.data()});
     }
     done.fetch_add(1);
   };
@@ -99,10 +145,20 @@ TEST(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankWithinTheTimeoutNamingIt
   for (auto& t : threads) t.join();
   for (uint32_t r = 0; r < 3; ++r) {
     EXPECT_NE(errors[r].find("ranks [3]"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find(at_combine ? "MoE combine step 2" : "MoE dispatch step 2"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_EQ(errors[r].find("after the failure"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
     EXPECT_TRUE(errors[r].starts_with("timeout") || errors[r].starts_with("provider")) << errors[r];
     EXPECT_LT(seconds[r], 30.0) << "rank " << r << " took too long to fail";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Loopback, MoeFailure, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "AtCombine" : "AtDispatch";
+                         });
 
 // Input the kernel side cannot run is refused before anything is written: the same AllToAll then
 // runs a correct step. Calls out of order and mismatched ranks are refused with a clear error.
@@ -117,10 +173,15 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
     std::vector<ReferenceInput> inputs;
     for (uint32_t s = 0; s < mc.ranks; ++s) inputs.push_back(make_input(cfg, s, 1));
     ReferenceInput in = inputs[r];
-    const moe::DispatchArgs good{.num_tokens = in.num_tokens, .x = in.x.data(), .topk_idx = in.topk_idx.data(),
-                                 .topk_weights = in.topk_weights.data()};
+    const moe::DispatchArgs good{
+        .num_tokens = in.num_tokens, .x = in.x.data(), .topk_idx = in.topk_idx.data()};
     std::vector<uint16_t> out(uint64_t{in.num_tokens} * mc.hidden);
-    expect_error(ErrorCode::kInvalidArgument, "out of order", [&] { a2a.combine({.expert_out = out.data(), .out = out.data()}); });
+    const moe::CombineArgs cargs{
+        .expert_out = out.data(), .topk_weights = in.topk_weights.data(), .out = out.data()};
+    expect_error(ErrorCode::kInvalidArgument, "not a handle of this AllToAll",
+                 [&] { a2a.combine({}, cargs); });
+    expect_error(ErrorCode::kInvalidArgument, "not a handle of this AllToAll",
+                 [&] { a2a.combine(moe::Handle{.buffer = 0, .step = 1}, cargs); });
     moe::DispatchArgs a = good;
     if (r == 0) {  // rank 0 always has max_tokens tokens
       std::vector<int64_t> bad = in.topk_idx;
@@ -128,20 +189,54 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
       a.topk_idx = bad.data();
       expect_error(ErrorCode::kInvalidArgument, "not below experts 8", [&] { a2a.dispatch(a); });
       bad[0] = bad[1] = 3;
-      expect_error(ErrorCode::kInvalidArgument, "names expert 3 in slots 0 and 1", [&] { a2a.dispatch(a); });
+      expect_error(ErrorCode::kInvalidArgument, "names expert 3 in slots 0 and 1",
+                   [&] { a2a.dispatch(a); });
       a = good;
     }
     a.num_tokens = 5;
     expect_error(ErrorCode::kInvalidArgument, "more than max_tokens 4", [&] { a2a.dispatch(a); });
-    a2a.dispatch(good);
-    const moe::DispatchOutput o = a2a.output();
+    const moe::Handle h = a2a.dispatch_send(good);
+    // Calls out of order for a handle are refused and change nothing.
+    expect_error(ErrorCode::kInvalidArgument,
+                 "out of order for dispatch 1 (it is at 'dispatch sent'",
+                 [&] { a2a.combine(h, cargs); });
+    expect_error(ErrorCode::kInvalidArgument, "not a handle of this AllToAll",
+                 [&] { a2a.dispatch_recv(moe::Handle{.buffer = 1, .step = 1}); });
+    a2a.dispatch_recv(h);
+    expect_error(ErrorCode::kInvalidArgument, "out of order for dispatch 1 (it is at 'dispatched'",
+                 [&] { a2a.dispatch_recv(h); });
+    expect_error(ErrorCode::kInvalidArgument, "out of order for dispatch 1",
+                 [&] { a2a.combine_recv(h, cargs); });
+    // A second dispatch takes the other buffer set; a third waits for the first to be combined.
+    const moe::Handle h2 = a2a.dispatch(good);
+    if (h2.buffer != 1 || h2.step != 2)
+      failures[r] = fmt::format("second handle: set {} step {}", h2.buffer, h2.step);
+    expect_error(ErrorCode::kInvalidArgument, "at most 2 dispatches in flight",
+                 [&] { a2a.dispatch_send(good); });
+    if (in.num_tokens > 0)
+      expect_error(ErrorCode::kInvalidArgument, "out and topk_weights",
+                   [&] { a2a.combine(h2, {.expert_out = out.data()}); });
+    const moe::DispatchOutput o = a2a.output(h);
     const moe::ReferenceDispatch want = moe::reference_dispatch(cfg, inputs)[r];
     for (uint32_t el = 0; el < o.local_experts; ++el)
       if (o.counts[el] != want.counts[el] ||
           std::memcmp(o.x, want.x.data(), uint64_t(want.counts[el]) * 2 * mc.hidden) != 0)
         failures[r] = "the step after refused input differs from the reference";
     std::vector<uint16_t> y(uint64_t{o.local_experts} * o.rows_per_expert * mc.hidden, 0);
-    a2a.combine({.expert_out = y.data(), .out = out.data()});
+    a2a.combine(
+        h2, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
+    a2a.combine(
+        h, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
+    expect_error(ErrorCode::kInvalidArgument, "the handle of dispatch 1 is spent",
+                 [&] { a2a.combine(h, cargs); });
+    // The next dispatch reuses set 0: dispatch 1's handle is spent for good.
+    const moe::Handle h3 = a2a.dispatch(good);
+    expect_error(
+        ErrorCode::kInvalidArgument,
+        "the handle of dispatch 1 is spent (it was combined; its buffer set 0 holds dispatch 3",
+        [&] { a2a.combine(h, cargs); });
+    a2a.combine(
+        h3, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
   };
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < mc.ranks; ++r) threads.emplace_back(rank_main, r);
@@ -151,12 +246,24 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
   TransferEngine engine(config_for(mc.provider));
   AllToAllConfig cfg = config_of(mc, 0, "moe-bad");
   cfg.experts = 7;
-  expect_error(ErrorCode::kInvalidArgument, "experts 7: a positive multiple of ranks 2", [&] { AllToAll(engine, cfg, {}); });
+  expect_error(ErrorCode::kInvalidArgument, "experts 7: a positive multiple of ranks 2",
+               [&] { AllToAll(engine, cfg, {}); });
   cfg = config_of(mc, 0, "moe-bad");
   cfg.node_size = 3;
   expect_error(ErrorCode::kInvalidArgument, "node_size 3", [&] { AllToAll(engine, cfg, {}); });
   cfg = config_of(mc, 0, "bad/job");
   expect_error(ErrorCode::kInvalidArgument, "job 'bad/job'", [&] { AllToAll(engine, cfg, {}); });
+  cfg = config_of(mc, 0, "moe-bad");
+  cfg.buffers = 5;
+  expect_error(ErrorCode::kInvalidArgument, "buffers 5 (1 to 4)",
+               [&] { AllToAll(engine, cfg, {}); });
+  cfg.buffers = 0;
+  expect_error(ErrorCode::kInvalidArgument, "buffers 0 (1 to 4)",
+               [&] { AllToAll(engine, cfg, {}); });
+  cfg = config_of(mc, 0, "moe-bad");
+  cfg.imm_base = 0xF0000000u;
+  expect_error(ErrorCode::kInvalidArgument, "do not fit below 2^32",
+               [&] { AllToAll(engine, cfg, {}); });
 }
 
 TEST(MoeErrors, RanksBuiltWithOtherDimensionsAreRefusedByName) {
@@ -176,8 +283,10 @@ TEST(MoeErrors, RanksBuiltWithOtherDimensionsAreRefusedByName) {
   std::thread t0(rank_main, 0, std::ref(e0)), t1(rank_main, 1, std::ref(e1));
   t0.join();
   t1.join();
-  EXPECT_NE(errors[0].find("rank 1 was built with other dimensions"), std::string::npos) << errors[0];
-  EXPECT_NE(errors[1].find("rank 0 was built with other dimensions"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("rank 1 was built with other dimensions"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("rank 0 was built with other dimensions"), std::string::npos)
+      << errors[1];
 }
 
 }  // namespace

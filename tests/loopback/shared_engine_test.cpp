@@ -96,11 +96,12 @@ TEST_P(SharedEngine, KvWeightsAndTwoAllToAllsRunAtOnceOnOneEnginePairEveryByteAn
   weights::Cluster w(weights::testing::random_model(10), pc, /*window=*/2, /*sets=*/2, /*owner_rows=*/128,
                      std::chrono::seconds(60), {&a, &b});
 
-  // Two all-to-alls (two-batch overlap): 2 ranks as 2 nodes, rank 0 on a, rank 1 on b, each
-  // instance's steps in lockstep with the other's, so their (kind, step, rank) values coincide.
+  // Two all-to-alls: 2 ranks as 2 nodes, rank 0 on a, rank 1 on b, each instance's steps in
+  // lockstep with the other's, so their (kind, step, rank) values coincide; the second keeps two
+  // dispatches in flight (its two buffer sets' ranges on each engine as well).
   const MoeCase mc{pc, 2, 1, 8, 4, 1024, 16, 4, moe::Dtype::kFp8};
-  auto moe_a = std::async(std::launch::async, [&] { return run_steps(mc, 40, "shared-a", {&a, &b}, 1); });
-  auto moe_b = std::async(std::launch::async, [&] { return run_steps(mc, 40, "shared-b", {&a, &b}, 2); });
+  auto moe_a = std::async(std::launch::async, [&] { return run_steps(mc, 40, "shared-a", {.shared = {&a, &b}, .seed = 1}); });
+  auto moe_b = std::async(std::launch::async, [&] { return run_steps(mc, 40, "shared-b", {.shared = {&a, &b}, .seed = 2, .overlap = true}); });
   auto kv = std::async(std::launch::async, [&] { return kv_requests(tx, rx, l, prefill, decode, 8); });
   for (uint64_t step = 0; step < 6; step++) {
     w.new_weights(static_cast<uint32_t>(step + 1));

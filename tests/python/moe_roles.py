@@ -119,27 +119,28 @@ class Rank:
 
     def step(self, step: int, inputs: list, split: bool, prequantized: bool, probe=None) -> tuple:
         """Runs dispatch, the experts and combine; returns (recv tuple, out, dispatch s, combine s).
-        probe(): called between the experts and combine."""
+        probe(handle, topk_weights): called between the experts and combine."""
         x, idx, w = inputs[self.rank]
         xs = None
         if prequantized and self.cfg["dtype"] == "fp8":
             x, xs = M.quantize_fp8_tokens(x)
         t0 = time.perf_counter()
         if split:
-            self.a2a.dispatch(x, xs, idx, w, do_send=True, do_recv=False)
-            recv = self.a2a.dispatch(do_send=False, do_recv=True)
+            h = self.a2a.dispatch_send(x, idx, xs)
+            recv = self.a2a.dispatch_recv(h)
         else:
-            recv = self.a2a.dispatch(x, xs, idx, w)
+            *recv, h = self.a2a.dispatch(x, idx, xs)
+            recv = tuple(recv)
         t1 = time.perf_counter()
         self.run_experts(recv)
         if probe:
-            probe()
+            probe(h, w)
         t2 = time.perf_counter()
         if split:
-            self.a2a.combine(self.expert_out, do_send=True, do_recv=False)
-            out = self.a2a.combine(do_send=False, do_recv=True)
+            self.a2a.combine_send(self.expert_out, h)
+            out = self.a2a.combine_recv(w, h)
         else:
-            out = self.a2a.combine(self.expert_out)
+            out = self.a2a.combine(self.expert_out, w, h)
         t3 = time.perf_counter()
         return recv, out, t1 - t0, t3 - t2
 
@@ -234,47 +235,52 @@ def bad_inputs(cfg: dict, a2a: M.AllToAll) -> list:
     twice = idx.clone()
     twice[0, 1] = 0
     cases = [
-        ("x float32", TypeError, "x must be", lambda: a2a.dispatch(x.float(), None, idx, w)),
-        ("x wrong hidden", ValueError, "shape", lambda: a2a.dispatch(x[:, :H // 2], None, idx, w)),
-        ("x one-dimensional", ValueError, "x must be", lambda: a2a.dispatch(x[0], None, idx, w)),
+        ("x float32", TypeError, "x must be", lambda: a2a.dispatch(x.float(), idx)),
+        ("x wrong hidden", ValueError, "shape", lambda: a2a.dispatch(x[:, :H // 2], idx)),
+        ("x one-dimensional", ValueError, "x must be", lambda: a2a.dispatch(x[0], idx)),
         ("too many tokens", ValueError, "more than max_tokens",
-         lambda: a2a.dispatch(torch.zeros(T + 1, H, dtype=torch.bfloat16), None,
-                              torch.zeros(T + 1, K, dtype=torch.int64), torch.ones(T + 1, K))),
+         lambda: a2a.dispatch(torch.zeros(T + 1, H, dtype=torch.bfloat16), torch.zeros(T + 1, K, dtype=torch.int64))),
         ("x not contiguous", ValueError, "contiguous",
-         lambda: a2a.dispatch(torch.zeros(H, n, dtype=torch.bfloat16).t(), None, idx, w)),
-        ("topk_idx int32", TypeError, "topk_idx must be torch.int64", lambda: a2a.dispatch(x, None, idx.int(), w)),
-        ("topk_idx wrong k", ValueError, "topk_idx must have shape", lambda: a2a.dispatch(x, None, idx[:, :1], w)),
-        ("topk_weights float64", TypeError, "topk_weights must be torch.float32",
-         lambda: a2a.dispatch(x, None, idx, w.double())),
-        ("topk_weights missing", TypeError, "topk_weights must be a torch.Tensor", lambda: a2a.dispatch(x, None, idx, None)),
-        ("expert out of range", fl.FabricError, f"= {E}, not below experts {E}",
-         lambda: a2a.dispatch(x, None, out_of_range, w)),
-        ("expert twice", fl.FabricError, "names expert 0 in slots 0 and 1", lambda: a2a.dispatch(x, None, twice, w)),
-        ("combine before dispatch", fl.FabricError, "out of order",
-         lambda: a2a.combine(torch.zeros(a2a.local_experts, a2a.rows_per_expert, H, dtype=torch.bfloat16))),
+         lambda: a2a.dispatch(torch.zeros(H, n, dtype=torch.bfloat16).t(), idx)),
+        ("topk_idx int32", TypeError, "topk_idx must be torch.int64", lambda: a2a.dispatch(x, idx.int())),
+        ("topk_idx wrong k", ValueError, "topk_idx must have shape", lambda: a2a.dispatch(x, idx[:, :1])),
+        ("topk_idx missing", TypeError, "topk_idx must be a torch.Tensor", lambda: a2a.dispatch(x, None)),
+        ("expert out of range", fl.FabricError, f"= {E}, not below experts {E}", lambda: a2a.dispatch(x, out_of_range)),
+        ("expert twice", fl.FabricError, "names expert 0 in slots 0 and 1", lambda: a2a.dispatch(x, twice)),
+        ("combine without a handle", TypeError, "handle must be the MoeHandle",
+         lambda: a2a.combine(torch.zeros(a2a.local_experts, a2a.rows_per_expert, H, dtype=torch.bfloat16), w, None)),
+        ("receive without a handle", TypeError, "handle must be the MoeHandle", lambda: a2a.dispatch_recv(3)),
     ]
     if cfg["dtype"] == "fp8":
         q, s = M.quantize_fp8_tokens(x)
         cases += [
-            ("fp8 x without scales", ValueError, "needs x_scales", lambda: a2a.dispatch(q, None, idx, w)),
-            ("bf16 x with scales", ValueError, "x_scales is given", lambda: a2a.dispatch(x, s, idx, w)),
-            ("scales wrong shape", ValueError, "x_scales must have shape", lambda: a2a.dispatch(q, s[:, :1], idx, w)),
+            ("fp8 x without scales", ValueError, "needs x_scales", lambda: a2a.dispatch(q, idx)),
+            ("bf16 x with scales", ValueError, "x_scales is given", lambda: a2a.dispatch(x, idx, s)),
+            ("scales wrong shape", ValueError, "x_scales must have shape", lambda: a2a.dispatch(q, idx, s[:, :1])),
         ]
     else:
         cases.append(("fp8 x for bf16", TypeError, "x must be torch.bfloat16",
-                      lambda: a2a.dispatch(x.to(torch.float8_e4m3fn), None, idx, w)))
+                      lambda: a2a.dispatch(x.to(torch.float8_e4m3fn), idx)))
     return [f for f in (_expect(*c) for c in cases) if f]
 
 
-def bad_combines(cfg: dict, a2a: M.AllToAll, n: int) -> list:
-    """Right after a dispatch of n tokens: combine input the AllToAll must refuse."""
-    L, Mr, H = a2a.local_experts, a2a.rows_per_expert, cfg["hidden"]
+def bad_combines(cfg: dict, a2a: M.AllToAll, h: M.Handle, w: torch.Tensor) -> list:
+    """Right after dispatch h (received): combine input the AllToAll must refuse, and halves out
+    of order for h."""
+    L, Mr, H, n = a2a.local_experts, a2a.rows_per_expert, cfg["hidden"], h.num_tokens
     eo = torch.zeros(L, Mr, H, dtype=torch.bfloat16)
     cases = [
-        ("expert_out float32", TypeError, "expert_out must be torch.bfloat16", lambda: a2a.combine(eo.float())),
-        ("expert_out wrong shape", ValueError, "expert_out must have shape", lambda: a2a.combine(eo[:, :1])),
+        ("expert_out float32", TypeError, "expert_out must be torch.bfloat16", lambda: a2a.combine(eo.float(), w, h)),
+        ("expert_out wrong shape", ValueError, "expert_out must have shape", lambda: a2a.combine(eo[:, :1], w, h)),
         ("out wrong shape", ValueError, "out must have shape",
-         lambda: a2a.combine(eo, torch.zeros(n + 1, H, dtype=torch.bfloat16))),
+         lambda: a2a.combine(eo, w, h, torch.zeros(n + 1, H, dtype=torch.bfloat16))),
+        ("topk_weights float64", TypeError, "topk_weights must be torch.float32", lambda: a2a.combine(eo, w.double(), h)),
+        ("topk_weights missing", TypeError, "topk_weights must be a torch.Tensor", lambda: a2a.combine(eo, None, h)),
+        ("topk_weights wrong shape", ValueError, "topk_weights must have shape",
+         lambda: a2a.combine(eo, torch.ones(n + 1, cfg["topk"]), h)),
+        ("receive twice", fl.FabricError, f"out of order for dispatch {h.step}", lambda: a2a.dispatch_recv(h)),
+        ("combine receive before its send", fl.FabricError, f"out of order for dispatch {h.step}",
+         lambda: a2a.combine_recv(w, h)),
     ]
     return [f for f in (_expect(*c) for c in cases) if f]
 
@@ -317,15 +323,15 @@ def run_steps(conn, cfg: dict, me: Rank) -> None:
         repeated = i >= len(steps)
         inputs = [make_input(cfg, s, step) for s in range(cfg["ranks"])]
         if step == cfg.get("kill_step") and me.rank == cfg.get("kill_rank"):
-            x, idx, w = inputs[me.rank]
-            me.a2a.dispatch(x, None, idx, w, do_send=True, do_recv=False)
+            x, idx, _ = inputs[me.rank]
+            me.a2a.dispatch_send(x, idx)
             os._exit(17)  # mid-step: its rows sent, nothing more
         t0 = time.monotonic()
         try:
             probe = None
             if cfg.get("bad_inputs") and step == 1:
-                def probe():
-                    conn.send(("bad_combines", bad_combines(cfg, me.a2a, inputs[me.rank][0].shape[0])))
+                def probe(h, w):
+                    conn.send(("bad_combines", bad_combines(cfg, me.a2a, h, w)))
             recv, out, d_s, c_s = me.step(step, inputs, split=step % 2 == 0, prequantized=step % 3 == 0,
                                           probe=probe)
         except fl.FabricError as e:
@@ -344,7 +350,134 @@ def run_steps(conn, cfg: dict, me: Rank) -> None:
 def _refusal(a2a: M.AllToAll) -> str:
     """What a call on an AllToAll that failed raises (it must refuse every later call)."""
     try:
-        a2a.dispatch(do_send=False, do_recv=True)
+        a2a.dispatch_send(torch.zeros(0, a2a.hidden, dtype=torch.bfloat16), torch.zeros(0, a2a.topk, dtype=torch.int64))
     except fl.FabricError as e:
         return str(e)
     return "accepted"
+
+
+# ---- the DeepEP shim (fabric_lib.moe.deep_ep.Buffer), for tests/python/test_moe_deep_ep.py ----
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 scales [..., 4 G] of UE8M0 exponents packed four per int32 [..., G]."""
+    b = torch.stack([(packed >> (8 * i)) & 0xFF for i in range(4)], dim=-1).flatten(-2)
+    return (b << 23).to(torch.int32).view(torch.float32)
+
+
+def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: tuple, tag: str) -> list:
+    """One low-latency dispatch of this rank against the oracle: counts, rows, scales in DeepEP's
+    column-major layout (UE8M0-packed when asked), and the handle's src_info / layout_range."""
+    (rx, scales), counts, handle, _, _ = got
+    T, E, W = cfg["max_tokens"], cfg["experts"], cfg["ranks"]
+    L, Mr = E // W, W * T
+    ref_x, ref_s, ref_counts, ref_src = M.reference_dispatch(
+        [(xd, xs, idx, None) for (xd, xs), (_, idx, _) in zip(forms, inputs)], num_experts=E, max_tokens=T, rank=rank)
+    bad = []
+    if not torch.equal(counts, ref_counts):
+        return [f"{tag}: recv_count {counts.tolist()} != {ref_counts.tolist()}"]
+    G = cfg["hidden"] // M.BLOCK
+    ue8m0 = cfg.get("ue8m0", False)
+    want_shape = (L, Mr, G // 4 if ue8m0 else G)
+    if tuple(scales.shape) != want_shape or scales.stride(1) != 1 or scales.stride(2) != Mr:
+        bad.append(f"{tag}: scales shape {list(scales.shape)} strides {scales.stride()}, not column-major {want_shape}")
+    unpacked = unpack_ue8m0(scales) if ue8m0 else scales
+    src_info, layout_range, t_, h_, e_ = handle
+    if (t_, h_, e_) != (T, cfg["hidden"], E):
+        bad.append(f"{tag}: handle dims {(t_, h_, e_)}")
+    for el in range(L):
+        c = int(counts[el])
+        if not torch.equal(rx[el, :c].view(torch.uint8), ref_x[el, :c].view(torch.uint8)):
+            bad.append(f"{tag} expert {rank * L + el}: rows differ")
+        if not torch.equal(unpacked[el, :c], ref_s[el, :c]):
+            bad.append(f"{tag} expert {rank * L + el}: scales differ")
+        if not torch.equal(src_info[el, :c], ref_src[el, :c] % T):
+            bad.append(f"{tag} expert {rank * L + el}: src_info differs")
+        for s in range(W):
+            rows = ref_src[el, :c] // T == s
+            n = int(rows.sum())
+            first = int(rows.nonzero()[0]) if n else 0
+            got_n, got_first = int(layout_range[el, s]) >> 32, int(layout_range[el, s]) & 0xFFFFFFFF
+            if got_n != n or (n and got_first != first):
+                bad.append(f"{tag} expert {rank * L + el} source {s}: layout_range ({got_n}, {got_first}) != ({n}, {first})")
+    return bad
+
+
+def deep_ep_rank_main(conn, cfg: dict) -> None:
+    """One rank of a DeepEP-style job over fabric_lib.moe.deep_ep.Buffer (host kernels): two
+    batches in flight (the second with return_recv_hook), FP8 with round_scale + UE8M0 on even
+    steps, the identity expert, every output against the oracle; then the refusals."""
+    import torch.distributed as dist
+
+    from fabric_lib.moe import deep_ep
+
+    try:
+        torch.set_num_threads(1)
+        rank, W, T, E, K, H = cfg["rank"], cfg["ranks"], cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
+        store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
+        with engine_of(cfg) as engine:
+            buf = deep_ep.Buffer(None, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E), low_latency_mode=True,
+                                 num_qps_per_rank=E // W, engine=engine, node_size=cfg["node_size"], timeout_s=60.0)
+            conn.send("ready")
+            bad = []
+            for step in range(1, cfg["steps"] + 1):
+                ue8m0 = step % 2 == 0
+                c = dict(cfg, ue8m0=ue8m0)
+                batches = []
+                for b in range(2):  # dispatch A, dispatch B (B received through its hook)
+                    inputs = [make_input(cfg, s, 10 * step + b) for s in range(W)]
+                    x, idx, w = inputs[rank]
+                    got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, round_scale=ue8m0, use_ue8m0=ue8m0,
+                                                   return_recv_hook=b == 1)
+                    batches.append((inputs, got))
+                batches[1][1][4]()  # B's receive hook
+                outs = []
+                for b, (inputs, got) in enumerate(batches):
+                    quant = deep_ep.round_scales_to_pow2 if ue8m0 else M.quantize_fp8_tokens
+                    forms = [quant(x) for x, _, _ in inputs]
+                    tag = f"step {step} batch {'AB'[b]}"
+                    bad += deep_ep_problems(c, buf, rank, inputs, forms, got, tag)
+                    (rx, scales), _, handle, _, _ = got
+                    rs = unpack_ue8m0(scales) if ue8m0 else scales
+                    y = M.dequantize_fp8_tokens(rx, rs).to(torch.bfloat16)  # the identity expert
+                    x, idx, w = inputs[rank]
+                    out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=b == 0)
+                    outs.append((out, hook, forms[rank], idx, w, tag))
+                for out, hook, (xq, xs), idx, w, tag in outs:
+                    hook()  # A's combine receive
+                    rows = M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16).unsqueeze(1).expand(-1, K, -1)
+                    want = M.reference_combine_rows(idx, w, rows)
+                    if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+                        bad.append(f"{tag}: combine differs from the oracle")
+            conn.send(("ok", bad))
+            conn.send(("refusals", deep_ep_refusals(cfg, buf)))
+            buf.destroy()
+        dist.destroy_process_group()
+        conn.send("bye")
+    except Exception:  # noqa: BLE001 - the failure goes back to the test
+        conn.send("error " + traceback.format_exc())
+
+
+def deep_ep_refusals(cfg: dict, buf) -> list:
+    """What the shim must refuse, each before anything is sent (every rank makes the same calls)."""
+    T, E, K, H = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
+    x = torch.zeros(2, H, dtype=torch.bfloat16)
+    idx = torch.full((2, K), -1, dtype=torch.int64)
+    w = torch.ones(2, K)
+    y = torch.zeros(E // cfg["ranks"], cfg["ranks"] * T, H, dtype=torch.bfloat16)
+    cases = [
+        ("ue8m0 without round_scale", ValueError, "use_ue8m0 needs round_scale",
+         lambda: buf.low_latency_dispatch(x, idx, T, E, use_ue8m0=True)),
+        ("wait stats", NotImplementedError, "dispatch_wait_recv_cost_stats",
+         lambda: buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1))),
+        ("other shape", ValueError, "use one Buffer per shape", lambda: buf.low_latency_dispatch(x, idx, T + 1, E)),
+        ("bf16 dispatch on an fp8 Buffer", ValueError, "use one Buffer per shape",
+         lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)),
+        ("fp32 x", TypeError, "x must be torch.bfloat16", lambda: buf.low_latency_dispatch(x.float(), idx, T, E)),
+        ("zero_copy", NotImplementedError, "zero_copy", lambda: buf.low_latency_combine(y, idx, w, None, zero_copy=True)),
+        ("logfmt", NotImplementedError, "use_logfmt", lambda: buf.low_latency_combine(y, idx, w, None, use_logfmt=True)),
+        ("not a handle", TypeError, "handle must be", lambda: buf.low_latency_combine(y, idx, w, (None,) * 5)),
+        ("combine buffer", NotImplementedError, "zero_copy", lambda: buf.get_next_low_latency_combine_buffer(None)),
+    ]
+    return [f for f in (_expect(*c) for c in cases) if f]

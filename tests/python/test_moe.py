@@ -150,6 +150,8 @@ def test_bad_configs_are_refused_before_any_rank_is_waited_for():
             M.AllToAll(e, **dict(kw, hidden=200))
         with pytest.raises(fl.FabricError, match="job 'a/b'"):
             M.AllToAll(e, **dict(kw, job="a/b"))
+        with pytest.raises(fl.FabricError, match=r"buffers 5 \(1 to 4\)"):
+            M.AllToAll(e, **dict(kw, buffers=5))
         with pytest.raises(ValueError, match="dispatch_dtype"):
             M.AllToAll(e, **dict(kw, dispatch_dtype="fp16"))
         with pytest.raises(ValueError, match="device"):
@@ -157,29 +159,72 @@ def test_bad_configs_are_refused_before_any_rank_is_waited_for():
         # The other rank never comes: the store wait times out naming it.
         with pytest.raises(fl.FabricError, match=r"ranks \[1\] did not publish"):
             M.AllToAll(e, **dict(kw, job="alone"))
+        # A failed construction gave its job back: the same job may be built again.
+        with pytest.raises(fl.FabricError, match=r"ranks \[1\] did not publish"):
+            M.AllToAll(e, **dict(kw, job="alone"))
+
+
+def test_default_jobs_are_unique_and_a_live_job_is_refused():
+    """Two AllToAlls built with the default job in one store get different jobs (their
+    construction keys and node regions never collide); a second live AllToAll of one job is
+    refused by name, and closing the first gives the job back."""
+    with fl.TransferEngine(provider="shm", nics=[""]) as e:
+        store = dist.HashStore()
+        kw = dict(rank=0, world_size=1, node_size=1, num_experts=4, experts_per_token=2, hidden=128, max_tokens=3,
+                  dispatch_dtype="bf16", store=store)
+        a, b = M.AllToAll(e, **kw), M.AllToAll(e, **kw)
+        assert a.job != b.job and a.job.startswith("moe.") and b.job.startswith("moe."), (a.job, b.job)
+        c = M.AllToAll(e, **dict(kw, job="serving"))
+        with pytest.raises(ValueError, match="'serving': rank 0 already has a live AllToAll"):
+            M.AllToAll(e, **dict(kw, job="serving"))
+        c.close()
+        M.AllToAll(e, **dict(kw, job="serving")).close()
+        x, idx, w = R.make_input(dict(ranks=1, experts=4, topk=2, hidden=128, max_tokens=3, dtype="bf16", seed=1), 0, 2)
+        for a2a in (a, b):  # both work, each with its own buffers
+            rx, _, _, _, h = a2a.dispatch(x, idx)
+            out = a2a.combine(rx.clone(), w, h)
+            assert torch.equal(out, M.reference_combine_rows(idx, w, x.unsqueeze(1).expand(-1, 2, 128)))
+        a.close()
+        b.close()
 
 
 def test_one_rank_alone_dispatches_and_combines_and_close_releases_it():
-    """A single rank (one node, no proxy): outputs are views of the AllToAll's buffers, valid until
-    close; calls after close raise."""
+    """A single rank (one node, no proxy): outputs are views of the handle's buffer set, valid
+    until close; two dispatches in flight, a third refused, spent handles refused; calls after
+    close raise."""
     with fl.TransferEngine(provider="tcp;ofi_rxm", nics=["127.0.0.1"]) as e:
         cfg = dict(ranks=1, experts=4, topk=2, hidden=128, max_tokens=3, dtype="bf16")
         store = dist.HashStore()
         a2a = M.AllToAll(e, rank=0, world_size=1, node_size=1, num_experts=4, experts_per_token=2, hidden=128,
                          max_tokens=3, dispatch_dtype="bf16", store=store, job="single")
-        assert store.num_keys() == 0, "the all-gather left keys in the store"
+        assert store.num_keys() == 1, "the all-gather left keys in the store (only the live-job key stays)"
+        assert a2a.buffers == 2
         x, idx, w = R.make_input(dict(cfg, seed=3), 0, 2)
-        rx, rs, counts, src = a2a.dispatch(x, None, idx, w)
+        rx, rs, counts, src, h = a2a.dispatch(x, idx)
+        assert isinstance(h, M.Handle) and (h.buffer, h.step, h.num_tokens) == (0, 1, 3)
         assert rs is None and rx.shape == (4, 3, 128) and src.shape == (4, 3) and counts.dtype == torch.int32
         assert counts.tolist() == torch.bincount(idx[idx >= 0], minlength=4).tolist()
+        # A second batch in flight goes to the other buffer set; a third is refused.
+        x2, idx2, w2 = R.make_input(dict(cfg, seed=4), 0, 2)
+        h2 = a2a.dispatch_send(x2[:2], idx2[:2])
+        with pytest.raises(fl.FabricError, match="at most 2 dispatches in flight"):
+            a2a.dispatch_send(x2, idx2)
+        rx2, _, counts2, _ = a2a.dispatch_recv(h2)
+        assert h2.buffer == 1 and rx2.data_ptr() != rx.data_ptr()
+        assert counts2.tolist() == torch.bincount(idx2[:2][idx2[:2] >= 0], minlength=4).tolist()
         out = torch.empty(3, 128, dtype=torch.bfloat16)
-        assert a2a.combine(rx.clone(), out) is out  # expert = identity
+        assert a2a.combine(rx.clone(), w, h, out) is out  # expert = identity
         assert torch.equal(out, M.reference_combine_rows(idx, w, x.unsqueeze(1).expand(3, 2, 128)))
+        a2a.combine_send(rx2.clone(), h2)
+        out2 = a2a.combine_recv(w2[:2], h2)
+        assert torch.equal(out2, M.reference_combine_rows(idx2[:2], w2[:2], x2[:2].unsqueeze(1).expand(2, 2, 128)))
+        with pytest.raises(fl.FabricError, match="the handle of dispatch 1 is spent"):
+            a2a.combine(rx, w, h)
         assert a2a.proxy_stats().writes == 0 and a2a.config.ranks == 1
         a2a.check()
         a2a.close()
         with pytest.raises(RuntimeError, match="closed"):
-            a2a.dispatch(x, None, idx, w)
+            a2a.dispatch(x, idx)
 
 
 def test_the_oracles_fma_is_libms_fmaf_even_where_float64_rounds_twice():

@@ -33,15 +33,29 @@ class AllToAll {
   AllToAll(const AllToAll&) = delete;
   AllToAll& operator=(const AllToAll&) = delete;
 
-  // The send half stages and posts this rank's rows; the receive half waits for every rank's rows
-  // to this rank and fills output(). A call with do_send must precede the one with do_recv of the
-  // same step; calls alternate dispatch, combine. Host kernels: kTimeout names the ranks whose
-  // rows are missing after config.timeout; the AllToAll is then failed (every later call
-  // throws): a job whose peer died builds a new one. CUDA kernels: a wait that times out ends
-  // its kernel and marks the AllToAll failed; check() reports it.
-  void dispatch(const DispatchArgs& args, bool do_send = true, bool do_recv = true);
-  void combine(const CombineArgs& args, bool do_send = true, bool do_recv = true);
-  DispatchOutput output() const;
+  // The four halves of one dispatch/combine, in this order for each handle: dispatch_send
+  // stages and posts this rank's rows and returns the dispatch's handle; dispatch_recv waits for
+  // every rank's rows to this rank and fills output(handle); combine_send sends the expert
+  // outputs back; combine_recv sums them into args.out, and frees the handle's buffer set. Up to
+  // config.buffers dispatches are in flight (dispatch(A), dispatch(B), combine(A), combine(B));
+  // a call out of order for its handle, a spent handle, or one more dispatch than there are free
+  // sets is refused (kInvalidArgument) and changes nothing.
+  //
+  // Failures: host kernels throw kTimeout naming the ranks whose rows are missing after
+  // config.timeout; CUDA kernels give up on the device and every later call (and check()) throws
+  // it. Either way the receive half marks its outputs invalid (counts = kInvalidCount, combine
+  // `out` = NaN) and the AllToAll is failed: every later call throws, and a job whose peer died
+  // builds a new one.
+  Handle dispatch_send(const DispatchArgs& args);
+  void dispatch_recv(const Handle& h, void* stream = nullptr);
+  void combine_send(const Handle& h, const CombineArgs& args);
+  void combine_recv(const Handle& h, const CombineArgs& args);
+  // Both halves in one call.
+  Handle dispatch(const DispatchArgs& args);
+  void combine(const Handle& h, const CombineArgs& args);
+  // The dispatch output of the handle's buffer set (its addresses are fixed for the AllToAll's
+  // life: a captured graph reads the same ones each replay).
+  DispatchOutput output(const Handle& h) const;
 
   // Throws the first failure seen (a proxy's transfer or expectation, a kernel's timed-out wait).
   void check() const;

@@ -4,19 +4,24 @@ Every rank sends each of its tokens to the ranks holding the token's top-k exper
 runs its experts on what it received, and gathers the expert outputs back, weighted and summed
 per token (combine). Inside a node (node_size ranks sharing an NVLink domain, or a host's shared
 memory) rows go straight into the node-mates' buffers; across nodes a proxy thread per rank posts
-them as RDMA WRITEs over the TransferEngine. Each call splits into a send half and a receive half
-(do_send / do_recv), so a caller can overlap other work between them.
+them as RDMA WRITEs over the TransferEngine. The calling convention is DeepEP's: dispatch returns
+a handle, the routing weights go to combine, and each call splits into a send half and a receive
+half, so a caller can overlap other work between them, or keep two batches in flight
+(dispatch A, dispatch B, combine A, combine B: `buffers` sets of buffers).
 
 - AllToAll(engine, rank=..., world_size=..., ...): collective construction; the ranks exchange
   their buffers' descriptors through a torch.distributed Store (a TCPStore, or the default
   process group's store). Every buffer is allocated once.
-- dispatch(x, x_scales, topk_idx, topk_weights) -> (recv_x, recv_scales, recv_counts, recv_src),
-  tensors that VIEW the AllToAll's output buffers (valid until the next dispatch, and never after
+- dispatch(x, topk_idx, x_scales=None) -> (recv_x, recv_scales, recv_counts, recv_src, handle):
+  tensors that VIEW the handle's buffer set (valid until that set's next dispatch, and never after
   close()): expert e's rows come from source ranks in rank order, each source's by token, then by
-  top-k slot; rows past recv_counts[e] are stale.
-- combine(expert_out, out=None) -> out [num_tokens, hidden] BF16: sum over the token's used slots
-  k, in slot order, of topk_weights[t, k] * expert_out[row of (t, k)], accumulated in fp32 with
-  fused multiply-adds and rounded to BF16 once.
+  top-k slot; rows past recv_counts[e] are stale. dispatch_send / dispatch_recv are its halves.
+- combine(expert_out, topk_weights, handle, out=None) -> out [num_tokens, hidden] BF16: sum over
+  the token's used slots k, in slot order, of topk_weights[t, k] * expert_out[row of (t, k)],
+  accumulated in fp32 with fused multiply-adds and rounded to BF16 once. combine_send /
+  combine_recv are its halves.
+- fabric_lib.moe.deep_ep.Buffer: DeepEP's low-latency API (low_latency_dispatch /
+  low_latency_combine) over the same AllToAll, for code written against deep_ep.Buffer.
 
 device="cpu" runs the halves on the calling thread over host memory (tests, CPU decode);
 device="cuda" enqueues CUDA kernels on torch's current stream, capturable in a CUDA graph (no
@@ -36,17 +41,19 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import _fabric_lib as _c
-from ._fabric_lib import (
+from .. import _fabric_lib as _c
+from .._fabric_lib import (
+    MOE_INVALID_COUNT,
     AllToAllConfig,
     MoeDispatchOutput as DispatchOutput,
     MoeDtype as Dtype,
+    MoeHandle as Handle,
     MoeKernelSide as KernelSide,
     MoeProxyStats as ProxyStats,
 )
-from ._stores import store_of
+from .._stores import store_of
 
-__all__ = ["AllToAll", "AllToAllConfig", "Dtype", "KernelSide", "ProxyStats", "DispatchOutput",
+__all__ = ["AllToAll", "AllToAllConfig", "Dtype", "Handle", "KernelSide", "ProxyStats", "DispatchOutput", "MOE_INVALID_COUNT",
            "quantize_fp8_tokens", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
            "reference_combine_rows", "fma_fp32"]
 
@@ -187,7 +194,9 @@ def _device_of(device: Any) -> Any:
 class AllToAll:
     """MoE dispatch/combine of one rank. Construction is collective: every rank of the job builds
     its AllToAll at once (they meet in `store`, under keys named by `job`; the job also names the
-    node's shared memory, so it must be unique per job on a host).
+    node's shared memory). job=None takes "moe.<n>" for this rank's n-th AllToAll built with a
+    default job in this store, so several AllToAlls built in the same order on every rank never
+    collide; a job that this rank already holds live in the store is refused (ValueError).
 
     rank, world_size: this rank and the ranks of the job; node_size: ranks per node (1-8,
     dividing world_size; rank r is on node r // node_size). num_experts (a multiple of
@@ -195,43 +204,75 @@ class AllToAll:
     1-8), hidden (a multiple of 128), max_tokens (per rank and call). dispatch_dtype "fp8" (e4m3
     with fp32 scales per 128 values; BF16 input is quantized by quantize_fp8_tokens first) or
     "bf16". private_rows: rows per remote peer sent before the routing counts are known.
-    timeout_s: a receive half waiting longer fails, naming the ranks whose rows are missing (a
-    dead or stalled peer); the AllToAll is then failed and every later call raises (build a new
-    one under a new job name). init_timeout_s: how long construction waits for the other ranks.
-    device: "cpu" (host kernels) or a CUDA device (CUDA kernels on torch's current stream).
+    buffers: dispatches in flight at once (1-4; 2 for two-batch overlap). num_sms: CUDA kernels,
+    the most blocks each half takes (0: min(SMs, 16)), leaving SMs to compute and to other ranks
+    sharing the GPU. timeout_s: a receive half waiting longer fails, naming the ranks whose rows
+    are missing (a dead or stalled peer); its outputs are marked invalid (recv_counts all
+    MOE_INVALID_COUNT, combine out NaN), the AllToAll is failed and every later call raises
+    (build a new one under a new job name). init_timeout_s: how long construction waits for the
+    other ranks. device: "cpu" (host kernels) or a CUDA device (CUDA kernels on torch's current
+    stream).
     """
 
     def __init__(self, engine: Any, *, rank: int, world_size: int, node_size: int, num_experts: int,
                  experts_per_token: int, hidden: int, max_tokens: int, dispatch_dtype: str = "fp8",
                  private_rows: int = 32, timeout_s: float = 10.0, device: Any = "cpu", store: Any = None,
-                 job: str = "moe", proxy_busy_poll: bool = False, init_timeout_s: float = 300.0) -> None:
+                 job: Optional[str] = None, proxy_busy_poll: bool = False, init_timeout_s: float = 300.0,
+                 buffers: int = 2, num_sms: int = 0) -> None:
         if dispatch_dtype not in _DTYPES:
             raise ValueError(f"dispatch_dtype must be 'fp8' or 'bf16', got {dispatch_dtype!r}")
+        self._views: Optional[list] = None
+        self._live_key: Optional[str] = None
         self.device = _device_of(device)
         cuda = self.device.type == "cuda"
         self.rank, self.world_size, self.node_size = rank, world_size, node_size
         self.num_experts, self.topk, self.hidden, self.max_tokens = num_experts, experts_per_token, hidden, max_tokens
         self.dispatch_dtype = dispatch_dtype
         self.x_dtype = torch.float8_e4m3fn if dispatch_dtype == "fp8" else torch.bfloat16
+        self._store = store_of(store)
+        if job is None:
+            job = f"moe.{self._store.add(f'fabric-lib/moe/generation/{rank}', 1)}"
+        self.job = job
         cfg = AllToAllConfig(rank=rank, ranks=world_size, node_size=node_size, experts=num_experts,
                              topk=experts_per_token, hidden=hidden, max_tokens=max_tokens,
                              dispatch_dtype=_DTYPES[dispatch_dtype], private_rows=private_rows,
                              timeout_s=timeout_s, side=KernelSide.CUDA if cuda else KernelSide.HOST,
                              cuda_device=self.device.index if cuda else 0, job=job,
-                             proxy_busy_poll=proxy_busy_poll)
-        gather = _StoreAllGather(store_of(store), job, rank, world_size, init_timeout_s)
-        # The C++ side allocates on the current CUDA device.
-        with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
-            self._a2a = _c.AllToAll(engine, cfg, gather)
-        gather.finish()
-        self._tokens: Optional[int] = None  # of the last dispatch send
-        self._views = self._make_views()
+                             proxy_busy_poll=proxy_busy_poll, buffers=buffers, num_sms=num_sms)
+        self._hold_job()
+        try:
+            gather = _StoreAllGather(self._store, job, rank, world_size, init_timeout_s)
+            # The C++ side allocates on the current CUDA device.
+            with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+                self._a2a = _c.AllToAll(engine, cfg, gather)
+            gather.finish()
+        except BaseException:
+            self._release_job()
+            raise
+        self._views = [self._make_views(i) for i in range(buffers)]
+
+    def _hold_job(self) -> None:
+        """Refuses a job this rank already holds live in the store: two AllToAlls of one job
+        would read each other's construction keys."""
+        key = f"{self.job}/a2a/live/{self.rank}"
+        if self._store.add(key, 1) != 1:
+            self._store.add(key, -1)
+            raise ValueError(f"MoE AllToAll job {self.job!r}: rank {self.rank} already has a live AllToAll of this job "
+                             f"in this store; close it, or pass another job= (or job=None for a unique one)")
+        self._live_key = key
+
+    def _release_job(self) -> None:
+        if self._live_key is not None:
+            with contextlib.suppress(Exception):  # a store already gone at exit holds nothing
+                self._store.add(self._live_key, -1)
+            self._live_key = None
 
     # ---- the output buffers ----
 
-    def _make_views(self) -> tuple:
-        """recv_x, recv_scales (FP8; None for BF16), recv_counts, recv_src: fixed addresses."""
-        o = self._a2a.output()
+    def _make_views(self, buffer: int) -> tuple:
+        """recv_x, recv_scales (FP8; None for BF16), recv_counts, recv_src of one buffer set:
+        fixed addresses."""
+        o = self._a2a.output_of_set(buffer)
         L, M, H = o.local_experts, o.rows_per_expert, self.hidden
         x = _view(o.x, self.x_dtype, (L, M, H), self.device)
         scales = _view(o.scales, torch.float32, (L, M, H // BLOCK), self.device) if o.scales else None
@@ -247,16 +288,32 @@ class AllToAll:
     def rows_per_expert(self) -> int:
         return self.world_size * self.max_tokens
 
+    @property
+    def buffers(self) -> int:
+        return self.config.buffers
+
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
-    def _live(self) -> None:
+    def _live(self) -> list:
         if self._views is None:
             raise RuntimeError("this AllToAll is closed")
+        return self._views
+
+    def views(self, handle: Handle) -> tuple:
+        """(recv_x, recv_scales, recv_counts, recv_src) of the handle's buffer set: what
+        dispatch_recv fills (valid once it returned, or on the stream after it for CUDA)."""
+        self._check_handle(handle)
+        return self._live()[handle.buffer]
+
+    @staticmethod
+    def _check_handle(handle: Any) -> None:
+        if not isinstance(handle, Handle):
+            raise TypeError(f"handle must be the MoeHandle dispatch returned, got {type(handle).__name__}")
 
     # ---- dispatch ----
 
-    def _dispatch_inputs(self, x: Any, x_scales: Any, topk_idx: Any, topk_weights: Any) -> tuple:
+    def _dispatch_inputs(self, x: Any, topk_idx: Any, x_scales: Any) -> tuple:
         """Checks the inputs (before anything reaches C++, so refused input changes nothing) and
         quantizes BF16 tokens for an FP8 dispatch."""
         if not isinstance(x, torch.Tensor):
@@ -285,65 +342,88 @@ class AllToAll:
             if x_scales is not None:
                 raise ValueError("x_scales is only for dispatch_dtype 'fp8'")
         _check_tensor("topk_idx", topk_idx, torch.int64, (n, self.topk), self.device)
-        _check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk), self.device)
-        return x, x_scales, topk_idx, topk_weights
+        return x, x_scales, topk_idx
 
-    def dispatch(self, x: Any = None, x_scales: Any = None, topk_idx: Any = None, topk_weights: Any = None,
-                 do_send: bool = True, do_recv: bool = True) -> Optional[tuple]:
-        """Sends this rank's tokens (do_send) and/or waits for every rank's rows to this rank's
-        experts (do_recv). x [num_tokens, hidden]: BF16 (quantized here for an FP8 dispatch) or
-        float8_e4m3fn with x_scales [num_tokens, hidden / 128] float32; topk_idx [num_tokens, top-k]
-        int64 (-1: slot unused; an expert at most once per token), topk_weights [num_tokens, top-k]
-        float32 (kept for combine). The inputs are only read by the send half (a receive-only call
-        takes none). Returns, after a receive, (recv_x [local_experts, rows_per_expert, hidden],
-        recv_scales [local_experts, rows_per_expert, hidden / 128] float32 or None for BF16,
-        recv_counts [local_experts] int32, recv_src [local_experts, rows_per_expert] int32:
-        source rank * max_tokens + source token), views of this AllToAll's buffers.
-
-        Host kernels raise FabricError for an expert out of range or repeated within a token (before
-        sending anything) and for a timeout; CUDA kernels report those through check()."""
+    def dispatch_send(self, x: Any, topk_idx: Any, x_scales: Any = None) -> Handle:
+        """Sends this rank's tokens to the ranks of their experts and returns the dispatch's
+        handle. x [num_tokens, hidden]: BF16 (quantized here for an FP8 dispatch) or float8_e4m3fn
+        with x_scales [num_tokens, hidden / 128] float32; topk_idx [num_tokens, top-k] int64 (-1:
+        slot unused; an expert at most once per token). The routing weights go to combine.
+        Up to `buffers` dispatches may be in flight; one more raises FabricError."""
         self._live()
-        n, ptrs = 0, (0, 0, 0, 0)
-        if do_send:
-            x, x_scales, topk_idx, topk_weights = self._dispatch_inputs(x, x_scales, topk_idx, topk_weights)
-            n = x.shape[0]
-            ptrs = (x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0, topk_idx.data_ptr(),
-                    topk_weights.data_ptr())
-        self._a2a.dispatch(n, *ptrs, self._stream(), do_send, do_recv)
-        if do_send:
-            self._tokens = n
-        return self._views if do_recv else None
+        x, x_scales, topk_idx = self._dispatch_inputs(x, topk_idx, x_scales)
+        return self._a2a.dispatch_send(x.shape[0], x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0,
+                                       topk_idx.data_ptr(), self._stream())
+
+    def dispatch_recv(self, handle: Handle) -> tuple:
+        """Waits for every rank's rows of this dispatch to this rank's experts. Returns
+        (recv_x [local_experts, rows_per_expert, hidden], recv_scales [local_experts,
+        rows_per_expert, hidden / 128] float32 or None for BF16, recv_counts [local_experts] int32,
+        recv_src [local_experts, rows_per_expert] int32: source rank * max_tokens + source token),
+        views of the handle's buffer set (valid until that set's next dispatch; never after
+        close()): expert e's rows come from source ranks in rank order, each source's by token;
+        rows past recv_counts[e] are stale. Host kernels raise FabricError for a timeout; CUDA
+        kernels report it at the next call and check()."""
+        views = self._live()
+        self._check_handle(handle)
+        self._a2a.dispatch_recv(handle, self._stream())
+        return views[handle.buffer]
+
+    def dispatch(self, x: Any, topk_idx: Any, x_scales: Any = None) -> tuple:
+        """dispatch_send and dispatch_recv: (recv_x, recv_scales, recv_counts, recv_src, handle)."""
+        h = self.dispatch_send(x, topk_idx, x_scales)
+        return (*self.dispatch_recv(h), h)
 
     # ---- combine ----
 
-    def combine(self, expert_out: Any = None, out: Any = None, do_send: bool = True,
-                do_recv: bool = True) -> Any:
-        """Sends this rank's expert outputs back (do_send: expert_out [local_experts,
-        rows_per_expert, hidden] BF16, rows as dispatch placed them; rows past recv_counts are
-        ignored) and/or sums the ones of this rank's tokens (do_recv) into out [num_tokens of the
-        last dispatch, hidden] BF16, allocated when None. For a CUDA graph pass `out` (a tensor
-        allocated before capture), so the replayed graph writes where the caller reads."""
+    def combine_send(self, expert_out: Any, handle: Handle) -> None:
+        """Sends this rank's expert outputs of the handle's dispatch back: expert_out
+        [local_experts, rows_per_expert, hidden] BF16, rows as dispatch placed them (rows past
+        recv_counts are ignored)."""
         self._live()
-        eo = 0
-        if do_send:
-            _check_tensor("expert_out", expert_out, torch.bfloat16,
-                          (self.local_experts, self.rows_per_expert, self.hidden), self.device)
-            eo = expert_out.data_ptr()
-        n = self._tokens or 0
-        if do_recv:
-            if out is None:
-                out = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=self.device)
-            else:
-                _check_tensor("out", out, torch.bfloat16, (n, self.hidden), self.device)
-        self._a2a.combine(eo, out.data_ptr() if do_recv else 0, self._stream(), do_send, do_recv)
-        return out if do_recv else None
+        self._check_handle(handle)
+        _check_tensor("expert_out", expert_out, torch.bfloat16,
+                      (self.local_experts, self.rows_per_expert, self.hidden), self.device)
+        self._a2a.combine_send(handle, expert_out.data_ptr(), self._stream())
+
+    def _combine_out(self, topk_weights: Any, handle: Handle, out: Any) -> Any:
+        n = handle.num_tokens
+        _check_tensor("topk_weights", topk_weights, torch.float32, (n, self.topk), self.device)
+        if out is None:
+            return torch.empty(n, self.hidden, dtype=torch.bfloat16, device=self.device)
+        _check_tensor("out", out, torch.bfloat16, (n, self.hidden), self.device)
+        return out
+
+    def combine_recv(self, topk_weights: Any, handle: Handle, out: Any = None) -> Any:
+        """Sums the expert outputs of this rank's tokens of the handle's dispatch into out
+        [num_tokens, hidden] BF16 (allocated when None): for each token, the used slots k in slot
+        order, topk_weights[t, k] (float32 [num_tokens, top-k]) times the row of (t, k),
+        accumulated in fp32 with fused multiply-adds and rounded to BF16 once. For a CUDA graph
+        pass `out` (allocated before capture), so the replayed graph writes where the caller
+        reads. Frees the handle's buffer set for the next dispatch."""
+        self._live()
+        self._check_handle(handle)
+        out = self._combine_out(topk_weights, handle, out)
+        self._a2a.combine_recv(handle, topk_weights.data_ptr(), out.data_ptr(), self._stream())
+        return out
+
+    def combine(self, expert_out: Any, topk_weights: Any, handle: Handle, out: Any = None) -> Any:
+        """combine_send and combine_recv; both are checked before anything is sent."""
+        self._live()
+        self._check_handle(handle)
+        out = self._combine_out(topk_weights, handle, out)
+        self.combine_send(expert_out, handle)
+        self._a2a.combine_recv(handle, topk_weights.data_ptr(), out.data_ptr(), self._stream())
+        return out
 
     # ---- the rest of the C++ API ----
 
-    def output(self) -> DispatchOutput:
-        """The raw addresses and shape of the dispatch output (dispatch returns them as tensors)."""
+    def output(self, handle: Handle) -> DispatchOutput:
+        """The raw addresses and shape of a handle's dispatch output (dispatch returns them as
+        tensors)."""
         self._live()
-        return self._a2a.output()
+        self._check_handle(handle)
+        return self._a2a.output(handle)
 
     def check(self) -> None:
         """Raises FabricError for the first failure seen (a proxy's transfer, a CUDA kernel's
@@ -352,7 +432,7 @@ class AllToAll:
         self._a2a.check()
 
     def proxy_stats(self) -> ProxyStats:
-        """Steps, writes posted, bytes and CPU ms of this rank's proxy (zeros with one node)."""
+        """Steps, writes posted, bytes and CPU ms of this rank's proxies (zeros with one node)."""
         self._live()
         return self._a2a.proxy_stats()
 
@@ -361,10 +441,12 @@ class AllToAll:
         return self._a2a.config
 
     def close(self) -> None:
-        """Frees every buffer (the tensors dispatch returned must not be used after) and stops the
-        proxy. The engine's close() closes it too."""
+        """Frees every buffer (the tensors dispatch returned must not be used after), stops the
+        proxies and gives the job name back. The engine's close() closes it too."""
         self._views = None
-        self._a2a.close()
+        if hasattr(self, "_a2a"):
+            self._a2a.close()
+        self._release_job()
 
     def __enter__(self) -> "AllToAll":
         return self

@@ -1,0 +1,322 @@
+"""DeepEP's low-latency API over fabric_lib.moe.AllToAll: code written against deep_ep.Buffer
+changes one import (`from fabric_lib.moe.deep_ep import Buffer`) and runs over any NIC the
+TransferEngine drives (EFA, ConnectX, tcp and shm for tests) with NVLink inside a node.
+
+    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T, H, W, E),
+                    low_latency_mode=True)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+        x, topk_idx, T, E, use_fp8=True, round_scale=False, use_ue8m0=False,
+        async_finish=False, return_recv_hook=False)
+    y = experts(recv_x, recv_count)            # [L, W * T, H] BF16, rows past recv_count ignored
+    out, event, hook = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+What it returns, as DeepEP does:
+- recv_x: with use_fp8, (values [L, W*T, H] float8_e4m3fn, scales [L, W*T, H/128] float32 whose
+  last two dimensions are column-major, or with use_ue8m0 int32 [L, W*T, H/512] of four packed
+  UE8M0 exponents, column-major too); else values [L, W*T, H] bfloat16. L = E / W local experts.
+- recv_count [L] int32 (MOE_INVALID_COUNT in every entry after a failed receive).
+- handle: a tuple (src_info [L, W*T] int32: each row's token index in its source rank,
+  layout_range [L, W] int64: (rows << 32) | first row of each source rank's rows of each expert,
+  T, H, E), with the AllToAll's own handle in `.moe`. Rows of one expert come from the source
+  ranks in rank order (DeepEP's come in arrival order: layout_range describes both).
+- event: an EventOverlap (current_stream_wait(), a context manager) recorded after the call.
+- hook: with return_recv_hook, the call only sends, and hook() receives (dispatch: fills recv_x
+  and recv_count; combine: fills out); without it, a no-op.
+
+Two dispatches may be in flight (two buffer sets, as DeepEP's two low-latency buffers): dispatch
+A, dispatch B, combine A, combine B. The AllToAll is built at the first dispatch from its
+arguments (collective, as every low-latency call is); a later call with other dimensions raises.
+
+Differences, each raising where the argument would change behaviour:
+- zero_copy=True and get_next_low_latency_combine_buffer: NotImplementedError (combine reads the
+  expert outputs from the tensor given; there is no registered buffer to write into first).
+- use_logfmt=True (LogFMT combine), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats:
+  NotImplementedError.
+- use_ue8m0 without round_scale: ValueError (as DeepEP).
+- async_finish: accepted; the kernels run on the caller's current stream (there is no separate
+  communication stream), so the event is complete when the stream reaches it.
+- topk_idx at combine is checked for shape only: the routing is kept from the dispatch.
+- num_nvl_bytes / num_rdma_bytes / num_qps_per_rank: accepted and not needed (buffers are sized
+  from the dispatch's dimensions). allow_nvlink_for_low_latency_mode=False puts every rank on a
+  node of its own (every row through the proxy and the NIC).
+- The scales copy into DeepEP's column-major layout (and the UE8M0 packing) and the handle's
+  src_info / layout_range are computed by a few torch kernels after each receive: their cost is
+  the shim's, reported by bench/moe_bench.py against the native API.
+
+CPU tensors run the host kernels (tests, CPU decode); CUDA tensors the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import BLOCK, MOE_INVALID_COUNT, AllToAll, quantize_fp8_tokens
+
+__all__ = ["Buffer", "EventOverlap"]
+
+
+class EventOverlap:
+    """DeepEP's EventOverlap: a CUDA event recorded on the current stream after a call (None on
+    the CPU, where every call is complete when it returns)."""
+
+    def __init__(self, event: Optional[Any] = None) -> None:
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.current_stream_wait()
+
+
+def _event(device: torch.device) -> EventOverlap:
+    if device.type != "cuda":
+        return EventOverlap()
+    e = torch.cuda.Event()
+    e.record()
+    return EventOverlap(e)
+
+
+def _no_hook() -> None:
+    return None
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts); `.moe` is the AllToAll's handle of the dispatch."""
+
+    moe: Any = None
+
+
+def round_scales_to_pow2(x: torch.Tensor) -> tuple:
+    """FP8 quantization with power-of-two scales (DeepEP's round_scale): scale = 2^ceil(log2(amax
+    / 448)) per 128 values, so it is exactly one UE8M0 exponent. Returns (e4m3 values, scales)."""
+    n, h = x.shape
+    xf = x.float().view(n, h // BLOCK, BLOCK)
+    amax = xf.abs().amax(dim=2).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (xf / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
+    return q, scale
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales [..., G] (G a multiple of 4) as int32 [..., G / 4]: the exponent
+    byte of four consecutive scales, the first in the lowest byte (DeepEP's UE8M0 packing)."""
+    exp = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.int32)
+    g = exp.view(*exp.shape[:-1], exp.shape[-1] // 4, 4)
+    return g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16) | (g[..., 3] << 24)
+
+
+def _column_major(shape: tuple, dtype: Any, device: torch.device) -> torch.Tensor:
+    """A [L, M, G] tensor whose last two dimensions are column-major (DeepEP's TMA layout)."""
+    L, M, G = shape
+    return torch.empty(L, G, M, dtype=dtype, device=device).transpose(1, 2)
+
+
+class Buffer:
+    """deep_ep.Buffer's low-latency half over a fabric_lib AllToAll (module docstring).
+
+    group: the torch.distributed process group of the expert-parallel ranks (None: the default
+    group); its store carries the construction. engine: the fabric_lib TransferEngine the
+    inter-node rows go through (None: one is opened with its defaults, and closed by destroy()).
+    node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The other
+    keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
+
+    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = True, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, engine: Any = None, node_size: Optional[int] = None,
+                 store: Any = None, **all_to_all_options: Any) -> None:
+        import torch.distributed as dist
+
+        if allow_mnnvl:
+            raise NotImplementedError("allow_mnnvl: multi-node NVLink domains are not supported (node_size <= 8)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.group_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if node_size is None:
+            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", min(self.group_size, 8)))
+        if not allow_nvlink_for_low_latency_mode:
+            node_size = 1
+        if node_size < 1 or self.group_size % node_size:
+            raise ValueError(f"node_size {node_size} must divide the group's {self.group_size} ranks")
+        self.node_size = node_size
+        self.low_latency_mode = low_latency_mode
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self._store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._own_engine = engine is None
+        if engine is None:
+            import fabric_lib as fl
+
+            engine = fl.TransferEngine()
+        self.engine = engine
+        self._options = all_to_all_options
+        self._a2a: Optional[AllToAll] = None
+        self._dims: Optional[tuple] = None
+        self._scales: dict = {}  # (buffer set, ue8m0) -> DeepEP-layout scales tensor
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of RDMA-registered memory two buffer sets take per rank at these dimensions (FP8
+        rows of hidden + hidden / 32 + 16 bytes, BF16 combine rows): informational, as the
+        AllToAll sizes its own buffers."""
+        T, H, W = num_max_dispatch_tokens_per_rank, hidden, num_ranks
+        row = H + H // 32 + 16
+        per_set = num_experts // max(W, 1) * W * T * row + 8 * T * 2 * H + 4 * W * num_experts
+        return 2 * per_set
+
+    # ---- construction at the first dispatch ----
+
+    def _all_to_all(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, E: int, use_fp8: bool) -> AllToAll:
+        dims = (T, E, x.shape[1], topk_idx.shape[1], use_fp8, x.device)
+        if self._a2a is None:
+            self._a2a = AllToAll(self.engine, rank=self.rank, world_size=self.group_size, node_size=self.node_size,
+                                 num_experts=E, experts_per_token=topk_idx.shape[1], hidden=x.shape[1],
+                                 max_tokens=T, dispatch_dtype="fp8" if use_fp8 else "bf16", device=x.device,
+                                 store=self._store, **self._options)
+            self._dims = dims
+        elif dims != self._dims:
+            raise ValueError(f"low_latency_dispatch with (tokens per rank, experts, hidden, top-k, use_fp8, device) = "
+                             f"{dims[:5]} on {dims[5]}, but this Buffer was built for {self._dims[:5]} on "
+                             f"{self._dims[5]}: use one Buffer per shape")
+        return self._a2a
+
+    # ---- dispatch ----
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> tuple:
+        """DeepEP's low_latency_dispatch: x [num_tokens, hidden] BF16, topk_idx [num_tokens,
+        top-k] int64 (-1: unused). Returns (recv_x, recv_count, handle, event, hook) (module
+        docstring)."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("dispatch_wait_recv_cost_stats is not supported")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0 needs round_scale=True (UE8M0 holds power-of-two scales only)")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise ValueError("round_scale / use_ue8m0 are for use_fp8=True")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x must be torch.bfloat16, got {x.dtype}")
+        if use_ue8m0 and x.shape[1] % 512:
+            raise ValueError(f"use_ue8m0 needs hidden {x.shape[1]} to be a multiple of 512 (four scales per int32)")
+        a2a = self._all_to_all(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        if use_fp8 and round_scale:
+            q, s = round_scales_to_pow2(x)
+            h = a2a.dispatch_send(q, topk_idx, s)
+        else:
+            h = a2a.dispatch_send(x, topk_idx)
+        rx, rs, counts, src = a2a.views(h)
+        scales = self._scales_tensor(h.buffer, rs, use_ue8m0) if use_fp8 else None
+        W, T, L = self.group_size, num_max_dispatch_tokens_per_rank, a2a.local_experts
+        src_info = torch.empty(L, W * T, dtype=torch.int32, device=x.device)
+        layout_range = torch.empty(L, W, dtype=torch.int64, device=x.device)
+
+        def receive() -> None:
+            a2a.dispatch_recv(h)
+            if scales is not None:
+                scales.copy_(pack_ue8m0(rs) if use_ue8m0 else rs)
+            self._fill_layout(counts, src, T, src_info, layout_range)
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(counts.clamp(min=0))
+
+        hook: Callable[[], None] = _no_hook
+        if return_recv_hook:
+            hook = receive
+        else:
+            receive()
+        handle = LowLatencyHandle((src_info, layout_range, T, x.shape[1], num_experts))
+        handle.moe = h
+        recv_x = (rx, scales) if use_fp8 else rx
+        return recv_x, counts, handle, _event(x.device) if async_finish else EventOverlap(), hook
+
+    def _scales_tensor(self, buffer: int, rs: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+        """The DeepEP-layout scales of a buffer set, allocated once (fixed for CUDA graphs)."""
+        key = (buffer, ue8m0)
+        if key not in self._scales:
+            L, M, G = rs.shape
+            self._scales[key] = _column_major((L, M, G // 4 if ue8m0 else G), torch.int32 if ue8m0 else torch.float32,
+                                              rs.device)
+        return self._scales[key]
+
+    @staticmethod
+    def _fill_layout(counts: torch.Tensor, src: torch.Tensor, T: int, src_info: torch.Tensor,
+                     layout_range: torch.Tensor) -> None:
+        """src_info (token index in the source rank) and layout_range ((rows << 32) | first row
+        per expert and source rank) from the receive's counts and sources, without a host sync."""
+        L, M = src.shape
+        W = layout_range.shape[1]
+        valid = torch.arange(M, device=src.device).unsqueeze(0) < counts.unsqueeze(1)
+        src_info.copy_(torch.where(valid, src % T, torch.full_like(src, -1)))
+        rank_of = torch.where(valid, src // T, torch.full_like(src, W)).long()
+        per = torch.zeros(L, W + 1, dtype=torch.int64, device=src.device)
+        per.scatter_add_(1, rank_of, torch.ones_like(rank_of))
+        rows = per[:, :W]
+        first = torch.cumsum(rows, dim=1) - rows
+        layout_range.copy_((rows << 32) | first)
+
+    # ---- combine ----
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> tuple:
+        """DeepEP's low_latency_combine: x [L, W*T, hidden] BF16 expert outputs in the dispatch's
+        layout, topk_weights [num_tokens, top-k] float32; returns (combined_x [num_tokens, hidden]
+        BF16, event, hook)."""
+        if zero_copy:
+            raise NotImplementedError("zero_copy combine is not supported: pass the expert outputs as x")
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt (LogFMT combine) is not supported: combine is BF16")
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError("combine_wait_recv_cost_stats is not supported")
+        h = getattr(handle, "moe", None)
+        if h is None or self._a2a is None:
+            raise TypeError("handle must be the one low_latency_dispatch of this Buffer returned")
+        if tuple(topk_idx.shape) != (h.num_tokens, self._a2a.topk):
+            raise ValueError(f"topk_idx must have shape [{h.num_tokens}, {self._a2a.topk}] (the dispatch's), "
+                             f"got {list(topk_idx.shape)}")
+        a2a = self._a2a
+        out = a2a._combine_out(topk_weights, h, out)  # checked before anything is sent
+        a2a.combine_send(x, h)
+
+        def receive() -> None:
+            a2a.combine_recv(topk_weights, h, out)
+
+        hook: Callable[[], None] = _no_hook
+        if return_recv_hook:
+            hook = receive
+        else:
+            receive()
+        return out, _event(x.device) if async_finish else EventOverlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> Any:
+        raise NotImplementedError("zero_copy combine is not supported: there is no combine buffer to fill first")
+
+    # ---- the rest of DeepEP's low-latency surface ----
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: every receive waits for this step's flags, never for zeroed memory."""
+
+    def check(self) -> None:
+        """Raises FabricError for the first failure seen (a CUDA kernel's timed-out wait)."""
+        if self._a2a is not None:
+            self._a2a.check()
+
+    def destroy(self) -> None:
+        """Frees the AllToAll (and the engine this Buffer opened)."""
+        if self._a2a is not None:
+            self._a2a.close()
+            self._a2a = None
+        if self._own_engine and self.engine is not None:
+            self.engine.close()
+            self.engine = None

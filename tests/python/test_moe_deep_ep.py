@@ -1,0 +1,42 @@
+"""fabric_lib.moe.deep_ep.Buffer, DeepEP's low-latency API, from rank processes that meet in a
+torch.distributed (gloo) group: 4 ranks as 2 nodes over tcp;ofi_rxm and 4 ranks as one node
+over shm, host kernels. Two batches in flight (one received through its hook), FP8 with plain
+scales and with round_scale + UE8M0 packing; DeepEP's shapes and layouts (column-major scales,
+src_info, layout_range) and every count, row and combined value against the oracle; the
+arguments the shim does not support raise."""
+
+import os
+import sys
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import moe_roles as R  # noqa: E402
+
+
+@pytest.mark.parametrize("provider,node_size", [("tcp;ofi_rxm", 2), ("shm", 4)], ids=["tcp-2nodes", "shm-1node"])
+def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(peer, provider, node_size):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = dict(provider=provider, ranks=4, node_size=node_size, experts=16, topk=4, hidden=1024, max_tokens=8,
+               dtype="fp8", steps=4, port=store.port, job=uuid.uuid4().hex[:16])
+    procs = [peer(R.deep_ep_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
+    for r, (conn, _) in enumerate(procs):
+        assert conn.poll(180), f"rank {r} did not start"
+        msg = conn.recv()
+        assert msg == "ready", f"rank {r}: {msg}"
+    for r, (conn, _) in enumerate(procs):
+        got = {}
+        while True:
+            assert conn.poll(180), f"rank {r}: no message after {list(got)}"
+            msg = conn.recv()
+            assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
+            if msg == "bye":
+                break
+            got[msg[0]] = msg[1]
+        assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
+        assert got["refusals"] == [], f"rank {r}: {got['refusals']}"
+    del store
