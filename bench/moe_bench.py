@@ -16,7 +16,8 @@ times it inside dispatch), and the experts are not run (combine sends a fixed BF
 Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
 the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
 WRITEs posted per step (proxy_stats(), means over ranks). Ends with one line per expert count:
-`moe-bench ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`.
+`moe-bench api=.. ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`
+(--api deep_ep: the same steps through fabric_lib.moe.deep_ep.Buffer, its proxy figures not kept).
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
 
     from fabric_lib import moe as M
 
+    if args.api == "deep_ep":
+        return _run_deep_ep(args, rank, world, experts, engine, device)
     a2a = M.AllToAll(engine, rank=rank, world_size=world, node_size=args.node_size, num_experts=experts,
                      experts_per_token=args.topk, hidden=args.hidden, max_tokens=args.tokens, dispatch_dtype="fp8",
                      timeout_s=60.0, device=device, job=f"moe-bench-{experts}-{args.job}",
-                     proxy_busy_poll=args.busy_poll)
+                     proxy_busy_poll=args.busy_poll, num_sms=args.num_sms)
     x, idx, w = _inputs(args, rank, experts, device)
     xs = None
     if not args.quantize:
@@ -120,6 +123,45 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
                 writes=(stats1.writes - stats0.writes) / args.steps)
 
 
+def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> dict:
+    """The same steps through fabric_lib.moe.deep_ep.Buffer (DeepEP's low-latency calls, each
+    receive through its hook so the four halves are timed apart): BF16 x quantized inside
+    dispatch as DeepEP does, plus the shim's own work (scales layout, src_info, layout_range)."""
+    import torch
+    import torch.distributed as dist
+
+    from fabric_lib.moe import deep_ep
+
+    buf = deep_ep.Buffer(None, engine=engine, node_size=args.node_size, timeout_s=60.0,
+                         proxy_busy_poll=args.busy_poll, num_sms=args.num_sms)
+    x, idx, w = _inputs(args, rank, experts, device)
+    y = torch.zeros(experts // world, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    clock = _Clock(device)
+    times = {h: [] for h in HALVES}
+    for step in range(args.warmup + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        marks = [clock.mark()]
+        _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, args.tokens, experts, use_fp8=True,
+                                                         return_recv_hook=True)
+        marks.append(clock.mark())
+        hook()
+        marks.append(clock.mark())
+        _, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True, out=out)
+        marks.append(clock.mark())
+        hook()
+        marks.append(clock.mark())
+        us = clock.elapsed_us(marks)
+        if step >= args.warmup:
+            for h, t in zip(HALVES, us):
+                times[h].append(t)
+    buf.check()
+    buf.destroy()
+    return dict(times=times, proxy_cpu_ms=0.0, writes=0.0)
+
+
 def _report(args, world: int, experts: int, per_rank: list, device_name: str) -> None:
     def per_call(r: dict, name: str) -> list:
         if name in CALLS:
@@ -141,7 +183,9 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     writes = statistics.fmean(r["writes"] for r in per_rank)
     print(f"proxy per step: {cpu:.3f} CPU ms, {writes:.1f} WRITEs (means over ranks)")
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
-    print(f"moe-bench ranks={world} node_size={args.node_size} device={device_name} provider={args.provider} "
+    print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
+          f"provider={args.provider} num_sms={args.num_sms or 'default'} "
+          f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} "
           f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
@@ -206,6 +250,9 @@ def main() -> int:
     ap.add_argument("--busy-poll", action="store_true", help="proxy threads spin (give each a core)")
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")
+    ap.add_argument("--num-sms", type=int, default=0, help="CUDA: blocks per half (AllToAll num_sms; 0: default)")
+    ap.add_argument("--api", choices=["native", "deep_ep"], default="native",
+                    help="time fabric_lib.moe.AllToAll's calls, or the same through the DeepEP shim")
     args = ap.parse_args()
     args.experts = [int(e) for e in args.experts.split(",")]
     args.job = os.getpid()  # names the AllToAll's store keys and shared memory: one per run

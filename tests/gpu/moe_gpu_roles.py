@@ -90,6 +90,66 @@ def _events_us(a: torch.cuda.Event, b: torch.cuda.Event) -> float:
     return a.elapsed_time(b) * 1e3
 
 
+def overlap_steps(cfg: dict, me: GpuRank, steps: int) -> list:
+    """Two batches in flight (two-batch overlap): dispatch A, dispatch B (both sent before either
+    is received), then combine A and B, received in the opposite order; every output exact."""
+    a2a, W, bad = me.a2a, cfg["ranks"], []
+    outs = [torch.zeros(me.L, me.M, cfg["hidden"], dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    for step in range(1, steps + 1):
+        inputs = [[R.make_input(cfg, s, 5000 + 2 * step + b) for s in range(W)] for b in range(2)]
+        mine = [[t.to(DEV) for t in inputs[b][me.rank]] for b in range(2)]
+        handles = [a2a.dispatch_send(x, idx) for x, idx, _ in mine]
+        recvs = [a2a.dispatch_recv(h) for h in handles]
+        for b in range(2):
+            me.experts(recvs[b], outs[b])
+            a2a.combine_send(outs[b], handles[b])
+        combined = {b: a2a.combine_recv(mine[b][2], handles[b]) for b in (1, 0)}
+        torch.cuda.synchronize()
+        a2a.check()
+        for b in range(2):
+            bad += me.check(f"overlap step {step} batch {'AB'[b]}", inputs[b], recvs[b], combined[b], exact=True)[0]
+    return bad
+
+
+def stalled(conn, cfg: dict, me: GpuRank) -> dict:
+    """One rank (cfg["stall_rank"]) stops taking part at step 2, before its dispatch
+    (stall_at "dispatch") or before its combine ("combine"), and waits for the test's release;
+    every other rank's receive kernel gives up after timeout_s. What those ranks then see: the
+    step's outputs marked invalid (every count MOE_INVALID_COUNT, or every combined value NaN),
+    check() and the next call raising a clear error."""
+    a2a, H, at = me.a2a, cfg["hidden"], cfg["stall_at"]
+    expert_out = torch.zeros(me.L, me.M, H, dtype=torch.bfloat16, device=DEV)
+    for step in (1, 2):
+        inputs = [R.make_input(cfg, s, step) for s in range(cfg["ranks"])]
+        x, idx, w = (t.to(DEV) for t in inputs[me.rank])
+        stops = me.rank == cfg["stall_rank"] and step == 2
+        if stops and at == "dispatch":
+            break
+        t0 = time.monotonic()
+        *recv, h = a2a.dispatch(x, idx)
+        if stops:
+            break
+        out = None
+        if step == 1 or at == "combine":
+            me.experts(recv, expert_out)
+            out = a2a.combine(expert_out, w, h)
+        torch.cuda.synchronize()
+        seconds = time.monotonic() - t0
+    if me.rank == cfg["stall_rank"]:
+        conn.send(("stalled", {}))
+        assert conn.recv() == "release"
+        return dict(stalled=True)
+    result = dict(seconds=seconds, counts=recv[2].tolist(),
+                  nan_fraction=float(out.float().isnan().float().mean()) if out is not None else 0.0)
+    for what, call in (("check", a2a.check), ("next dispatch", lambda: a2a.dispatch_send(x, idx))):
+        try:
+            call()
+            result[what] = "accepted"
+        except fl.FabricError as e:
+            result[what] = str(e)
+    return result
+
+
 def run(conn, cfg: dict, me: GpuRank) -> dict:
     a2a, H = me.a2a, cfg["hidden"]
     expert_out = torch.zeros(me.L, me.M, H, dtype=torch.bfloat16, device=DEV)
@@ -112,6 +172,7 @@ def run(conn, cfg: dict, me: GpuRank) -> dict:
         b, d = me.check(f"eager step {step}", inputs, recv, out, exact=True)
         bad += b
         diffs.append(d)
+    bad += overlap_steps(cfg, me, cfg.get("overlap_steps", 4))
     # One graph: quantization, dispatch, the experts, combine; inputs and out fixed tensors.
     T, K = cfg["max_tokens"], cfg["topk"]
     sx = torch.zeros(T, H, dtype=torch.bfloat16, device=DEV)
@@ -175,10 +236,11 @@ def rank_main(conn, cfg: dict) -> None:
                              num_experts=cfg["experts"], experts_per_token=cfg["topk"], hidden=cfg["hidden"],
                              max_tokens=cfg["max_tokens"], dispatch_dtype=cfg["dtype"],
                              private_rows=cfg.get("private_rows", 32), timeout_s=cfg.get("timeout_s", 30.0),
-                             device=DEV, store=store, job=cfg["job"])
+                             device=DEV, store=store, job=cfg["job"], num_sms=cfg.get("num_sms", 0),
+                             buffers=cfg.get("buffers", 2))
             conn.send("ready")
             t0 = time.monotonic()
-            result = run(conn, cfg, GpuRank(cfg, a2a, rank))
+            result = (stalled if cfg.get("stall_at") else run)(conn, cfg, GpuRank(cfg, a2a, rank))
             result["wall_s"] = time.monotonic() - t0
             torch.cuda.synchronize()
             a2a.close()

@@ -9,11 +9,11 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench python-install python-gpu python-watcher moe-gpu cuda-ipc post
-# gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
+# FABRIC_GPU_ONLY="weights-bench python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
+# cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
 # tests/gpu/weights_bench.sh, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
-# MoE GPU tests and bench; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
+# MoE GPU tests and bench, or either alone; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -62,17 +62,26 @@ python_steps() {
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
 # in a CUDA graph; then the benchmark at 128 tokens, hidden 7168, top-8 (both latency definitions).
 moe_steps() {
+  moe_gpu_tests
+  moe_bench_steps
+}
+moe_gpu_tests() {
   { python_install && python3 -m pytest -s -v tests/gpu/test_moe_gpu.py; } > "$OUT/moe_gpu.txt" 2>&1 || status=1
-  grep -E "moe-gpu|mps|passed|failed|error" "$OUT/moe_gpu.txt" | tail -12 || true
-  # The ranks share one GPU: under MPS (when it starts) each gets 100 / ranks percent of the SMs
-  # (test_moe_gpu.py says why); otherwise they time-slice and the figures only show that it runs.
+  grep -E "moe-gpu|mps|passed|failed|error" "$OUT/moe_gpu.txt" | tail -16 || true
+}
+# The ranks share one GPU under MPS (when it starts) with no SM partition: their kernels run at
+# once, as on separate GPUs (test_moe_gpu.py says why that is safe). Each path at 2, 4 and 8
+# ranks (NVLink only, and 2 nodes over shm through host-pinned buffers), the DeepEP shim beside
+# the native calls, and the grid cap (num_sms) at 2 ranks.
+moe_bench_steps() {
   local mps=0
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; fi
-  echo "moe-bench mps=$mps" > "$OUT/moe_bench.txt"
-  for ranks_nodes in "2 2 tcp" "4 4 tcp" "2 1 shm" "4 2 shm"; do
-    read -r ranks node provider <<< "$ranks_nodes"
-    timeout 240 python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 --ranks "$ranks" \
-      --node-size "$node" --provider "$provider" --mps-share $((mps ? 100 / ranks : 0)) --steps 30
+  echo "moe-bench mps=$mps sm_partition=none" > "$OUT/moe_bench.txt"
+  for run in "2 2 tcp native 0" "4 4 tcp native 0" "8 8 tcp native 0" "2 1 shm native 0" "4 2 shm native 0" \
+             "8 4 shm native 0" "2 2 tcp deep_ep 0" "8 8 tcp deep_ep 0" "2 2 tcp native 32" "2 2 tcp native 132"; do
+    read -r ranks node provider api sms <<< "$run"
+    timeout 240 python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 --experts 256 \
+      --ranks "$ranks" --node-size "$node" --provider "$provider" --api "$api" --num-sms "$sms" --steps 30
   done >> "$OUT/moe_bench.txt" 2>&1 || status=1
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   grep -E "^moe-bench" "$OUT/moe_bench.txt" || true
@@ -110,6 +119,8 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
         timeout 300 python3 bench/python_watcher.py --cxx-bench $BUILD/tests/cuda_ipc_bench > "$OUT/python_watcher.txt" 2>&1 || status=1
         grep -E "python-watcher" "$OUT/python_watcher.txt" || tail -5 "$OUT/python_watcher.txt" ;;
       moe-gpu) moe_steps ;;
+      moe-tests) moe_gpu_tests ;;
+      moe-bench) moe_bench_steps ;;
       *) echo "unknown step $step"; status=1 ;;
     esac
   done

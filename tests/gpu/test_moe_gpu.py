@@ -1,18 +1,20 @@
 """MoE dispatch/combine with CUDA kernels from Python (run by tests/gpu/run.sh on the GPU machine;
-skipped where torch has no CUDA): 2 and 4 rank processes sharing GPU 0, as one NVLink domain
+skipped where torch has no CUDA): 2, 4 and 8 rank processes sharing GPU 0, as one NVLink domain
 (node_size = ranks: CUDA IPC only) and as 2 "nodes" (node_size = ranks / 2: the other node through
 host-pinned buffers over the shm provider). Eager steps, then dispatch + experts + combine captured
-in one CUDA graph and replayed 100 times with fresh routing; DeepEP-style checks (moe_gpu_roles.py)
-and the oracle bit for bit. Prints one `moe-gpu ...` line per configuration (graph_step_us: one
-replay of dispatch + identity experts + combine, 20 back to back, CUDA events, p50 over ranks).
+in one CUDA graph and replayed 100 times with fresh routing, and steps with two batches in flight;
+DeepEP-style checks (moe_gpu_roles.py) and the oracle bit for bit. Prints one `moe-gpu ...` line
+per configuration (graph_step_us: one replay of dispatch + identity experts + combine, 20 back to
+back, CUDA events, p50 over ranks). Then a rank that stalls before a dispatch or a combine: the
+others' kernels give up after the timeout, their outputs are marked invalid and check() and the
+next call raise.
 
 Kernels of processes sharing a GPU run concurrently only under MPS; without it they time-slice
-(slower, still correct: every wait is bounded and the timeouts are generous). The module starts an
-MPS daemon where nvidia-cuda-mps-control exists and a CUDA client then works under it, and says
-whether it did. Under MPS each rank gets 100 / ranks percent of the SMs
-(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): with the whole GPU each, one rank's receive kernel, spinning
-on every SM, starves the other rank's send kernel it waits for (both time out) - a hazard of
-ranks sharing a GPU only, where one GPU per rank has none."""
+(slower, still correct: every wait is bounded). The module starts an MPS daemon where
+nvidia-cuda-mps-control exists and a CUDA client then works under it, and says whether it did.
+No SM partition is set (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE stays unset): the ranks' kernels run
+at once as on separate GPUs, and each half's grid stays within num_sms blocks (default 16), so a
+receive kernel waiting for its peers never takes the SMs their send kernels need."""
 
 import multiprocessing as mp
 import os
@@ -31,6 +33,8 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_gpu_roles  # noqa: E402
+
+from fabric_lib import moe as M  # noqa: E402
 
 _PROBE = "import torch; x = torch.ones(8, device='cuda'); assert float((x * 2).sum()) == 16.0"
 
@@ -62,13 +66,7 @@ def mps():
         _mps_control(stdin="quit\n")
 
 
-@pytest.mark.parametrize("ranks,node_size,dtype", [(2, 2, "fp8"), (2, 1, "bf16"), (4, 4, "bf16"), (4, 2, "fp8")],
-                         ids=["2ranks-nvlink-fp8", "2ranks-2nodes-bf16", "4ranks-nvlink-bf16", "4ranks-2nodes-fp8"])
-def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_size, dtype):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    cfg = dict(port=store.port, job=uuid.uuid4().hex[:16], ranks=ranks, node_size=node_size, dtype=dtype,
-               experts=8 * ranks, topk=8, hidden=7168, max_tokens=64, private_rows=16, eager_steps=6, replays=100, timed_replays=20,
-               timeout_s=60.0, mps_share=100 // ranks if mps == "on" else 0)
+def _spawn(cfg: dict, ranks: int) -> list:
     ctx = mp.get_context("spawn")
     procs = []
     for r in range(ranks):
@@ -76,17 +74,32 @@ def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_
         p = ctx.Process(target=moe_gpu_roles.rank_main, args=(child, dict(cfg, rank=r)), daemon=True)
         p.start()
         procs.append((parent, p))
+    for r, (conn, _) in enumerate(procs):
+        assert conn.poll(240), f"rank {r} did not start"
+        msg = conn.recv()
+        assert msg == "ready", f"rank {r}: {msg}"
+    return procs
+
+
+def _result(conn, r: int, timeout: float = 540):
+    assert conn.poll(timeout), f"rank {r}: no result"
+    msg = conn.recv()
+    assert not isinstance(msg, str), f"rank {r}: {msg}"
+    return msg[1]
+
+
+@pytest.mark.parametrize("ranks,node_size,dtype", [(2, 2, "fp8"), (2, 1, "bf16"), (4, 4, "bf16"), (4, 2, "fp8"),
+                                                   (8, 8, "fp8"), (8, 4, "bf16")],
+                         ids=["2ranks-nvlink-fp8", "2ranks-2nodes-bf16", "4ranks-nvlink-bf16", "4ranks-2nodes-fp8",
+                              "8ranks-nvlink-fp8", "8ranks-2nodes-bf16"])
+def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_size, dtype):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = dict(port=store.port, job=uuid.uuid4().hex[:16], ranks=ranks, node_size=node_size, dtype=dtype,
+               experts=8 * ranks, topk=8, hidden=7168, max_tokens=64, private_rows=16, eager_steps=6, replays=100, timed_replays=20,
+               timeout_s=60.0, overlap_steps=4)
+    procs = _spawn(cfg, ranks)
     try:
-        for r, (conn, _) in enumerate(procs):
-            assert conn.poll(240), f"rank {r} did not start"
-            msg = conn.recv()
-            assert msg == "ready", f"rank {r}: {msg}"
-        results = []
-        for r, (conn, _) in enumerate(procs):
-            assert conn.poll(540), f"rank {r}: no result"
-            msg = conn.recv()
-            assert not isinstance(msg, str), f"rank {r}: {msg}"
-            results.append(msg[1])
+        results = [_result(conn, r) for r, (conn, _) in enumerate(procs)]
         for r, res in enumerate(results):
             assert res["bad"] == [], f"rank {r}: {res['bad']}"
             assert res["replays"] == cfg["replays"]
@@ -94,9 +107,81 @@ def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_
                 assert res["writes"] > 0, "no WRITEs between the nodes"
         med = lambda k: sorted(x[k] for x in results)[len(results) // 2]  # noqa: E731
         print(f"moe-gpu ranks={ranks} node_size={node_size} dtype={dtype} hidden={cfg['hidden']} "
-              f"tokens={cfg['max_tokens']} experts={cfg['experts']} mps={mps.split(':')[0]} "
+              f"tokens={cfg['max_tokens']} experts={cfg['experts']} mps={mps.split(':')[0]} sm_partition=none "
               f"graph_step_us_p50={med('step_us'):.1f} replays={cfg['replays']} "
               f"max_calc_diff={max(x['max_diff'] for x in results):.2e} exact=yes wall_s={med('wall_s'):.1f}")
+    finally:
+        for _, p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("ranks,node_size,stall_at", [(2, 2, "dispatch"), (2, 2, "combine"), (4, 2, "dispatch")],
+                         ids=["2ranks-nvlink-dispatch", "2ranks-nvlink-combine", "4ranks-2nodes-dispatch"])
+def test_a_stalled_rank_fails_the_others_with_invalid_outputs_and_a_clear_error(mps, ranks, node_size, stall_at):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout_s = 3.0
+    cfg = dict(port=store.port, job=uuid.uuid4().hex[:16], ranks=ranks, node_size=node_size, dtype="fp8",
+               experts=8 * ranks, topk=8, hidden=7168, max_tokens=64, private_rows=16, timeout_s=timeout_s,
+               stall_at=stall_at, stall_rank=ranks - 1, buffers=1)
+    procs = _spawn(cfg, ranks)
+    try:
+        stalled_conn = procs[-1][0]
+        assert _result(stalled_conn, ranks - 1, 120) == {}
+        for r, (conn, _) in enumerate(procs[:-1]):
+            res = _result(conn, r, 120)
+            assert res["seconds"] < timeout_s + 30, f"rank {r} took {res['seconds']:.1f} s to give up"
+            if stall_at == "dispatch":
+                assert set(res["counts"]) == {M.MOE_INVALID_COUNT}, f"rank {r}: counts {res['counts']}"
+            else:
+                assert res["nan_fraction"] == 1.0, f"rank {r}: {res['nan_fraction']:.3f} of the combined values NaN"
+            assert f"{stall_at} receive on rank {r}" in res["check"] and "missing" in res["check"], res["check"]
+            assert "missing" in res["next dispatch"], res["next dispatch"]
+            print(f"moe-gpu-stall ranks={ranks} node_size={node_size} at={stall_at} rank={r} gave_up_s={res['seconds']:.1f} "
+                  f"error={res['check'][:120]!r}")
+        stalled_conn.send("release")
+        assert _result(stalled_conn, ranks - 1, 60) == dict(stalled=True)
+    finally:
+        for _, p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("ranks,node_size,provider", [(2, 2, "tcp;ofi_rxm"), (4, 2, "shm")], ids=["2ranks-nvlink", "4ranks-2nodes"])
+def test_the_deep_ep_shim_on_gpu_matches_the_oracle(mps, ranks, node_size, provider):
+    """fabric_lib.moe.deep_ep.Buffer with CUDA tensors (tests/python/moe_roles.deep_ep_rank_main):
+    DeepEP's shapes and layouts, two batches in flight, UE8M0 scales, every value exact."""
+    import moe_roles as R
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = dict(provider=provider, ranks=ranks, node_size=node_size, experts=8 * ranks, topk=8, hidden=7168,
+               max_tokens=32, dtype="fp8", steps=4, port=store.port, device="cuda:0")
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in range(ranks):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=R.deep_ep_rank_main, args=(child, dict(cfg, rank=r)), daemon=True)
+        p.start()
+        procs.append((parent, p))
+    try:
+        for r, (conn, _) in enumerate(procs):
+            assert conn.poll(240), f"rank {r} did not start"
+            msg = conn.recv()
+            assert msg == "ready", f"rank {r}: {msg}"
+        for r, (conn, _) in enumerate(procs):
+            got = {}
+            while True:
+                assert conn.poll(300), f"rank {r}: no message after {list(got)}"
+                msg = conn.recv()
+                assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
+                if msg == "bye":
+                    break
+                got[msg[0]] = msg[1]
+            assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
+            assert got["refusals"] == [], f"rank {r}: {got['refusals']}"
+        print(f"moe-gpu-deep-ep ranks={ranks} node_size={node_size} steps={cfg['steps']} exact=yes")
     finally:
         for _, p in procs:
             p.join(timeout=60)

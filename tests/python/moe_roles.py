@@ -369,6 +369,10 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
     """One low-latency dispatch of this rank against the oracle: counts, rows, scales in DeepEP's
     column-major layout (UE8M0-packed when asked), and the handle's src_info / layout_range."""
     (rx, scales), counts, handle, _, _ = got
+    cpu = (lambda t: t.cpu()) if rx.device.type != "cpu" else (lambda t: t)
+    strides = scales.stride()
+    rx, scales, counts = cpu(rx), cpu(scales), cpu(counts)
+    handle = (cpu(handle[0]), cpu(handle[1]), *handle[2:])
     T, E, W = cfg["max_tokens"], cfg["experts"], cfg["ranks"]
     L, Mr = E // W, W * T
     ref_x, ref_s, ref_counts, ref_src = M.reference_dispatch(
@@ -379,8 +383,8 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
     G = cfg["hidden"] // M.BLOCK
     ue8m0 = cfg.get("ue8m0", False)
     want_shape = (L, Mr, G // 4 if ue8m0 else G)
-    if tuple(scales.shape) != want_shape or scales.stride(1) != 1 or scales.stride(2) != Mr:
-        bad.append(f"{tag}: scales shape {list(scales.shape)} strides {scales.stride()}, not column-major {want_shape}")
+    if tuple(scales.shape) != want_shape or strides[1] != 1 or strides[2] != Mr:
+        bad.append(f"{tag}: scales shape {list(scales.shape)} strides {strides}, not column-major {want_shape}")
     unpacked = unpack_ue8m0(scales) if ue8m0 else scales
     src_info, layout_range, t_, h_, e_ = handle
     if (t_, h_, e_) != (T, cfg["hidden"], E):
@@ -404,15 +408,19 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
 
 
 def deep_ep_rank_main(conn, cfg: dict) -> None:
-    """One rank of a DeepEP-style job over fabric_lib.moe.deep_ep.Buffer (host kernels): two
-    batches in flight (the second with return_recv_hook), FP8 with round_scale + UE8M0 on even
-    steps, the identity expert, every output against the oracle; then the refusals."""
+    """One rank of a DeepEP-style job over fabric_lib.moe.deep_ep.Buffer (host kernels, or CUDA
+    kernels with cfg["device"] "cuda"): two batches in flight (the second with
+    return_recv_hook), FP8 with round_scale + UE8M0 on even steps, the identity expert, every
+    output against the oracle; then the refusals."""
     import torch.distributed as dist
 
     from fabric_lib.moe import deep_ep
 
     try:
         torch.set_num_threads(1)
+        dev = torch.device(cfg.get("device", "cpu"))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         rank, W, T, E, K, H = cfg["rank"], cfg["ranks"], cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
         store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
@@ -427,7 +435,7 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                 batches = []
                 for b in range(2):  # dispatch A, dispatch B (B received through its hook)
                     inputs = [make_input(cfg, s, 10 * step + b) for s in range(W)]
-                    x, idx, w = inputs[rank]
+                    x, idx, w = (t.to(dev) for t in inputs[rank])
                     got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, round_scale=ue8m0, use_ue8m0=ue8m0,
                                                    return_recv_hook=b == 1)
                     batches.append((inputs, got))
@@ -441,11 +449,12 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                     (rx, scales), _, handle, _, _ = got
                     rs = unpack_ue8m0(scales) if ue8m0 else scales
                     y = M.dequantize_fp8_tokens(rx, rs).to(torch.bfloat16)  # the identity expert
-                    x, idx, w = inputs[rank]
+                    x, idx, w = (t.to(dev) for t in inputs[rank])
                     out, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=b == 0)
-                    outs.append((out, hook, forms[rank], idx, w, tag))
+                    outs.append((out, hook, forms[rank], idx.cpu(), w.cpu(), tag))
                 for out, hook, (xq, xs), idx, w, tag in outs:
                     hook()  # A's combine receive
+                    out = out.cpu()
                     rows = M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16).unsqueeze(1).expand(-1, K, -1)
                     want = M.reference_combine_rows(idx, w, rows)
                     if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
@@ -462,10 +471,11 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
 def deep_ep_refusals(cfg: dict, buf) -> list:
     """What the shim must refuse, each before anything is sent (every rank makes the same calls)."""
     T, E, K, H = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
-    x = torch.zeros(2, H, dtype=torch.bfloat16)
-    idx = torch.full((2, K), -1, dtype=torch.int64)
-    w = torch.ones(2, K)
-    y = torch.zeros(E // cfg["ranks"], cfg["ranks"] * T, H, dtype=torch.bfloat16)
+    dev = torch.device(cfg.get("device", "cpu"))
+    x = torch.zeros(2, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.full((2, K), -1, dtype=torch.int64, device=dev)
+    w = torch.ones(2, K, device=dev)
+    y = torch.zeros(E // cfg["ranks"], cfg["ranks"] * T, H, dtype=torch.bfloat16, device=dev)
     cases = [
         ("ue8m0 without round_scale", ValueError, "use_ue8m0 needs round_scale",
          lambda: buf.low_latency_dispatch(x, idx, T, E, use_ue8m0=True)),
