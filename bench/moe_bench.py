@@ -15,7 +15,9 @@ times it inside dispatch), and the experts are not run (combine sends a fixed BF
 
 Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
 the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
-WRITEs posted per step (proxy_stats(), means over ranks). Ends with one line per expert count:
+WRITEs posted per step (proxy_stats(), means over ranks), and what the hardware does with the
+same bytes in the same run (copy_us: one contiguous copy of a rank's dispatch rows, all ranks at
+once). Ends with one line per expert count:
 `moe-bench api=.. ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`
 (--api deep_ep: the same steps through fabric_lib.moe.deep_ep.Buffer, its proxy figures not kept).
 """
@@ -120,7 +122,7 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     stats1 = a2a.proxy_stats()
     a2a.close()
     return dict(times=times, proxy_cpu_ms=(stats1.cpu_ms - stats0.cpu_ms) / args.steps,
-                writes=(stats1.writes - stats0.writes) / args.steps)
+                writes=(stats1.writes - stats0.writes) / args.steps, copy_us=_copy_us(args, device, clock))
 
 
 def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> dict:
@@ -159,7 +161,29 @@ def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> d
                 times[h].append(t)
     buf.check()
     buf.destroy()
-    return dict(times=times, proxy_cpu_ms=0.0, writes=0.0)
+    return dict(times=times, proxy_cpu_ms=0.0, writes=0.0, copy_us=_copy_us(args, device, clock))
+
+
+def _copy_us(args, device, clock) -> float:
+    """What the hardware does with this rank's dispatch bytes in the same run: one contiguous
+    copy of tokens x top-k FP8 rows (payload and scales) on the current stream, p50 of 20, while
+    the other ranks do the same (they share the GPU as the dispatches did)."""
+    import torch
+    import torch.distributed as dist
+
+    n = args.tokens * args.topk * (args.hidden + 4 * (args.hidden // 128))
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = []
+    for _ in range(23):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        marks = [clock.mark()]
+        dst.copy_(src)
+        marks.append(clock.mark())
+        us += clock.elapsed_us(marks)
+    return statistics.median(us[3:])
 
 
 def _report(args, world: int, experts: int, per_rank: list, device_name: str) -> None:
@@ -181,7 +205,9 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
         line[name] = (p50, mean)
     cpu = statistics.fmean(r["proxy_cpu_ms"] for r in per_rank)
     writes = statistics.fmean(r["writes"] for r in per_rank)
+    copy = sorted(r["copy_us"] for r in per_rank)[len(per_rank) // 2]
     print(f"proxy per step: {cpu:.3f} CPU ms, {writes:.1f} WRITEs (means over ranks)")
+    print(f"a contiguous copy of one rank's dispatch bytes, same run: {copy:.1f} us (p50 over ranks)")
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
           f"provider={args.provider} num_sms={args.num_sms or 'default'} "
@@ -189,7 +215,8 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
           f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
-          f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f}", flush=True)
+          f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f} copy_us_p50={copy:.1f} "
+          f"dispatch_over_copy={line['dispatch'][0] / max(copy, 1e-3):.1f}", flush=True)
 
 
 def worker(rank: int, world: int, local_rank: int, args) -> None:
