@@ -89,7 +89,7 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     a2a = M.AllToAll(engine, rank=rank, world_size=world, node_size=args.node_size, num_experts=experts,
                      experts_per_token=args.topk, hidden=args.hidden, max_tokens=args.tokens, dispatch_dtype="fp8",
                      timeout_s=60.0, device=device, job=f"moe-bench-{experts}-{args.job}",
-                     proxy_busy_poll=args.busy_poll, num_sms=args.num_sms)
+                     proxy_busy_poll=args.busy_poll, num_sms=args.num_sms, rdma_buffers=args.rdma_buffers)
     x, idx, w = _inputs(args, rank, experts, device)
     xs = None
     if not args.quantize:
@@ -135,7 +135,7 @@ def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> d
     from fabric_lib.moe import deep_ep
 
     buf = deep_ep.Buffer(None, engine=engine, node_size=args.node_size, timeout_s=60.0,
-                         proxy_busy_poll=args.busy_poll, num_sms=args.num_sms)
+                         proxy_busy_poll=args.busy_poll, num_sms=args.num_sms, rdma_buffers=args.rdma_buffers)
     x, idx, w = _inputs(args, rank, experts, device)
     y = torch.zeros(experts // world, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
     out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
@@ -210,7 +210,7 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     print(f"a contiguous copy of one rank's dispatch bytes, same run: {copy:.1f} us (p50 over ranks)")
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
-          f"provider={args.provider} num_sms={args.num_sms or 'default'} "
+          f"provider={args.provider} rdma_buffers={args.rdma_buffers} num_sms={args.num_sms or 'default'} "
           f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} "
           f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
@@ -237,7 +237,9 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
     else:
         device = torch.device("cpu")
     provider, nics = _provider(args.provider)
-    with fl.TransferEngine(provider=provider, nics=nics) as engine:
+    # --rdma-buffers device: the proxy's WRITEs go GPU to GPU through the engine's cuda_ipc domain.
+    extra = dict(cuda_device=device.index, cuda_ipc=True) if args.rdma_buffers == "device" else {}
+    with fl.TransferEngine(provider=provider, nics=nics, **extra) as engine:
         for experts in args.experts:
             mine = _run_one(args, rank, world, experts, engine, device)
             gathered = [None] * world
@@ -278,6 +280,8 @@ def main() -> int:
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")
     ap.add_argument("--num-sms", type=int, default=0, help="CUDA: blocks per half (AllToAll num_sms; 0: default)")
+    ap.add_argument("--rdma-buffers", choices=["host", "device"], default="host",
+                    help="where the regions between nodes live (device: GPU memory written through cuda_ipc)")
     ap.add_argument("--api", choices=["native", "deep_ep"], default="native",
                     help="time fabric_lib.moe.AllToAll's calls, or the same through the DeepEP shim")
     args = ap.parse_args()

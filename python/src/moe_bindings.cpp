@@ -78,6 +78,11 @@ void bind_moe(nb::module_& m) {
                         "Who runs the halves: the calling thread (HOST) or CUDA kernels (CUDA).")
       .value("HOST", KernelSide::kHost)
       .value("CUDA", KernelSide::kCuda);
+  nb::enum_<RdmaBuffers>(m, "MoeRdmaBuffers",
+                         "Where the regions between nodes live: HOST memory (every provider), or DEVICE memory (CUDA "
+                         "kernels; written through the engine's cuda_ipc domain on one host, or a NIC with FI_HMEM).")
+      .value("HOST", RdmaBuffers::kHost)
+      .value("DEVICE", RdmaBuffers::kDevice);
 
   nb::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "One rank's MoE all-to-all (include/fabric/moe/all_to_all.h).")
@@ -87,7 +92,7 @@ void bind_moe(nb::module_& m) {
              uint32_t topk, uint32_t hidden, uint32_t max_tokens, Dtype dispatch_dtype,
              uint32_t private_rows, double timeout_s, KernelSide side, int cuda_device,
              std::string job, bool proxy_busy_poll, std::optional<uint32_t> imm_base,
-             uint32_t buffers, uint32_t num_sms) {
+             uint32_t buffers, uint32_t num_sms, RdmaBuffers rdma_buffers) {
             new (c) AllToAllConfig{
                 .rank = rank,
                 .ranks = ranks,
@@ -105,13 +110,15 @@ void bind_moe(nb::module_& m) {
                 .proxy_busy_poll = proxy_busy_poll,
                 .imm_base = imm_base,
                 .buffers = buffers,
-                .num_sms = num_sms};
+                .num_sms = num_sms,
+                .rdma_buffers = rdma_buffers};
           },
           nb::kw_only(), "rank"_a = 0, "ranks"_a = 1, "node_size"_a = 1, "experts"_a = 0,
           "topk"_a = 8, "hidden"_a = 7168, "max_tokens"_a = 128, "dispatch_dtype"_a = Dtype::kFp8,
           "private_rows"_a = 32, "timeout_s"_a = 10.0, "side"_a = KernelSide::kHost,
           "cuda_device"_a = 0, "job"_a = "moe", "proxy_busy_poll"_a = false,
-          "imm_base"_a = nb::none(), "buffers"_a = 2, "num_sms"_a = 0)
+          "imm_base"_a = nb::none(), "buffers"_a = 2, "num_sms"_a = 0,
+          "rdma_buffers"_a = RdmaBuffers::kHost)
       .def_rw("rank", &AllToAllConfig::rank)
       .def_rw("ranks", &AllToAllConfig::ranks)
       .def_rw("node_size", &AllToAllConfig::node_size, "ranks per NVLink domain (1-8)")
@@ -135,6 +142,7 @@ void bind_moe(nb::module_& m) {
               "where this rank's immediates go in its engine's space: 2**28 per buffer set, set i "
               "at imm_base + i * 2**28 "
               "(None: the highest free blocks)")
+      .def_rw("rdma_buffers", &AllToAllConfig::rdma_buffers)
       .def_rw("buffers", &AllToAllConfig::buffers,
               "buffer sets (1-4): dispatches in flight at once")
       .def_rw("num_sms", &AllToAllConfig::num_sms,

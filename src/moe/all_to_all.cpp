@@ -57,6 +57,8 @@ void check_config(const AllToAllConfig& c) {
   if (c.timeout.count() <= 0) fail_config("timeout must be positive");
   if (c.buffers == 0 || c.buffers > kMaxBuffers)
     fail_config(fmt::format("buffers {} (1 to {})", c.buffers, kMaxBuffers));
+  if (c.rdma_buffers == RdmaBuffers::kDevice && c.side != KernelSide::kCuda)
+    fail_config("rdma_buffers kDevice needs side kCuda (host kernels cannot reach device memory)");
   if (c.num_sms > 1024)
     fail_config(fmt::format("num_sms {} (0: the default, else 1 to 1024)", c.num_sms));
   if (c.imm_base &&
@@ -169,6 +171,9 @@ struct BufferSet {
   std::vector<RemoteMr> remotes;  // [W]: interned receive regions of the other nodes' ranks
   Views views;                    // what the kernel side uses
   std::unique_ptr<Proxy> proxy;
+  // RdmaBuffers::kDevice: the proxy's copy of the routing table and what fetches it.
+  std::unique_ptr<DeviceReader> reader;
+  std::vector<uint32_t> routing_copy;
   Phase phase = Phase::kIdle;
   uint64_t step = 0;    // this set's dispatches: the protocol's step (host kernels)
   uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
@@ -202,8 +207,9 @@ struct AllToAll::Impl {
   void allocate(BufferSet& b, uint32_t index) {
     if (cuda()) {
       b.node = cuda_node_region(lay.node.bytes);
-      b.recv = pinned_block(lay.recv.bytes);
-      b.send = pinned_block(lay.send.bytes);
+      const bool on_device = cfg.rdma_buffers == RdmaBuffers::kDevice;
+      b.recv = on_device ? device_block(lay.recv.bytes) : pinned_block(lay.recv.bytes);
+      b.send = on_device ? device_block(lay.send.bytes) : pinned_block(lay.send.bytes);
       b.signals = std::make_shared<Block>(pinned_block(lay.signals.bytes));
       b.local = device_block(lay.local.bytes);
       b.out = device_block(lay.out.bytes);
@@ -353,9 +359,14 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
         {.holder = fmt::format("moe all-to-all: job {} rank {} buffer set {}", c.job, c.rank, i),
          .bits = kMoeImmBits,
          .base = base});
-    auto [recv_mr, recv_desc] = engine.reg_mr(b.recv.host(), b.recv.len(), Device::host(), b.imms);
+    // Device memory has no host address: it is registered by its device address.
+    const bool on_device = c.rdma_buffers == RdmaBuffers::kDevice;
+    const Device where = on_device ? Device::cuda(c.cuda_device) : Device::host();
+    std::byte* recv_at = on_device ? b.recv.device() : b.recv.host();
+    std::byte* send_at = on_device ? b.send.device() : b.send.host();
+    auto [recv_mr, recv_desc] = engine.reg_mr(recv_at, b.recv.len(), where, b.imms);
     b.recv_mr = recv_mr;
-    b.send_mr = engine.reg_mr(b.send.host(), b.send.len()).first;
+    b.send_mr = engine.reg_mr(send_at, b.send.len(), where).first;
     mine.recv_desc.back() = recv_desc.to_bytes();
   }
   const std::vector<std::vector<std::byte>> all = all_gather(encode(mine));
@@ -396,13 +407,27 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   for (uint32_t i = 0; i < c.buffers; ++i) {
     BufferSet& b = *s.sets[i];
     b.node->seal();
-    if (remote)
-      b.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = hosts[i],
-                                                            .signals = b.signals,
-                                                            .send_mr = b.send_mr,
-                                                            .imms = &b.imms,
-                                                            .recv = b.remotes,
-                                                            .busy_poll = c.proxy_busy_poll});
+    if (!remote) continue;
+    std::function<const uint32_t*()> routing;
+    if (c.rdma_buffers == RdmaBuffers::kDevice) {
+      b.reader = device_reader(c.cuda_device);
+      b.routing_copy.resize(uint64_t{c.ranks} * c.experts);
+      const std::byte* table = b.recv.device() + s.lay.recv.routing;
+      routing = [&b, table] {
+        b.reader->read(b.routing_copy.data(), table, 4 * b.routing_copy.size());
+        return b.routing_copy.data();
+      };
+    } else {
+      const auto* table = reinterpret_cast<const uint32_t*>(b.recv.host() + s.lay.recv.routing);
+      routing = [table] { return table; };
+    }
+    b.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = hosts[i],
+                                                          .signals = b.signals,
+                                                          .send_mr = b.send_mr,
+                                                          .imms = &b.imms,
+                                                          .recv = b.remotes,
+                                                          .busy_poll = c.proxy_busy_poll,
+                                                          .routing = std::move(routing)});
   }
 }
 

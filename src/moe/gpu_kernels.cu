@@ -394,7 +394,10 @@ __device__ void publish_counts(const Ptrs& p, uint32_t tokens, const Routing& r)
     reinterpret_cast<uint32_t*>(p.local + p.lay.local.counts)[e] = c;
     for (uint32_t i = 0; i < N; ++i)
       reinterpret_cast<uint32_t*>(p.node[i] + p.lay.node.counts + 4ull * d.experts * (p.rank % N))[e] = c;
-    if (d.ranks > N) reinterpret_cast<uint32_t*>(p.send + p.lay.send.route_row)[e] = c;
+    if (d.ranks > N) {
+      reinterpret_cast<uint32_t*>(p.send + p.lay.send.route_row)[e] = c;
+      reinterpret_cast<uint32_t*>(p.signals + p.lay.signals.route_row)[e] = c;  // the proxy's copy
+    }
   }
   if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(p.local + p.lay.local.tokens) = tokens;
 }

@@ -97,4 +97,28 @@ Block device_block(size_t len) {
 
 std::unique_ptr<NodeRegion> cuda_node_region(size_t len) { return std::make_unique<CudaNodeRegion>(len); }
 
+namespace {
+
+class CudaDeviceReader final : public DeviceReader {
+ public:
+  explicit CudaDeviceReader(int device) : device_(device) {
+    check("cudaSetDevice", cudaSetDevice(device_));
+    check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaDeviceReader() override { (void)cudaStreamDestroy(stream_); }
+  void read(void* host, const void* device, size_t len) override {
+    check("cudaSetDevice", cudaSetDevice(device_));  // the calling thread's current device
+    check("cudaMemcpyAsync (MoE routing table)", cudaMemcpyAsync(host, device, len, cudaMemcpyDeviceToHost, stream_));
+    check("cudaStreamSynchronize (MoE routing table)", cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceReader> device_reader(int cuda_device) { return std::make_unique<CudaDeviceReader>(cuda_device); }
+
 }  // namespace fabric::moe::detail

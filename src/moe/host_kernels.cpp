@@ -166,6 +166,7 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   }
   if (d.ranks > N) {
     std::memcpy(v.send + v.lay.send.route_row, counts, 4ull * d.experts);
+    std::memcpy(v.signals + v.lay.signals.route_row, counts, 4ull * d.experts);
     word(v.signals, v.lay.signals.dispatch_sent).store(step, std::memory_order_release);
   }
 }

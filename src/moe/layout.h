@@ -129,6 +129,8 @@ struct SignalLayout {
   uint64_t route_seen = 0;     // [W] proxy -> kernel: steps whose counts row from rank s arrived
   uint64_t dispatch_seen = 0;  // [W] steps whose rows from remote rank s all arrived
   uint64_t combine_seen = 0;   // [W] steps whose combine rows from remote rank s arrived
+  uint64_t route_row = 0;      // [E] u32: this rank's counts row, for the proxy (a copy of
+                               // send.route_row, which may be device memory)
   uint64_t bytes = 0;
 };
 
@@ -201,6 +203,7 @@ inline Layout make_layout(const Dims& d) {
   l.signals.route_seen = take(kLine * d.ranks);
   l.signals.dispatch_seen = take(kLine * d.ranks);
   l.signals.combine_seen = take(kLine * d.ranks);
+  l.signals.route_row = take(4ull * d.experts);
   l.signals.bytes = align_up(o, 4096);
 
   o = 0;

@@ -47,6 +47,15 @@ Block host_block(size_t len);
 Block pinned_block(size_t len);  // cudaHostAlloc(mapped), zeroed
 Block device_block(size_t len);  // cudaMalloc, zeroed
 
+// Copies device memory to host memory on a stream of its own (non-blocking: it never waits for
+// the kernels a receive half has running on the legacy default stream). CUDA builds only.
+class DeviceReader {
+ public:
+  virtual ~DeviceReader() = default;
+  virtual void read(void* host, const void* device, size_t len) = 0;
+};
+std::unique_ptr<DeviceReader> device_reader(int cuda_device);
+
 // This rank's node region and the handle its node-mates open it by.
 class NodeRegion {
  public:

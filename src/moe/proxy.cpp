@@ -136,7 +136,7 @@ void Proxy::start_dispatch(uint64_t step) {
   for (uint32_t s : others_) expect(ImmKind::kRoute, step, s, 1, l.signals.route_seen);
   for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 1 + dims_.local_experts, l.signals.dispatch_seen);
 
-  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.send + l.send.route_row);
+  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
   engine_.submit(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
                               .imm = moe_imm(ImmKind::kRoute, step, me)},
                  on_write());
@@ -170,8 +170,8 @@ void Proxy::post_shared(uint64_t step) {
   const Layout& l = cfg_.views.lay;
   const uint32_t me = cfg_.views.rank, L = dims_.local_experts;
   const uint64_t R = dims_.row_bytes();
-  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.send + l.send.route_row);
-  const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.recv + l.recv.routing);
+  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
+  const uint32_t* routing = cfg_.routing();
   uint64_t bytes = 0;
   size_t i = 0;
   for (uint32_t d : remotes_) {
@@ -197,7 +197,7 @@ void Proxy::start_combine(uint64_t step) {
   const uint32_t me = cfg_.views.rank;
   const uint64_t B = dims_.combine_row_bytes();
   for (uint32_t d : remotes_) expect(ImmKind::kCombine, step, d, 1, l.signals.combine_seen);
-  const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.recv + l.recv.routing);
+  const uint32_t* routing = cfg_.routing();
   uint64_t bytes = 0;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t s = remotes_[i];

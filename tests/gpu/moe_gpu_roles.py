@@ -230,14 +230,18 @@ def rank_main(conn, cfg: dict) -> None:
         torch.cuda.set_device(DEV)
         torch.set_num_threads(2)
         rank = cfg["rank"]
-        with fl.TransferEngine(provider="shm", nics=[""]) as engine:
+        # rdma_buffers "device": the regions between nodes in GPU memory, written through the
+        # engine's cuda_ipc domain (the proxy's WRITEs become GPU copies between the processes).
+        on_device = cfg.get("rdma_buffers", "host") == "device"
+        extra = dict(cuda_device=0, cuda_ipc=True) if on_device else {}
+        with fl.TransferEngine(provider="shm", nics=[""], **extra) as engine:
             store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
             a2a = M.AllToAll(engine, rank=rank, world_size=cfg["ranks"], node_size=cfg["node_size"],
                              num_experts=cfg["experts"], experts_per_token=cfg["topk"], hidden=cfg["hidden"],
                              max_tokens=cfg["max_tokens"], dispatch_dtype=cfg["dtype"],
                              private_rows=cfg.get("private_rows", 32), timeout_s=cfg.get("timeout_s", 30.0),
                              device=DEV, store=store, job=cfg["job"], num_sms=cfg.get("num_sms", 0),
-                             buffers=cfg.get("buffers", 2))
+                             buffers=cfg.get("buffers", 2), rdma_buffers=cfg.get("rdma_buffers", "host"))
             conn.send("ready")
             t0 = time.monotonic()
             result = (stalled if cfg.get("stall_at") else run)(conn, cfg, GpuRank(cfg, a2a, rank))

@@ -88,15 +88,18 @@ def _result(conn, r: int, timeout: float = 540):
     return msg[1]
 
 
-@pytest.mark.parametrize("ranks,node_size,dtype", [(2, 2, "fp8"), (2, 1, "bf16"), (4, 4, "bf16"), (4, 2, "fp8"),
-                                                   (8, 8, "fp8"), (8, 4, "bf16")],
+@pytest.mark.parametrize("ranks,node_size,dtype,rdma", [(2, 2, "fp8", "host"), (2, 1, "bf16", "host"), (4, 4, "bf16", "host"),
+                                                        (4, 2, "fp8", "host"), (8, 8, "fp8", "host"), (8, 4, "bf16", "host"),
+                                                        (2, 1, "fp8", "device"), (4, 2, "bf16", "device")],
                          ids=["2ranks-nvlink-fp8", "2ranks-2nodes-bf16", "4ranks-nvlink-bf16", "4ranks-2nodes-fp8",
-                              "8ranks-nvlink-fp8", "8ranks-2nodes-bf16"])
-def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_size, dtype):
+                              "8ranks-nvlink-fp8", "8ranks-2nodes-bf16", "2ranks-2nodes-ipc-fp8", "4ranks-2nodes-ipc-bf16"])
+def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_size, dtype, rdma):
+    """rdma "device": the node boundary with its regions in GPU memory, written through the
+    engine's cuda_ipc domain (the same proxy protocol, GPU copies instead of shm's host copies)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cfg = dict(port=store.port, job=uuid.uuid4().hex[:16], ranks=ranks, node_size=node_size, dtype=dtype,
                experts=8 * ranks, topk=8, hidden=7168, max_tokens=64, private_rows=16, eager_steps=6, replays=100, timed_replays=20,
-               timeout_s=60.0, overlap_steps=4)
+               timeout_s=60.0, overlap_steps=4, rdma_buffers=rdma)
     procs = _spawn(cfg, ranks)
     try:
         results = [_result(conn, r) for r, (conn, _) in enumerate(procs)]
@@ -106,7 +109,7 @@ def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_
             if node_size < ranks:
                 assert res["writes"] > 0, "no WRITEs between the nodes"
         med = lambda k: sorted(x[k] for x in results)[len(results) // 2]  # noqa: E731
-        print(f"moe-gpu ranks={ranks} node_size={node_size} dtype={dtype} hidden={cfg['hidden']} "
+        print(f"moe-gpu ranks={ranks} node_size={node_size} dtype={dtype} rdma_buffers={rdma} hidden={cfg['hidden']} "
               f"tokens={cfg['max_tokens']} experts={cfg['experts']} mps={mps.split(':')[0]} sm_partition=none "
               f"graph_step_us_p50={med('step_us'):.1f} replays={cfg['replays']} "
               f"max_calc_diff={max(x['max_diff'] for x in results):.2e} exact=yes wall_s={med('wall_s'):.1f}")

@@ -19,6 +19,12 @@ enum class Dtype : uint8_t {
   kBf16,  // no scales
 };
 enum class KernelSide : uint8_t { kHost, kCuda };
+// Where the regions between nodes (what the proxy's WRITEs read and write) live. kHost: host
+// memory (pinned and device-mapped for CUDA kernels), which every provider reaches. kDevice
+// (KernelSide::kCuda only): device memory, written through whatever domain of the engine reaches
+// the peer's GPU memory: the cuda_ipc domain between processes of one host (EngineConfig::
+// cuda_ipc, cuda_device), a NIC with FI_HMEM elsewhere. The protocol is the same.
+enum class RdmaBuffers : uint8_t { kHost, kDevice };
 
 struct AllToAllConfig {
   uint32_t rank = 0;
@@ -49,6 +55,7 @@ struct AllToAllConfig {
   // waiting for its peers leaves SMs to the send halves and to compute sharing the GPU (several
   // ranks on one GPU, or experts running beside a wait). 0: min(SMs, 16).
   uint32_t num_sms = 0;
+  RdmaBuffers rdma_buffers = RdmaBuffers::kHost;
 };
 
 // What dispatch_send returns and the later halves of that dispatch take: which buffer set holds

@@ -49,11 +49,12 @@ from .._fabric_lib import (
     MoeDtype as Dtype,
     MoeHandle as Handle,
     MoeKernelSide as KernelSide,
+    MoeRdmaBuffers as RdmaBuffers,
     MoeProxyStats as ProxyStats,
 )
 from .._stores import store_of
 
-__all__ = ["AllToAll", "AllToAllConfig", "Dtype", "Handle", "KernelSide", "ProxyStats", "DispatchOutput", "MOE_INVALID_COUNT",
+__all__ = ["AllToAll", "AllToAllConfig", "Dtype", "Handle", "KernelSide", "RdmaBuffers", "ProxyStats", "DispatchOutput", "MOE_INVALID_COUNT",
            "quantize_fp8_tokens", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
            "reference_combine_rows", "fma_fp32"]
 
@@ -206,7 +207,9 @@ class AllToAll:
     "bf16". private_rows: rows per remote peer sent before the routing counts are known.
     buffers: dispatches in flight at once (1-4; 2 for two-batch overlap). num_sms: CUDA kernels,
     the most blocks each half takes (0: min(SMs, 16)), leaving SMs to compute and to other ranks
-    sharing the GPU. timeout_s: a receive half waiting longer fails, naming the ranks whose rows
+    sharing the GPU. rdma_buffers: where the regions between nodes live, "host" (pinned host
+    memory, every provider) or "device" (CUDA kernels; the engine must reach the peers' GPU memory:
+    cuda_ipc=True and cuda_device on one host, a NIC with FI_HMEM elsewhere). timeout_s: a receive half waiting longer fails, naming the ranks whose rows
     are missing (a dead or stalled peer); its outputs are marked invalid (recv_counts all
     MOE_INVALID_COUNT, combine out NaN), the AllToAll is failed and every later call raises
     (build a new one under a new job name). init_timeout_s: how long construction waits for the
@@ -218,9 +221,11 @@ class AllToAll:
                  experts_per_token: int, hidden: int, max_tokens: int, dispatch_dtype: str = "fp8",
                  private_rows: int = 32, timeout_s: float = 10.0, device: Any = "cpu", store: Any = None,
                  job: Optional[str] = None, proxy_busy_poll: bool = False, init_timeout_s: float = 300.0,
-                 buffers: int = 2, num_sms: int = 0) -> None:
+                 buffers: int = 2, num_sms: int = 0, rdma_buffers: str = "host") -> None:
         if dispatch_dtype not in _DTYPES:
             raise ValueError(f"dispatch_dtype must be 'fp8' or 'bf16', got {dispatch_dtype!r}")
+        if rdma_buffers not in ("host", "device"):
+            raise ValueError(f"rdma_buffers must be 'host' or 'device', got {rdma_buffers!r}")
         self._views: Optional[list] = None
         self._live_key: Optional[str] = None
         self.device = _device_of(device)
@@ -238,7 +243,8 @@ class AllToAll:
                              dispatch_dtype=_DTYPES[dispatch_dtype], private_rows=private_rows,
                              timeout_s=timeout_s, side=KernelSide.CUDA if cuda else KernelSide.HOST,
                              cuda_device=self.device.index if cuda else 0, job=job,
-                             proxy_busy_poll=proxy_busy_poll, buffers=buffers, num_sms=num_sms)
+                             proxy_busy_poll=proxy_busy_poll, buffers=buffers, num_sms=num_sms,
+                             rdma_buffers=RdmaBuffers.DEVICE if rdma_buffers == "device" else RdmaBuffers.HOST)
         self._hold_job()
         try:
             gather = _StoreAllGather(self._store, job, rank, world_size, init_timeout_s)
