@@ -264,6 +264,10 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
   cfg.imm_base = 0xF0000000u;
   expect_error(ErrorCode::kInvalidArgument, "do not fit below 2^32",
                [&] { AllToAll(engine, cfg, {}); });
+  cfg = config_of(mc, 0, "moe-bad");
+  cfg.rdma_buffers = moe::RdmaBuffers::kDevice;
+  expect_error(ErrorCode::kInvalidArgument, "rdma_buffers kDevice needs side kCuda",
+               [&] { AllToAll(engine, cfg, {}); });
 }
 
 TEST(MoeErrors, RanksBuiltWithOtherDimensionsAreRefusedByName) {
