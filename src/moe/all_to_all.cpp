@@ -5,7 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "fabric/error.h"
 #include "kernel_side.h"
@@ -318,6 +320,39 @@ struct AllToAll::Impl {
     return b;
   }
 
+  // RdmaBuffers::kDevice: one small WRITE to every remote rank's receive region of every set
+  // (zeros into this rank's own counts row there, which only this rank writes), waited for
+  // here. The engine maps a peer's GPU memory at its first WRITE (cudaIpcOpenMemHandle for
+  // cuda_ipc), and that must not wait behind a receive kernel spinning on the device.
+  void open_remote_regions() {
+    std::vector<std::unique_ptr<std::atomic<int>>> flags;
+    for (auto& b : sets)
+      for (uint32_t r = 0; r < cfg.ranks; ++r) {
+        if (r == cfg.rank || lay.dims.same_node(r, cfg.rank)) continue;
+        flags.push_back(std::make_unique<std::atomic<int>>(kDonePending));
+        engine.submit(SingleWrite{.len = 4,
+                                  .src = {b->send_mr, lay.send.route_row},
+                                  .dst = {b->remotes[r], lay.recv.routing + 4ull * cfg.rank * cfg.experts}},
+                      OnDone::flag(flags.back().get()));
+      }
+    const auto deadline = std::chrono::steady_clock::now() + cfg.timeout;
+    for (auto& f : flags) {
+      while (f->load(std::memory_order_acquire) == kDonePending) {
+        if (std::chrono::steady_clock::now() > deadline)
+          throw Error(ErrorCode::kTimeout, fmt::format("MoE on rank {}: the first WRITEs into the other nodes' device memory did not "
+                                                       "complete within {} ms",
+                                                       cfg.rank, cfg.timeout.count()));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      if (f->load() != kDoneSucceeded)
+        throw Error(ErrorCode::kProvider,
+                    fmt::format("MoE on rank {}: a WRITE into another node's device memory failed (see the log): can this engine "
+                                "reach the peers' GPU memory (EngineConfig::cuda_ipc and cuda_device on one host, a NIC with "
+                                "FI_HMEM elsewhere)?",
+                                cfg.rank));
+    }
+  }
+
   // Runs a host receive half; a failure marks its outputs invalid and fails the AllToAll.
   template <typename F, typename Mark>
   void guarded(F&& f, Mark&& mark) {
@@ -403,6 +438,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
     b.views = s.cuda() ? device : host;
     hosts.push_back(host);
   }
+  if (remote && c.rdma_buffers == RdmaBuffers::kDevice) s.open_remote_regions();
   all_gather({});  // every node-mate has mapped our node regions: their names can go
   for (uint32_t i = 0; i < c.buffers; ++i) {
     BufferSet& b = *s.sets[i];

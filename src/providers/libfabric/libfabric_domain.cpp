@@ -93,7 +93,15 @@ class LibfabricDomain final : public Domain {
     if (!mr) {
       iovec iov{ptr, len};
       attr.mr_iov = &iov;
-      check("fi_mr_regattr", regattr(attr, 0, &mr));
+      const int rc = regattr(attr, 0, &mr);
+      // Some builds advertise FI_HMEM without a CUDA memory interface behind it (Debian's
+      // libfabric 1.17 shm says -FI_ENOSYS here): that domain cannot reach CUDA memory, which
+      // the DomainGroup then leaves to the domains that can (cuda_ipc), as for no FI_HMEM.
+      if (gpu && (rc == -FI_ENOSYS || rc == -FI_EOPNOTSUPP))
+        throw Error(ErrorCode::kUnsupported,
+                    fmt::format("provider {} offers FI_HMEM but cannot register CUDA memory (fi_mr_regattr: {})",
+                                provider_, fi_strerror(-rc)));
+      check("fi_mr_regattr", rc);
     }
     if (attrs_.mr_mode & FI_MR_ENDPOINT) {
       long rc = fi_mr_bind(mr, &ep_->fid, 0);
