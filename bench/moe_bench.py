@@ -77,6 +77,29 @@ class _Clock:
         return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
 
 
+def _timed_steps(args, device, clock, halves, on_warm=None) -> dict:
+    """Warm-up, then --steps steps of halves(mark) (it runs the four halves, calling mark()
+    between them), every rank starting together; the times of each half per timed step."""
+    import torch
+    import torch.distributed as dist
+
+    times = {h: [] for h in HALVES}
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and on_warm:
+            on_warm()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        marks = [clock.mark()]
+        halves(lambda: marks.append(clock.mark()))
+        marks.append(clock.mark())
+        us = clock.elapsed_us(marks)
+        if step >= args.warmup:
+            for h, t in zip(HALVES, us):
+                times[h].append(t)
+    return times
+
+
 def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     """One AllToAll of `experts` experts: warm-up, then --steps timed steps; this rank's results."""
     import torch
@@ -97,27 +120,19 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     expert_out = torch.zeros(a2a.local_experts, a2a.rows_per_expert, args.hidden, dtype=torch.bfloat16, device=device)
     out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
     clock = _Clock(device)
-    times = {h: [] for h in HALVES}
-    stats0 = None
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            stats0 = a2a.proxy_stats()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        marks = [clock.mark()]
+    stats0 = []
+
+    def halves(mark) -> None:
         h = a2a.dispatch_send(x, idx, xs)
-        marks.append(clock.mark())
+        mark()
         a2a.dispatch_recv(h)
-        marks.append(clock.mark())
+        mark()
         a2a.combine_send(expert_out, h)
-        marks.append(clock.mark())
+        mark()
         a2a.combine_recv(w, h, out)
-        marks.append(clock.mark())
-        us = clock.elapsed_us(marks)
-        if step >= args.warmup:
-            for h, t in zip(HALVES, us):
-                times[h].append(t)
+
+    times = _timed_steps(args, device, clock, halves, on_warm=lambda: stats0.append(a2a.proxy_stats()))
+    stats0 = stats0[0]
     a2a.check()
     stats1 = a2a.proxy_stats()
     a2a.close()
@@ -140,25 +155,18 @@ def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> d
     y = torch.zeros(experts // world, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
     out = torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
     clock = _Clock(device)
-    times = {h: [] for h in HALVES}
-    for step in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        marks = [clock.mark()]
+
+    def halves(mark) -> None:
         _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, args.tokens, experts, use_fp8=True,
                                                          return_recv_hook=True)
-        marks.append(clock.mark())
+        mark()
         hook()
-        marks.append(clock.mark())
+        mark()
         _, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True, out=out)
-        marks.append(clock.mark())
+        mark()
         hook()
-        marks.append(clock.mark())
-        us = clock.elapsed_us(marks)
-        if step >= args.warmup:
-            for h, t in zip(HALVES, us):
-                times[h].append(t)
+
+    times = _timed_steps(args, device, clock, halves)
     buf.check()
     buf.destroy()
     return dict(times=times, proxy_cpu_ms=0.0, writes=0.0, copy_us=_copy_us(args, device, clock))

@@ -66,19 +66,26 @@ def mps():
         _mps_control(stdin="quit\n")
 
 
-def _spawn(cfg: dict, ranks: int) -> list:
+def _spawn(cfg: dict, ranks: int, target=moe_gpu_roles.rank_main, wait_ready: bool = True) -> list:
     ctx = mp.get_context("spawn")
     procs = []
     for r in range(ranks):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=moe_gpu_roles.rank_main, args=(child, dict(cfg, rank=r)), daemon=True)
+        p = ctx.Process(target=target, args=(child, dict(cfg, rank=r)), daemon=True)
         p.start()
         procs.append((parent, p))
-    for r, (conn, _) in enumerate(procs):
+    for r, (conn, _) in enumerate(procs if wait_ready else []):
         assert conn.poll(240), f"rank {r} did not start"
         msg = conn.recv()
         assert msg == "ready", f"rank {r}: {msg}"
     return procs
+
+
+def _join(procs: list) -> None:
+    for _, p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
 
 
 def _result(conn, r: int, timeout: float = 540):
@@ -114,10 +121,7 @@ def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_
               f"graph_step_us_p50={med('step_us'):.1f} replays={cfg['replays']} "
               f"max_calc_diff={max(x['max_diff'] for x in results):.2e} exact=yes wall_s={med('wall_s'):.1f}")
     finally:
-        for _, p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        _join(procs)
 
 
 @pytest.mark.parametrize("ranks,node_size,stall_at", [(2, 2, "dispatch"), (2, 2, "combine"), (4, 2, "dispatch")],
@@ -146,10 +150,7 @@ def test_a_stalled_rank_fails_the_others_with_invalid_outputs_and_a_clear_error(
         stalled_conn.send("release")
         assert _result(stalled_conn, ranks - 1, 60)["stalled"]
     finally:
-        for _, p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        _join(procs)
 
 
 @pytest.mark.parametrize("ranks,node_size,provider", [(2, 2, "tcp;ofi_rxm"), (4, 2, "shm")], ids=["2ranks-nvlink", "4ranks-2nodes"])
@@ -161,32 +162,9 @@ def test_the_deep_ep_shim_on_gpu_matches_the_oracle(mps, ranks, node_size, provi
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cfg = dict(provider=provider, ranks=ranks, node_size=node_size, experts=8 * ranks, topk=8, hidden=7168,
                max_tokens=32, dtype="fp8", steps=4, port=store.port, device="cuda:0")
-    ctx = mp.get_context("spawn")
-    procs = []
-    for r in range(ranks):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=R.deep_ep_rank_main, args=(child, dict(cfg, rank=r)), daemon=True)
-        p.start()
-        procs.append((parent, p))
+    procs = _spawn(cfg, ranks, target=R.deep_ep_rank_main, wait_ready=False)
     try:
-        for r, (conn, _) in enumerate(procs):
-            assert conn.poll(240), f"rank {r} did not start"
-            msg = conn.recv()
-            assert msg == "ready", f"rank {r}: {msg}"
-        for r, (conn, _) in enumerate(procs):
-            got = {}
-            while True:
-                assert conn.poll(300), f"rank {r}: no message after {list(got)}"
-                msg = conn.recv()
-                assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
-                if msg == "bye":
-                    break
-                got[msg[0]] = msg[1]
-            assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
-            assert got["refusals"] == [], f"rank {r}: {got['refusals']}"
+        R.deep_ep_results(procs, timeout=300)
         print(f"moe-gpu-deep-ep ranks={ranks} node_size={node_size} steps={cfg['steps']} exact=yes")
     finally:
-        for _, p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        _join(procs)

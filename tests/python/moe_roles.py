@@ -407,6 +407,26 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
     return bad
 
 
+def deep_ep_results(procs: list, timeout: float = 180) -> None:
+    """Waits for every rank of deep_ep_rank_main (procs: [(conn, process)]) and asserts that each
+    found nothing wrong and refused everything it had to."""
+    for r, (conn, _) in enumerate(procs):
+        assert conn.poll(timeout), f"rank {r} did not start"
+        msg = conn.recv()
+        assert msg == "ready", f"rank {r}: {msg}"
+    for r, (conn, _) in enumerate(procs):
+        got = {}
+        while True:
+            assert conn.poll(timeout), f"rank {r}: no message after {list(got)}"
+            msg = conn.recv()
+            assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
+            if msg == "bye":
+                break
+            got[msg[0]] = msg[1]
+        assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
+        assert got["refusals"] == [], f"rank {r}: {got['refusals']}"
+
+
 def deep_ep_rank_main(conn, cfg: dict) -> None:
     """One rank of a DeepEP-style job over fabric_lib.moe.deep_ep.Buffer (host kernels, or CUDA
     kernels with cfg["device"] "cuda"): two batches in flight (the second with

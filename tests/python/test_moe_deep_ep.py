@@ -24,19 +24,5 @@ def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(p
     cfg = dict(provider=provider, ranks=4, node_size=node_size, experts=16, topk=4, hidden=1024, max_tokens=8,
                dtype="fp8", steps=4, port=store.port, job=uuid.uuid4().hex[:16])
     procs = [peer(R.deep_ep_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
-    for r, (conn, _) in enumerate(procs):
-        assert conn.poll(180), f"rank {r} did not start"
-        msg = conn.recv()
-        assert msg == "ready", f"rank {r}: {msg}"
-    for r, (conn, _) in enumerate(procs):
-        got = {}
-        while True:
-            assert conn.poll(180), f"rank {r}: no message after {list(got)}"
-            msg = conn.recv()
-            assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
-            if msg == "bye":
-                break
-            got[msg[0]] = msg[1]
-        assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
-        assert got["refusals"] == [], f"rank {r}: {got['refusals']}"
+    R.deep_ep_results(procs)
     del store
