@@ -53,7 +53,21 @@ Proxy::Proxy(TransferEngine& engine, ProxyConfig config)
 Proxy::~Proxy() {
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
+  // The last step's WRITEs may still be on their way to a slower peer: its receive half needs
+  // them, and the AllToAll deregisters the send region next. Wait for them (bounded).
+  const SignalLayout& sig = cfg_.views.lay.signals;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(cfg_.views.timeout_ns);
+  while (signal(sig.writes_done).load(std::memory_order_acquire) + signal(sig.failed).load(std::memory_order_acquire) <
+             posted_.load(std::memory_order_relaxed) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   for (const ImmExpectation& e : pending_) engine_.cancel_imm_expectation(e);
+}
+
+template <typename Request>
+void Proxy::post(const Request& request) {
+  engine_.submit(request, on_write());
+  posted_.fetch_add(1, std::memory_order_relaxed);  // only once it was taken: its OnDone fires
 }
 
 ProxyStats Proxy::stats() const {
@@ -137,9 +151,8 @@ void Proxy::start_dispatch(uint64_t step) {
   for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 1 + dims_.local_experts, l.signals.dispatch_seen);
 
   const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
-  engine_.submit(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
-                              .imm = moe_imm(ImmKind::kRoute, step, me)},
-                 on_write());
+  post(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
+                              .imm = moe_imm(ImmKind::kRoute, step, me)});
   uint64_t bytes = route_slices_.size() * 4ull * dims_.experts;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t d = remotes_[i];
@@ -150,9 +163,8 @@ void Proxy::start_dispatch(uint64_t step) {
                                    .dst_offset = l.recv.priv + uint64_t{me} * dims_.private_rows * R};
     bytes += priv * R;
   }
-  engine_.submit(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-                              .imm = moe_imm(ImmKind::kDispatch, step, me)},
-                 on_write());
+  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+                              .imm = moe_imm(ImmKind::kDispatch, step, me)});
   writes_.fetch_add(route_slices_.size() + remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
@@ -186,7 +198,7 @@ void Proxy::post_shared(uint64_t step) {
       bytes += s.len;
     }
   }
-  engine_.submit(Scatter{.src = cfg_.send_mr, .slices = shared_slices_, .imm = moe_imm(ImmKind::kDispatch, step, me)}, on_write());
+  post(Scatter{.src = cfg_.send_mr, .slices = shared_slices_, .imm = moe_imm(ImmKind::kDispatch, step, me)});
   writes_.fetch_add(shared_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
@@ -207,9 +219,8 @@ void Proxy::start_combine(uint64_t step) {
                                    .dst_offset = l.recv.combine + uint64_t{combine_base(dims_, row_s, me)} * B};
     bytes += remote_slices_[i].len;
   }
-  engine_.submit(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-                              .imm = moe_imm(ImmKind::kCombine, step, me)},
-                 on_write());
+  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+                              .imm = moe_imm(ImmKind::kCombine, step, me)});
   writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }

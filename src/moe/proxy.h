@@ -47,6 +47,8 @@ class Proxy {
   void start_combine(uint64_t step);
   void expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset);
   OnDone on_write();
+  template <typename Request>
+  void post(const Request& request);  // submits a scatter with on_write() and counts it
   std::atomic<uint64_t>& signal(uint64_t offset) const;
 
   TransferEngine& engine_;
@@ -59,6 +61,7 @@ class Proxy {
   std::vector<ImmExpectation> pending_;  // this step's expectations (cancelled at shutdown)
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> steps_{0}, writes_{0}, bytes_{0}, work_ns_{0};
+  std::atomic<uint64_t> posted_{0};  // scatters submitted (each completes writes_done or failed once)
   std::thread thread_;
 };
 
