@@ -446,9 +446,14 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
         with engine_of(cfg) as engine:
             buf = deep_ep.Buffer(None, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E), low_latency_mode=True,
-                                 num_qps_per_rank=E // W, engine=engine, node_size=cfg["node_size"], timeout_s=60.0)
+                                 num_qps_per_rank=E // W, engine=engine, node_size=cfg["node_size"], timeout_s=60.0,
+                                 allow_nvlink_for_low_latency_mode=cfg.get("allow_nvlink", True))
+            if buf.node_size != (cfg["node_size"] if cfg.get("allow_nvlink", True) else 1):
+                raise AssertionError(f"node_size {buf.node_size}")
             conn.send("ready")
             bad = []
+            stats = torch.zeros(E // W, dtype=torch.int32, device=dev)  # batch A's counts, summed
+            want_stats = torch.zeros(E // W, dtype=torch.int32)
             for step in range(1, cfg["steps"] + 1):
                 ue8m0 = step % 2 == 0
                 c = dict(cfg, ue8m0=ue8m0)
@@ -457,7 +462,9 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                     inputs = [make_input(cfg, s, 10 * step + b) for s in range(W)]
                     x, idx, w = (t.to(dev) for t in inputs[rank])
                     got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, round_scale=ue8m0, use_ue8m0=ue8m0,
-                                                   return_recv_hook=b == 1)
+                                                   return_recv_hook=b == 1, async_finish=b == 0,
+                                                   cumulative_local_expert_recv_stats=stats if b == 0 else None)
+                    got[3].current_stream_wait()
                     batches.append((inputs, got))
                 batches[1][1][4]()  # B's receive hook
                 outs = []
@@ -466,6 +473,8 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                     forms = [quant(x) for x, _, _ in inputs]
                     tag = f"step {step} batch {'AB'[b]}"
                     bad += deep_ep_problems(c, buf, rank, inputs, forms, got, tag)
+                    if b == 0:
+                        want_stats += got[1].cpu()
                     (rx, scales), _, handle, _, _ = got
                     rs = unpack_ue8m0(scales) if ue8m0 else scales
                     y = M.dequantize_fp8_tokens(rx, rs).to(torch.bfloat16)  # the identity expert
@@ -479,6 +488,8 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                     want = M.reference_combine_rows(idx, w, rows)
                     if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
                         bad.append(f"{tag}: combine differs from the oracle")
+            if not torch.equal(stats.cpu(), want_stats):
+                bad.append(f"cumulative_local_expert_recv_stats {stats.tolist()} != {want_stats.tolist()}")
             conn.send(("ok", bad))
             conn.send(("refusals", deep_ep_refusals(cfg, buf)))
             buf.destroy()

@@ -1,9 +1,10 @@
 """fabric_lib.moe.deep_ep.Buffer, DeepEP's low-latency API, from rank processes that meet in a
-torch.distributed (gloo) group: 4 ranks as 2 nodes over tcp;ofi_rxm and 4 ranks as one node
-over shm, host kernels. Two batches in flight (one received through its hook), FP8 with plain
+torch.distributed (gloo) group: 4 ranks as 2 nodes over tcp;ofi_rxm, 4 ranks as one node over
+shm, and 4 ranks with NVLink refused (4 nodes over shm), host kernels. Two batches in flight (one received through its hook), FP8 with plain
 scales and with round_scale + UE8M0 packing; DeepEP's shapes and layouts (column-major scales,
 src_info, layout_range) and every count, row and combined value against the oracle; the
-arguments the shim does not support raise."""
+arguments the shim does not support raise; cumulative_local_expert_recv_stats sums the counts;
+async_finish's event can be waited on."""
 
 import os
 import sys
@@ -18,11 +19,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import moe_roles as R  # noqa: E402
 
 
-@pytest.mark.parametrize("provider,node_size", [("tcp;ofi_rxm", 2), ("shm", 4)], ids=["tcp-2nodes", "shm-1node"])
-def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(peer, provider, node_size):
+@pytest.mark.parametrize("provider,node_size,allow_nvlink", [("tcp;ofi_rxm", 2, True), ("shm", 4, True), ("shm", 4, False)],
+                         ids=["tcp-2nodes", "shm-1node", "shm-no-nvlink"])
+def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(peer, provider, node_size, allow_nvlink):
+    """allow_nvlink_for_low_latency_mode=False: every rank a node of its own, every row through
+    the proxy and the engine."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cfg = dict(provider=provider, ranks=4, node_size=node_size, experts=16, topk=4, hidden=1024, max_tokens=8,
-               dtype="fp8", steps=4, port=store.port, job=uuid.uuid4().hex[:16])
+               dtype="fp8", steps=4, port=store.port, job=uuid.uuid4().hex[:16], allow_nvlink=allow_nvlink)
     procs = [peer(R.deep_ep_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
     R.deep_ep_results(procs)
     del store
