@@ -56,6 +56,10 @@ void check_config(const AllToAllConfig& c) {
   if (c.hidden == 0 || c.hidden % kScaleBlock != 0)
     fail_config(fmt::format("hidden {}: a positive multiple of 128", c.hidden));
   if (c.max_tokens == 0) fail_config("max_tokens 0");
+  // The kernels index rows of a dispatch (tokens x topk) and of an expert's output (ranks x
+  // max_tokens) in 32 bits.
+  if (uint64_t{c.ranks} * c.max_tokens * c.topk >= (uint64_t{1} << 31))
+    fail_config(fmt::format("ranks {} x max_tokens {} x topk {} must stay below 2^31", c.ranks, c.max_tokens, c.topk));
   if (c.timeout.count() <= 0) fail_config("timeout must be positive");
   if (c.buffers == 0 || c.buffers > kMaxBuffers)
     fail_config(fmt::format("buffers {} (1 to {})", c.buffers, kMaxBuffers));
@@ -378,6 +382,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   d.private_rows = c.private_rows;
   d.fp8 = c.dispatch_dtype == Dtype::kFp8;
   s.lay = make_layout(d);
+  if (s.cuda()) cuda::check_launchable(d);
   const bool remote = c.ranks > c.node_size;
   Blob mine;
   mine.dims = dims_of(c);

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -858,6 +859,19 @@ void check_dispatch(const Dims& d, const DispatchArgs& a) {
 }
 
 }  // namespace
+
+void check_launchable(const Dims& d) {
+  const size_t need = std::max(routing_shared_bytes(d, d.max_tokens), sources_shared_bytes(d));
+  if (need <= kDefaultSharedBytes) return;
+  int most = 0;
+  ::fabric::cuda::check("cudaDeviceGetAttribute(shared memory)",
+                        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
+  if (need > static_cast<size_t>(most))
+    throw Error(ErrorCode::kUnsupported,
+                fmt::format("AllToAllConfig: the CUDA kernels need {} bytes of shared memory per block for their routing "
+                            "tables at experts {}, ranks {}, max_tokens {}; the GPU has {} (fewer experts or max_tokens)",
+                            need, d.experts, d.ranks, d.max_tokens, most));
+}
 
 uint32_t blocks_per_half(uint32_t num_sms) {
   if (num_sms != 0) return num_sms;

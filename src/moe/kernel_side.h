@@ -55,6 +55,10 @@ void combine_send(const Views& v, const CombineArgs& args);
 void combine_recv(const Views& v, const CombineArgs& args);
 // The grid cap for config.num_sms on the current device: num_sms if set, else min(SMs, 16).
 uint32_t blocks_per_half(uint32_t num_sms);
+// Throws kUnsupported, naming the dimensions, when the kernels could not launch at these dims on
+// the current device (their shared-memory tables at max_tokens): checked at construction, not at
+// some later call (possibly inside a graph capture).
+void check_launchable(const Dims& d);
 }  // namespace cuda
 
 }  // namespace fabric::moe::detail

@@ -265,6 +265,9 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
   expect_error(ErrorCode::kInvalidArgument, "do not fit below 2^32",
                [&] { AllToAll(engine, cfg, {}); });
   cfg = config_of(mc, 0, "moe-bad");
+  cfg.ranks = 4096, cfg.experts = 4096, cfg.max_tokens = 65536, cfg.topk = 8;
+  expect_error(ErrorCode::kInvalidArgument, "must stay below 2^31", [&] { AllToAll(engine, cfg, {}); });
+  cfg = config_of(mc, 0, "moe-bad");
   cfg.rdma_buffers = moe::RdmaBuffers::kDevice;
   expect_error(ErrorCode::kInvalidArgument, "rdma_buffers kDevice needs side kCuda",
                [&] { AllToAll(engine, cfg, {}); });
