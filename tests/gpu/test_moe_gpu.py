@@ -106,7 +106,7 @@ def test_dispatch_and_combine_on_gpu_eager_and_in_a_cuda_graph(mps, ranks, node_
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cfg = dict(port=store.port, job=uuid.uuid4().hex[:16], ranks=ranks, node_size=node_size, dtype=dtype,
                experts=8 * ranks, topk=8, hidden=7168, max_tokens=64, private_rows=16, eager_steps=6, replays=100, timed_replays=20,
-               timeout_s=60.0, overlap_steps=4, rdma_buffers=rdma)
+               timeout_s=60.0 if rdma == "host" else 20.0, overlap_steps=4, rdma_buffers=rdma)
     procs = _spawn(cfg, ranks)
     try:
         results = [_result(conn, r) for r, (conn, _) in enumerate(procs)]
