@@ -160,6 +160,7 @@ class Buffer:
         self._a2a: Optional[AllToAll] = None
         self._dims: Optional[tuple] = None
         self._scales: dict = {}  # (buffer set, ue8m0) -> DeepEP-layout scales tensor
+        self._layout_consts: dict = {}  # the index tensors _fill_layout searches with
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -247,21 +248,26 @@ class Buffer:
                                               rs.device)
         return self._scales[key]
 
-    @staticmethod
-    def _fill_layout(counts: torch.Tensor, src: torch.Tensor, T: int, src_info: torch.Tensor,
+    def _fill_layout(self, counts: torch.Tensor, src: torch.Tensor, T: int, src_info: torch.Tensor,
                      layout_range: torch.Tensor) -> None:
         """src_info (token index in the source rank) and layout_range ((rows << 32) | first row
-        per expert and source rank) from the receive's counts and sources, without a host sync."""
+        per expert and source rank) from the receive's counts and sources, without a host sync.
+        An expert's rows come from the source ranks in rank order, so each source's run starts
+        where a binary search for its rank among the rows' source ranks lands (eleven kernels)."""
         L, M = src.shape
         W = layout_range.shape[1]
-        valid = torch.arange(M, device=src.device).unsqueeze(0) < counts.unsqueeze(1)
-        src_info.copy_(torch.where(valid, src % T, torch.full_like(src, -1)))
-        rank_of = torch.where(valid, src // T, torch.full_like(src, W)).long()
-        per = torch.zeros(L, W + 1, dtype=torch.int64, device=src.device)
-        per.scatter_add_(1, rank_of, torch.ones_like(rank_of))
-        rows = per[:, :W]
-        first = torch.cumsum(rows, dim=1) - rows
-        layout_range.copy_((rows << 32) | first)
+        key = (L, M, W, src.device)
+        if key not in self._layout_consts:
+            rows = torch.arange(M, device=src.device, dtype=torch.int32).unsqueeze(0)
+            ranks = torch.arange(W, device=src.device, dtype=torch.int32).unsqueeze(0).expand(L, W).contiguous()
+            self._layout_consts[key] = (rows, ranks)
+        rows, ranks = self._layout_consts[key]
+        valid = rows < counts.unsqueeze(1)
+        src_info.copy_(torch.where(valid, src % T, -1))
+        rank_of = torch.where(valid, src // T, W)  # past the counts: after every rank
+        first = torch.searchsorted(rank_of, ranks)
+        end = torch.searchsorted(rank_of, ranks, right=True)
+        torch.bitwise_or((end - first) << 32, first, out=layout_range)
 
     # ---- combine ----
 
