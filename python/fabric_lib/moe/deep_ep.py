@@ -107,11 +107,11 @@ def round_scales_to_pow2(x: torch.Tensor) -> tuple:
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 scales [..., G] (G a multiple of 4) as int32 [..., G / 4]: the exponent
-    byte of four consecutive scales, the first in the lowest byte (DeepEP's UE8M0 packing)."""
-    exp = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.int32)
-    g = exp.view(*exp.shape[:-1], exp.shape[-1] // 4, 4)
-    return g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16) | (g[..., 3] << 24)
+    """Power-of-two fp32 scales [..., G] (positive, G a multiple of 4) as int32 [..., G / 4]: the
+    exponent byte of four consecutive scales, the first in the lowest byte (DeepEP's UE8M0
+    packing). Two kernels: the exponent bytes, then four of them read as one little-endian int32."""
+    exp = (scales.contiguous().view(torch.int32) >> 23).to(torch.uint8)  # the sign bit is 0
+    return exp.view(torch.int32)
 
 
 def _column_major(shape: tuple, dtype: Any, device: torch.device) -> torch.Tensor:
