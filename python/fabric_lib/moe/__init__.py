@@ -74,12 +74,15 @@ def quantize_fp8_tokens(x: Any) -> tuple:
     n, h = x.shape
     if h % BLOCK:
         raise ValueError(f"hidden {h} is not a multiple of {BLOCK}")
-    xf = x.float().view(n, h // BLOCK, BLOCK)
-    amax = xf.abs().amax(dim=2)
+    # BF16 until the division (abs and max are exact in it, and BF16 / fp32 computes in fp32):
+    # one pass over x fewer than converting it first, the same bits.
+    xb = x.view(n, h // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=2).float()
     # A tensor divisor, not the scalar 448: CUDA divides by a scalar as a multiplication by its
-    # reciprocal, which rounds differently from the CPU's amax / 448 (as in weights.py).
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
-    q = (xf / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
+    # reciprocal, which rounds differently from the CPU's amax / 448 (as in weights.py). An
+    # all-zero block divides 448 by itself: scale 1.
+    scale = torch.where(amax > 0, amax, E4M3_MAX) / torch.full_like(amax, E4M3_MAX)
+    q = (xb / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
     return q, scale
 
 
