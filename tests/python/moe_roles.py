@@ -520,5 +520,7 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         ("logfmt", NotImplementedError, "use_logfmt", lambda: buf.low_latency_combine(y, idx, w, None, use_logfmt=True)),
         ("not a handle", TypeError, "handle must be", lambda: buf.low_latency_combine(y, idx, w, (None,) * 5)),
         ("combine buffer", NotImplementedError, "zero_copy", lambda: buf.get_next_low_latency_combine_buffer(None)),
+        ("normal mode", NotImplementedError, "normal (high-throughput) mode", lambda: buf.dispatch(x, topk_idx=idx)),
+        ("normal layout", NotImplementedError, "normal (high-throughput) mode", lambda: buf.get_dispatch_layout(idx, E)),
     ]
     return [f for f in (_expect(*c) for c in cases) if f]

@@ -33,6 +33,9 @@ Differences, each raising where the argument would change behaviour:
 - use_logfmt=True (LogFMT combine), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats:
   NotImplementedError.
 - use_ue8m0 without round_scale: ValueError (as DeepEP).
+- DeepEP's normal (high-throughput) mode (dispatch, combine, get_dispatch_layout and the
+  intranode_* / internode_* calls): NotImplementedError. set_num_sms is accepted and, as in
+  DeepEP, does not touch the low-latency calls.
 - async_finish: accepted; the kernels run on the caller's current stream (there is no separate
   communication stream), so the event is complete when the stream reaches it.
 - topk_idx at combine is checked for shape only: the routing is kept from the dispatch.
@@ -308,7 +311,27 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> Any:
         raise NotImplementedError("zero_copy combine is not supported: there is no combine buffer to fill first")
 
-    # ---- the rest of DeepEP's low-latency surface ----
+    # ---- the rest of DeepEP's surface ----
+
+    num_sms = 20  # DeepEP's: the normal kernels' SMs (the low-latency kernels do not read it)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """As DeepEP: sets the normal (high-throughput) kernels' SM count, which the low-latency
+        calls do not use; the AllToAll's grid cap is its num_sms option."""
+        Buffer.num_sms = new_num_sms
+
+    def get_comm_stream(self) -> Any:
+        """The stream the calls run on: the caller's current stream (there is no other)."""
+        return torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+    def _normal_mode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("DeepEP's normal (high-throughput) mode is not supported: fabric_lib.moe.deep_ep "
+                                  "covers the low-latency calls (low_latency_dispatch / low_latency_combine)")
+
+    get_dispatch_layout = dispatch = combine = internode_dispatch = internode_combine = _normal_mode
+    intranode_dispatch = intranode_combine = _normal_mode
+
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Nothing to clean: every receive waits for this step's flags, never for zeroed memory."""
