@@ -357,6 +357,14 @@ struct AllToAll::Impl {
     }
   }
 
+  // What the combine receive of a handle needs from its caller (a dispatch of no tokens: nothing).
+  void check_combine_out(const BufferSet& b, const CombineArgs& args, const char* what) const {
+    if (b.tokens > 0 && (!args.out || !args.topk_weights))
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("MoE {}: out and topk_weights [{}][{}] must be given", what, b.tokens,
+                              cfg.topk));
+  }
+
   // Runs a host receive half; a failure marks its outputs invalid and fails the AllToAll.
   template <typename F, typename Mark>
   void guarded(F&& f, Mark&& mark) {
@@ -524,10 +532,7 @@ void AllToAll::combine_send(const Handle& h, const CombineArgs& args) {
 void AllToAll::combine_recv(const Handle& h, const CombineArgs& args) {
   Impl& s = *impl_;
   BufferSet& b = s.set_of(h, Phase::kCombineSent, "combine receive");
-  if (b.tokens > 0 && (!args.out || !args.topk_weights))
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("MoE combine receive: out and topk_weights [{}][{}] must be given",
-                            b.tokens, s.cfg.topk));
+  s.check_combine_out(b, args, "combine receive");
   if (s.cuda())
     cuda::combine_recv(b.views, args);
   else
@@ -546,10 +551,7 @@ void AllToAll::combine(const Handle& h, const CombineArgs& args) {
   // Both halves' checks first, so a refused call sends nothing.
   Impl& s = *impl_;
   const BufferSet& b = s.set_of(h, Phase::kDispatched, "combine");
-  if (b.tokens > 0 && (!args.out || !args.topk_weights))
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("MoE combine: out and topk_weights [{}][{}] must be given", b.tokens,
-                            s.cfg.topk));
+  s.check_combine_out(b, args, "combine");
   combine_send(h, args);
   combine_recv(h, args);
 }

@@ -807,14 +807,20 @@ uint32_t sm_count() {
   return static_cast<uint32_t>(n);
 }
 
+// The most dynamic shared memory a block of the current device may opt in to.
+size_t max_shared_optin() {
+  int most = 0;
+  ::fabric::cuda::check("cudaDeviceGetAttribute(shared memory)",
+                        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
+  return static_cast<size_t>(most);
+}
+
 // Lets `kernel` take `bytes` of dynamic shared memory, or says which dimensions are too large.
 template <typename Kernel>
 void allow_shared(Kernel* kernel, size_t bytes, const char* what) {
   if (bytes <= kDefaultSharedBytes) return;
-  int most = 0;
-  ::fabric::cuda::check("cudaDeviceGetAttribute(shared memory)",
-                        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
-  if (bytes > static_cast<size_t>(most))
+  const size_t most = max_shared_optin();
+  if (bytes > most)
     throw Error(ErrorCode::kUnsupported,
                 fmt::format("MoE {} (CUDA): needs {} bytes of shared memory per block for its routing tables, the GPU has {} "
                             "(fewer experts or max_tokens)",
@@ -863,10 +869,8 @@ void check_dispatch(const Dims& d, const DispatchArgs& a) {
 void check_launchable(const Dims& d) {
   const size_t need = std::max(routing_shared_bytes(d, d.max_tokens), sources_shared_bytes(d));
   if (need <= kDefaultSharedBytes) return;
-  int most = 0;
-  ::fabric::cuda::check("cudaDeviceGetAttribute(shared memory)",
-                        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
-  if (need > static_cast<size_t>(most))
+  const size_t most = max_shared_optin();
+  if (need > most)
     throw Error(ErrorCode::kUnsupported,
                 fmt::format("AllToAllConfig: the CUDA kernels need {} bytes of shared memory per block for their routing "
                             "tables at experts {}, ranks {}, max_tokens {}; the GPU has {} (fewer experts or max_tokens)",
