@@ -152,7 +152,7 @@ void Proxy::start_dispatch(uint64_t step) {
 
   const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
   post(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
-                              .imm = moe_imm(ImmKind::kRoute, step, me)});
+       .imm = moe_imm(ImmKind::kRoute, step, me)});
   uint64_t bytes = route_slices_.size() * 4ull * dims_.experts;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t d = remotes_[i];
@@ -164,7 +164,7 @@ void Proxy::start_dispatch(uint64_t step) {
     bytes += priv * R;
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-                              .imm = moe_imm(ImmKind::kDispatch, step, me)});
+       .imm = moe_imm(ImmKind::kDispatch, step, me)});
   writes_.fetch_add(route_slices_.size() + remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
@@ -220,7 +220,7 @@ void Proxy::start_combine(uint64_t step) {
     bytes += remote_slices_[i].len;
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-                              .imm = moe_imm(ImmKind::kCombine, step, me)});
+       .imm = moe_imm(ImmKind::kCombine, step, me)});
   writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
