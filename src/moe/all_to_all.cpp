@@ -390,7 +390,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
   d.private_rows = c.private_rows;
   d.fp8 = c.dispatch_dtype == Dtype::kFp8;
   s.lay = make_layout(d);
-  if (s.cuda()) cuda::check_launchable(d);
+  if (s.cuda()) cuda::prepare_kernels(d);
   const bool remote = c.ranks > c.node_size;
   Blob mine;
   mine.dims = dims_of(c);

@@ -866,15 +866,35 @@ void check_dispatch(const Dims& d, const DispatchArgs& a) {
 
 }  // namespace
 
-void check_launchable(const Dims& d) {
+void prepare_kernels(const Dims& d) {
   const size_t need = std::max(routing_shared_bytes(d, d.max_tokens), sources_shared_bytes(d));
-  if (need <= kDefaultSharedBytes) return;
-  const size_t most = max_shared_optin();
-  if (need > most)
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("AllToAllConfig: the CUDA kernels need {} bytes of shared memory per block for their routing "
-                            "tables at experts {}, ranks {}, max_tokens {}; the GPU has {} (fewer experts or max_tokens)",
-                            need, d.experts, d.ranks, d.max_tokens, most));
+  if (need > kDefaultSharedBytes) {
+    const size_t most = max_shared_optin();
+    if (need > most)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("AllToAllConfig: the CUDA kernels need {} bytes of shared memory per block for their routing "
+                              "tables at experts {}, ranks {}, max_tokens {}; the GPU has {} (fewer experts or max_tokens)",
+                              need, d.experts, d.ranks, d.max_tokens, most));
+  }
+  // Asking for a kernel's attributes loads it now. Loaded lazily at its first launch instead
+  // (CUDA's default), a kernel may wait for this context's running kernels: a receive kernel
+  // spinning on another stream for rows it would bring is then never left.
+  cudaFuncAttributes attrs{};
+  auto load = [&](const void* kernel, const char* what) {
+    ::fabric::cuda::check(what, cudaFuncGetAttributes(&attrs, kernel));
+  };
+  with_dispatch_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    load(reinterpret_cast<const void*>(dispatch_send_kernel<S::kHidden, S::kFp8, typename S::Vec>),
+         "cudaFuncGetAttributes(MoE dispatch_send kernel)");
+    load(reinterpret_cast<const void*>(dispatch_recv_kernel<S::kHidden, S::kFp8, typename S::Vec>),
+         "cudaFuncGetAttributes(MoE dispatch_recv kernel)");
+  });
+  with_combine_shape(d, [&](auto shape) {
+    using S = decltype(shape);
+    load(reinterpret_cast<const void*>(combine_send_kernel<S::kHidden>), "cudaFuncGetAttributes(MoE combine_send kernel)");
+    load(reinterpret_cast<const void*>(combine_recv_kernel<S::kHidden>), "cudaFuncGetAttributes(MoE combine_recv kernel)");
+  });
 }
 
 uint32_t blocks_per_half(uint32_t num_sms) {

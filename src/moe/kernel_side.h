@@ -57,8 +57,9 @@ void combine_recv(const Views& v, const CombineArgs& args);
 uint32_t blocks_per_half(uint32_t num_sms);
 // Throws kUnsupported, naming the dimensions, when the kernels could not launch at these dims on
 // the current device (their shared-memory tables at max_tokens): checked at construction, not at
-// some later call (possibly inside a graph capture).
-void check_launchable(const Dims& d);
+// some later call (possibly inside a graph capture). Then loads the kernels of these dims, so
+// that no first launch waits on a receive kernel already spinning.
+void prepare_kernels(const Dims& d);
 }  // namespace cuda
 
 }  // namespace fabric::moe::detail

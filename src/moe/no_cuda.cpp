@@ -26,7 +26,7 @@ void dispatch_recv(const Views&, void*) { needs_cuda("KernelSide::kCuda dispatch
 void combine_send(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine send"); }
 void combine_recv(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine receive"); }
 uint32_t blocks_per_half(uint32_t) { needs_cuda("KernelSide::kCuda"); }
-void check_launchable(const Dims&) { needs_cuda("KernelSide::kCuda"); }
+void prepare_kernels(const Dims&) { needs_cuda("KernelSide::kCuda"); }
 }  // namespace cuda
 
 }  // namespace fabric::moe::detail

@@ -129,6 +129,7 @@ class CudaIpcDomain final : public Domain {
                 cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
     for (cudaStream_t& st : streams_)
       cuda::check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cuda::check("cudaFuncGetAttributes(gather copy)", cuda::load_gather_copy());
     void* descs = nullptr;
     cuda::check("cudaHostAlloc(descriptors)",
                 cudaHostAlloc(&descs, kDescBlock * kDescBlocks * sizeof(cuda::CopyDesc),

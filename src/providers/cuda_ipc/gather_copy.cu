@@ -47,6 +47,11 @@ int blocks_per_sm() {
 
 }  // namespace
 
+cudaError_t load_gather_copy() {
+  cudaFuncAttributes attrs{};
+  return cudaFuncGetAttributes(&attrs, gather_copy);
+}
+
 cudaError_t launch_gather_copy(const CopyDesc* descs, uint32_t count, int sm_count,
                                cudaStream_t stream) {
   if (count == 0) return cudaSuccess;

@@ -19,4 +19,8 @@ struct CopyDesc {
 cudaError_t launch_gather_copy(const CopyDesc* descs, uint32_t count, int sm_count,
                                cudaStream_t stream);
 
+// Loads the kernel now. Loaded lazily at its first launch (CUDA's default), it may wait for the
+// context's running kernels, and a kernel that spins until these copies land would never end.
+cudaError_t load_gather_copy();
+
 }  // namespace fabric::cuda
