@@ -177,9 +177,8 @@ struct BufferSet {
   std::vector<RemoteMr> remotes;  // [W]: interned receive regions of the other nodes' ranks
   Views views;                    // what the kernel side uses
   std::unique_ptr<Proxy> proxy;
-  // RdmaBuffers::kDevice: the proxy's copy of the routing table and what fetches it.
+  // RdmaBuffers::kDevice: what fetches the routing table for the proxy.
   std::unique_ptr<DeviceReader> reader;
-  std::vector<uint32_t> routing_copy;
   Phase phase = Phase::kIdle;
   uint64_t step = 0;    // this set's dispatches: the protocol's step (host kernels)
   uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
@@ -459,13 +458,9 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
     if (!remote) continue;
     std::function<const uint32_t*()> routing;
     if (c.rdma_buffers == RdmaBuffers::kDevice) {
-      b.reader = device_reader(c.cuda_device);
-      b.routing_copy.resize(uint64_t{c.ranks} * c.experts);
+      b.reader = device_reader(c.cuda_device, 4ull * c.ranks * c.experts);
       const std::byte* table = b.recv.device() + s.lay.recv.routing;
-      routing = [&b, table] {
-        b.reader->read(b.routing_copy.data(), table, 4 * b.routing_copy.size());
-        return b.routing_copy.data();
-      };
+      routing = [&b, table] { return static_cast<const uint32_t*>(b.reader->read(table)); };
     } else {
       const auto* table = reinterpret_cast<const uint32_t*>(b.recv.host() + s.lay.recv.routing);
       routing = [table] { return table; };

@@ -101,24 +101,30 @@ namespace {
 
 class CudaDeviceReader final : public DeviceReader {
  public:
-  explicit CudaDeviceReader(int device) : device_(device) {
+  CudaDeviceReader(int device, size_t len) : device_(device), len_(len) {
     check("cudaSetDevice", cudaSetDevice(device_));
     check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    host_ = pinned_block(len);
   }
   ~CudaDeviceReader() override { (void)cudaStreamDestroy(stream_); }
-  void read(void* host, const void* device, size_t len) override {
+  const void* read(const void* device) override {
     check("cudaSetDevice", cudaSetDevice(device_));  // the calling thread's current device
-    check("cudaMemcpyAsync (MoE routing table)", cudaMemcpyAsync(host, device, len, cudaMemcpyDeviceToHost, stream_));
+    check("cudaMemcpyAsync (MoE routing table)", cudaMemcpyAsync(host_.host(), device, len_, cudaMemcpyDeviceToHost, stream_));
     check("cudaStreamSynchronize (MoE routing table)", cudaStreamSynchronize(stream_));
+    return host_.host();
   }
 
  private:
   int device_;
+  size_t len_;
   cudaStream_t stream_ = nullptr;
+  Block host_;
 };
 
 }  // namespace
 
-std::unique_ptr<DeviceReader> device_reader(int cuda_device) { return std::make_unique<CudaDeviceReader>(cuda_device); }
+std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len) {
+  return std::make_unique<CudaDeviceReader>(cuda_device, len);
+}
 
 }  // namespace fabric::moe::detail

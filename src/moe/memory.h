@@ -47,14 +47,17 @@ Block host_block(size_t len);
 Block pinned_block(size_t len);  // cudaHostAlloc(mapped), zeroed
 Block device_block(size_t len);  // cudaMalloc, zeroed
 
-// Copies device memory to host memory on a stream of its own (non-blocking: it never waits for
-// the kernels a receive half has running on the legacy default stream). CUDA builds only.
+// Copies `len` bytes of device memory into pinned host memory of its own, on a stream of its
+// own (non-blocking: it never waits for the kernels a receive half has running on the legacy
+// default stream). Pinned, the copy is one DMA on a copy engine: a copy into pageable memory is
+// staged by the driver, which may serialise it behind kernels already running. CUDA builds only.
 class DeviceReader {
  public:
   virtual ~DeviceReader() = default;
-  virtual void read(void* host, const void* device, size_t len) = 0;
+  // The bytes at `device`, valid until the next read.
+  virtual const void* read(const void* device) = 0;
 };
-std::unique_ptr<DeviceReader> device_reader(int cuda_device);
+std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len);
 
 // This rank's node region and the handle its node-mates open it by.
 class NodeRegion {

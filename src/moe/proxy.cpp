@@ -165,6 +165,7 @@ void Proxy::start_dispatch(uint64_t step) {
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
        .imm = moe_imm(ImmKind::kDispatch, step, me)});
+  log::debug("MoE proxy of rank {}: step {}: counts and private rows posted", me, step);
   writes_.fetch_add(route_slices_.size() + remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
@@ -183,6 +184,7 @@ void Proxy::post_shared(uint64_t step) {
   const uint32_t me = cfg_.views.rank, L = dims_.local_experts;
   const uint64_t R = dims_.row_bytes();
   const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
+  log::debug("MoE proxy of rank {}: step {}: routes of the ranks below arrived", me, step);
   const uint32_t* routing = cfg_.routing();
   uint64_t bytes = 0;
   size_t i = 0;
@@ -199,6 +201,7 @@ void Proxy::post_shared(uint64_t step) {
     }
   }
   post(Scatter{.src = cfg_.send_mr, .slices = shared_slices_, .imm = moe_imm(ImmKind::kDispatch, step, me)});
+  log::debug("MoE proxy of rank {}: step {}: shared rows posted", me, step);
   writes_.fetch_add(shared_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
@@ -221,6 +224,7 @@ void Proxy::start_combine(uint64_t step) {
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
        .imm = moe_imm(ImmKind::kCombine, step, me)});
+  log::debug("MoE proxy of rank {}: step {}: combine rows posted", me, step);
   writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }

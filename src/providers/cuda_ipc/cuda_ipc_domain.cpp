@@ -810,6 +810,7 @@ class CudaIpcDomain final : public Domain {
       }
       b.event = take_event();
       cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
+      log::debug("cuda_ipc: {} WRITEs handed to the GPU ({} descriptors)", b.ops.size(), descs);
       inflight_.push_back(std::move(b));
     }
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(i));
@@ -848,6 +849,7 @@ class CudaIpcDomain final : public Domain {
       Batch& b = inflight_.front();
       cudaError_t rc = cudaEventQuery(b.event);
       if (rc == cudaErrorNotReady) break;
+      log::debug("cuda_ipc: a batch of {} WRITEs completed on the GPU", b.group ? b.imms.size() : b.ops.size());
       if (rc != cudaSuccess) {
         cudaGetLastError();
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
