@@ -125,6 +125,13 @@ struct EngineConfig {
   // Also reach GPU peers on this host through CUDA IPC (copies over NVLink or PCIe by the GPU),
   // chosen per destination when both engines offer it. Needs cuda_device and a CUDA build.
   bool cuda_ipc = false;
+  // Also reach host-memory peers on this host by copying straight into their registered memory
+  // (process_vm_writev by the initiator: one copy, none by the peer's CPU), chosen per destination
+  // when both engines offer it; messages and immediates go through shared memory. Needs ptrace
+  // access between the processes (same user; the domain allows it under Yama's ptrace_scope 1):
+  // where a peer cannot be written, its NICs carry it. Not with cuda_ipc (one local domain per
+  // worker). Environment: FABRIC_HOST_IPC=1.
+  bool host_ipc = false;
   // UVM watchers' polling thread: pinned to this core if given; polls as worker_poll says.
   std::optional<int> watcher_cpu;
 

@@ -170,7 +170,8 @@ class Domain {
 
 // NIC `nic_index` of the configured provider (wrapped for fault injection where configured).
 std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index);
-// The local domain for same-host GPU peers (cuda_ipc). Its address is "<host scope>/<endpoint>":
+// The local domain for same-host peers: cuda_ipc (GPU memory) or host_ipc (host memory), as the
+// configuration asks. Its address is "<host scope>/<endpoint>":
 // two local domains reach each other exactly when their host scopes are equal.
 std::unique_ptr<Domain> open_local_domain(const EngineConfig& config);
 // The host scope of a local address (the part before the first '/').

@@ -6,6 +6,7 @@
 #ifdef FABRIC_WITH_VERBS
 #include "providers/verbs/verbs_domain.h"
 #endif
+#include "providers/host_ipc/host_ipc_domain.h"
 #ifdef FABRIC_WITH_CUDA
 #include "providers/cuda_ipc/cuda_ipc_domain.h"
 #endif
@@ -48,6 +49,11 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
 }
 
 std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
+  if (config.host_ipc && config.cuda_ipc)
+    throw Error(ErrorCode::kInvalidArgument,
+                "EngineConfig: cuda_ipc and host_ipc together (a worker has one local domain: with cuda_ipc, "
+                "host memory goes through the NICs)");
+  if (config.host_ipc) return wrap_for_tests(open_host_ipc_domain(config), config, kMaxNics);
   if (!config.cuda_device)
     throw Error(ErrorCode::kInvalidArgument,
                 "EngineConfig::cuda_ipc needs EngineConfig::cuda_device (the GPU this engine serves)");

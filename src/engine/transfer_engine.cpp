@@ -837,6 +837,7 @@ EngineConfig EngineConfig::from_env() {
   if (const char* g = std::getenv("FABRIC_GID_INDEX")) c.verbs.gid_index = std::atoi(g);
   if (const char* d = std::getenv("FABRIC_CUDA_DEVICE")) c.cuda_device = std::atoi(d);
   if (const char* i = std::getenv("FABRIC_CUDA_IPC")) c.cuda_ipc = std::strcmp(i, "1") == 0;
+  if (const char* i = std::getenv("FABRIC_HOST_IPC")) c.host_ipc = std::strcmp(i, "1") == 0;
   if (const char* m = std::getenv("FABRIC_POLL"))
     c.worker_poll = c.callback_poll = std::strcmp(m, "busy") == 0 ? PollMode::kBusy : PollMode::kAdaptive;
   return c;

@@ -17,7 +17,7 @@ void DomainGroup::open(const EngineConfig& config) {
   }
   nic_count_ = nic_addresses_.size();
   provider_ = domains_[0]->provider_name();
-  if (config.cuda_ipc) {
+  if (config.cuda_ipc || config.host_ipc) {
     domains_.push_back(open_local_domain(config));
     local_address_ = domains_.back()->address();
   }
@@ -62,7 +62,7 @@ ResolvedTarget DomainGroup::insert_peer(const NetAddr& peer) {
       t.peer[local_index()] = domains_[local_index()]->insert_peer(peer.local());
       t.local = true;
     } catch (const Error& e) {  // e.g. another container's endpoint: the NICs still reach it
-      log::info("cuda_ipc cannot reach a same-host peer, using the NICs: {}", e.what());
+      log::info("the local domain cannot reach a same-host peer, using the NICs: {}", e.what());
     }
   }
   return t;

@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "providers/cuda_ipc/ipc_shared.h"
-#include "providers/cuda_ipc/shm_segment.h"
+#include "providers/ipc/ipc_shared.h"
+#include "providers/ipc/shm_segment.h"
 
 namespace fabric {
 namespace {
@@ -410,7 +410,7 @@ struct HeapEndpoint {
   ipc::Endpoint e;
   HeapEndpoint() : bytes(ipc::Layout(64).total + 64) {
     void* base = bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
-    ipc::Endpoint::format(base, 1, 1, 64);
+    ipc::Endpoint::format(base, 1, 1, 64, ipc::EndpointKind::kCuda);
     e = ipc::Endpoint(base);
   }
 };

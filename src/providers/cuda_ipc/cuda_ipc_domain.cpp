@@ -28,8 +28,8 @@
 #include "cuda/cuda_check.h"
 #include "cuda/driver_api.h"
 #include "providers/cuda_ipc/gather_copy.h"
-#include "providers/cuda_ipc/ipc_shared.h"
-#include "providers/cuda_ipc/shm_segment.h"
+#include "providers/ipc/ipc_shared.h"
+#include "providers/ipc/shm_segment.h"
 #include "util/log.h"
 
 namespace fabric {
@@ -141,7 +141,7 @@ class CudaIpcDomain final : public Domain {
     ipc::Layout layout(config.max_message_size);
     shm_ = ShmSegment::create_endpoint(layout.total);
     ipc::Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()),
-                          config.max_message_size);
+                          config.max_message_size, ipc::EndpointKind::kCuda);
     inbox_ = ipc::Endpoint(shm_.data());
     for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
     scope_ = shm::host_scope();
@@ -240,6 +240,9 @@ class CudaIpcDomain final : public Domain {
     if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic)
       throw Error(ErrorCode::kUnsupported,
                   fmt::format("cuda_ipc: {} is not an endpoint of this fabric-lib version", address));
+    if (h->kind != ipc::EndpointKind::kCuda)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("cuda_ipc: {} is a host_ipc endpoint (host memory only); use the NICs", address));
     if (h->nonce != p->shm.nonce())
       throw Error(ErrorCode::kUnsupported,
                   fmt::format("cuda_ipc: {} carries nonce {:016x}, not the one in its name", address,

@@ -1,6 +1,6 @@
-// Layout of a cuda_ipc endpoint's shared-memory segment, read and written by several processes:
-// the header, the table of exported GPU regions, the inbox of immediates and the inbox of
-// messages. Both inboxes are bounded multi-producer queues (Vyukov) on lock-free atomics, which
+// Layout of a local endpoint's shared-memory segment (cuda_ipc's and host_ipc's), read and
+// written by several processes: the header, the table of exported regions, the inbox of
+// immediates and the inbox of messages. Both inboxes are bounded multi-producer queues (Vyukov) on lock-free atomics, which
 // work across processes because they hold no pointers and take no locks. Every field that more
 // than one process touches is an atomic; the file needs no CUDA header (the CPU unit tests
 // exercise the region protocol below).
@@ -14,7 +14,7 @@
 
 namespace fabric::ipc {
 
-inline constexpr uint64_t kMagic = 0x32764350494246ull;  // "FBIPCv2": nonce, closed flag, holds
+inline constexpr uint64_t kMagic = 0x33764350494246ull;  // "FBIPCv3": nonce, closed flag, holds, kind
 inline constexpr uint32_t kMaxRegions = 4096;
 inline constexpr uint32_t kImmSlots = 1u << 16;
 inline constexpr uint32_t kMsgSlots = 256;
@@ -23,12 +23,17 @@ inline constexpr size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
               "cross-process queues need address-free atomics");
 
+// Which local domain owns an endpoint: each opens only its own kind (a cuda_ipc engine and a
+// host_ipc engine on one host reach each other through their NICs).
+enum class EndpointKind : uint32_t { kCuda = 1, kHost = 2 };
+
 // What a writer needs of an exported region.
 struct RegionFields {
-  int32_t device = 0;
+  int32_t device = 0;  // the CUDA device; -1: host memory (host_ipc)
   uint64_t offset = 0;     // of the region inside its CUDA allocation
   uint64_t len = 0;
-  uint64_t owner_ptr = 0;  // the region's address in the owner's process (same-process writers)
+  uint64_t owner_ptr = 0;  // the region's address in the owner's process (same-process writers,
+                           // and host_ipc's process_vm_writev)
   uint8_t handle[kHandleBytes] = {};  // cudaIpcMemHandle_t of the whole allocation
 };
 
@@ -105,9 +110,14 @@ struct RegionEntry {
 struct alignas(64) Header {
   uint64_t magic;
   uint64_t nonce;          // the endpoint's random identity; also in the segment's name
-  uint32_t pid;            // for messages only: PIDs repeat across PID namespaces
+  uint32_t pid;            // the owner (host scopes include the PID namespace: it names it)
   uint32_t msg_slot_size;  // payload bytes per message slot
+  EndpointKind kind;
+  uint64_t owner_base;     // the segment's address in its owner's process
   std::atomic<uint32_t> closed;  // the owner's domain has closed: writers stop at once
+  // host_ipc: a writer checks that it may write into the owner's memory by writing here
+  // through process_vm_writev (at owner_base + offsetof(Header, probe)).
+  std::atomic<uint64_t> probe;
   alignas(64) std::atomic<uint64_t> imm_head;  // producers
   alignas(64) uint64_t imm_tail;               // the owner only
   alignas(64) std::atomic<uint64_t> msg_head;
@@ -142,12 +152,14 @@ class Endpoint {
   explicit Endpoint(void* base) : base_(static_cast<uint8_t*>(base)), layout_(header().msg_slot_size) {}
 
   // Formats a fresh (zeroed) segment.
-  static void format(void* base, uint64_t nonce, uint32_t pid, size_t msg_slot_size) {
+  static void format(void* base, uint64_t nonce, uint32_t pid, size_t msg_slot_size, EndpointKind kind) {
     auto* h = new (base) Header{};
     h->magic = kMagic;
     h->nonce = nonce;
     h->pid = pid;
     h->msg_slot_size = static_cast<uint32_t>(msg_slot_size);
+    h->kind = kind;
+    h->owner_base = reinterpret_cast<uint64_t>(base);
     Endpoint e(base);
     for (uint32_t i = 0; i < kMaxRegions; i++) new (&e.region(i)) RegionEntry{};
     for (uint32_t i = 0; i < kImmSlots; i++) new (&e.imm_cell(i)) ImmCell{{i}, 0};

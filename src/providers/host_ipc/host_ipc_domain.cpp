@@ -1,0 +1,626 @@
+// host_ipc Domain. A WRITE is copied at post time, by the initiator, from its source straight
+// into the peer's registered memory with process_vm_writev (the kernel's cross-memory attach, as
+// UCX's cma transport does): one copy, and the peer's CPU does nothing for the bytes. The pages of
+// a post_write_batch go in as few calls as there are IOV_MAX iovecs (neighbours that are contiguous
+// on both sides merged into one). Only then does a WRITE's immediate go into the peer's inbox, so
+// a peer that sees the immediate sees the data. Regions, inboxes, messages, the writers' holds
+// that make deregistration safe, and liveness are cuda_ipc's protocol (ipc_shared.h,
+// shm_segment.h) over an endpoint of kind kHost.
+//
+// process_vm_writev needs ptrace access to the peer: each domain lets any process of its user
+// attach (prctl PR_SET_PTRACER_ANY, for Yama's ptrace_scope 1), and insert_peer tries a write into
+// the peer's header once; a peer that cannot be written (Yama 2 or 3, a seccomp filter, another
+// user) is refused with kUnsupported, and the engine uses its NICs for it.
+#include "providers/host_ipc/host_ipc_domain.h"
+
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "providers/ipc/ipc_shared.h"
+#include "providers/ipc/shm_segment.h"
+#include "util/log.h"
+
+namespace fabric {
+namespace {
+
+constexpr size_t kBatchMax = 1024;  // WRITEs per post_write_batch: 64 MiB of 64 KiB pages, ~10 ms
+constexpr size_t kIovMax = IOV_MAX;  // iovecs per process_vm_writev
+
+// One of this domain's registrations.
+struct LocalRegion {
+  bool host = true;            // false: GPU memory, which this domain cannot read or export
+  uint32_t slot = UINT32_MAX;  // its entry in our region table
+};
+
+struct Peer {
+  struct Mapped {
+    uint32_t generation = 0;
+    uint64_t base = 0;  // the region's address in the peer's process
+    uint64_t len = 0;
+  };
+  std::string address;
+  ShmSegment shm;
+  ipc::Endpoint inbox;
+  pid_t pid = 0;
+  int pidfd = -1;             // readable once the peer's process has ended (-1: no pidfd_open)
+  bool same_process = false;  // copies are plain memcpy
+  bool lost = false;          // its process has ended or its endpoint closed
+  std::unordered_map<uint32_t, Mapped> regions;
+
+  ~Peer() {
+    if (pidfd >= 0) close(pidfd);
+  }
+  // Checked before each copy: a PID is reused only after its process has ended, and the pidfd
+  // says so without waiting for the next liveness sweep.
+  bool ended() {
+    if (inbox.closed()) return true;
+    if (pidfd < 0) return false;
+    pollfd p{pidfd, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+};
+
+struct PeerSlot {
+  uint32_t epoch = 0;
+  std::unique_ptr<Peer> peer;
+};
+
+// A WRITE or batch whose copies are done and whose immediates did not all fit into the peer's
+// inbox yet.
+struct HeldImms {
+  OpContext* ctx;
+  PeerId peer;
+  std::vector<uint32_t> imms;
+  size_t next = 0;
+};
+
+// One copy of a batch: [src, +len) to the peer's address dst.
+struct Copy {
+  const uint8_t* src;
+  uint64_t dst;
+  uint64_t len;
+};
+
+class HostIpcDomain final : public Domain {
+ public:
+  explicit HostIpcDomain(const EngineConfig& config) : drain_timeout_(config.transfer_timeout) {
+    // Yama's ptrace_scope 1 lets only ancestors attach: let peers of this user write into us.
+    // Elsewhere (no Yama) the call fails harmlessly; insert_peer's probe tells what holds.
+    (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    ShmSegment::remove_stale();
+    ipc::Layout layout(config.max_message_size);
+    shm_ = ShmSegment::create_endpoint(layout.total);
+    ipc::Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()), config.max_message_size,
+                          ipc::EndpointKind::kHost);
+    inbox_ = ipc::Endpoint(shm_.data());
+    for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
+    scope_ = shm::host_scope();
+    address_ = shm::endpoint_address(scope_, shm_.name());
+    shm::LocalEndpoints::add(shm_.nonce());
+    log::info("host_ipc: endpoint {}", address_);
+  }
+
+  ~HostIpcDomain() override {
+    inbox_.header().closed.store(1, std::memory_order_release);  // peers' new posts fail at once
+    shm::LocalEndpoints::remove(shm_.nonce());
+    // Regions still registered are revoked as deregistration would: their memory may be freed
+    // once the engine is gone, so writers that hold them are waited for (one deadline for all).
+    auto deadline = std::chrono::steady_clock::now() + drain_timeout_;
+    for (uint32_t slot = 0; slot < ipc::kMaxRegions; slot++) {
+      ipc::RegionEntry& e = inbox_.region(slot);
+      if (e.generation.load(std::memory_order_relaxed) & 1) {
+        e.revoke();
+        wait_for_writers(e, slot, deadline);
+      }
+    }
+  }
+
+  const std::string& provider_name() const override { return name_; }
+  const std::string& address() const override { return address_; }
+  const DomainCaps& caps() const override { return caps_; }
+  // Copies are done when posted: what is in flight is only completions not yet polled.
+  size_t max_in_flight() const override { return size_t{1} << 16; }
+
+  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
+    auto region = std::make_unique<LocalRegion>();
+    DomainRegion r;
+    if (device.kind == Device::Kind::kCuda) {
+      region->host = false;  // posts from it are refused; the NICs (or cuda_ipc) carry GPU memory
+      r.remote_access = false;
+    } else {
+      if (free_slots_.empty())
+        throw Error(ErrorCode::kResourceExhausted,
+                    fmt::format("host_ipc: all {} exported regions are in use", ipc::kMaxRegions));
+      region->slot = free_slots_.back();
+      free_slots_.pop_back();
+      ipc::RegionFields f;
+      f.device = -1;
+      f.len = len;
+      f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
+      const uint32_t generation = inbox_.region(region->slot).publish(f);  // odd: published
+      r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) | generation;
+    }
+    r.desc = region.get();
+    r.provider = region.release();
+    return r;
+  }
+
+  void deregister_memory(DomainRegion& r) override {
+    auto* region = static_cast<LocalRegion*>(r.provider);
+    if (!region) return;
+    if (region->host) {
+      // No writer starts a copy into it from now on; those copying are waited for, so once this
+      // returns the memory may be freed or reused.
+      ipc::RegionEntry& e = inbox_.region(region->slot);
+      e.revoke();
+      if (wait_for_writers(e, region->slot, std::chrono::steady_clock::now() + drain_timeout_))
+        free_slots_.push_back(region->slot);
+    }
+    delete region;
+    r = {};
+  }
+
+  // Throws kUnsupported whenever the peer cannot be reached through this domain (another host
+  // scope, a segment that is gone or of another kind, a process we may not write into): the
+  // engine then uses its NICs for that peer.
+  PeerId insert_peer(const std::string& address) override {
+    if (auto it = by_address_.find(address); it != by_address_.end()) return it->second;
+    shm::AddressParts parts = shm::split_address(address);
+    if (parts.segment_name.empty() || parts.scope != scope_)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("host_ipc: peer endpoint '{}' is not in this host scope ({}: boot id, "
+                              "IPC and PID namespaces, /dev/shm); use the NICs",
+                              address, scope_));
+    auto p = std::make_unique<Peer>();
+    p->address = address;
+    p->shm = ShmSegment::open_endpoint(std::string(parts.segment_name));
+    auto* h = static_cast<ipc::Header*>(p->shm.data());
+    if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic || h->nonce != p->shm.nonce())
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("host_ipc: {} is not an endpoint of this fabric-lib version", address));
+    if (h->kind != ipc::EndpointKind::kHost)
+      throw Error(ErrorCode::kUnsupported,
+                  fmt::format("host_ipc: {} is a cuda_ipc endpoint; use the NICs", address));
+    p->inbox = ipc::Endpoint(p->shm.data());
+    if (p->inbox.size() > p->shm.size())
+      throw Error(ErrorCode::kUnsupported, fmt::format("host_ipc: {} is truncated", address));
+    if (p->inbox.closed()) throw Error(ErrorCode::kUnsupported, fmt::format("host_ipc: {} has closed", address));
+    p->pid = static_cast<pid_t>(h->pid);
+    p->same_process = shm::LocalEndpoints::contains(h->nonce);
+    if (!p->same_process) {
+      p->pidfd = static_cast<int>(syscall(SYS_pidfd_open, p->pid, 0));
+      probe_access(*p, *h);
+    }
+    uint32_t slot;
+    if (!free_peer_slots_.empty()) {
+      slot = free_peer_slots_.back();
+      free_peer_slots_.pop_back();
+    } else {
+      slot = static_cast<uint32_t>(peers_.size());
+      peers_.emplace_back();
+    }
+    PeerSlot& s = peers_[slot];
+    s.epoch++;
+    s.peer = std::move(p);
+    PeerId id = static_cast<PeerId>(s.epoch) << 32 | slot;
+    by_address_.emplace(address, id);
+    return id;
+  }
+
+  // Copies are synchronous: nothing of the peer is in flight here but immediates that did not
+  // fit into its inbox, which now fail.
+  void remove_peer(PeerId id) override {
+    Peer* peer = live_peer(id);
+    if (!peer) return;
+    auto slot = static_cast<uint32_t>(id);
+    peers_[slot].epoch++;  // `id` is unknown from here on
+    deliver_held_imms();   // those of the removed peer complete with an error
+    by_address_.erase(peer->address);
+    peers_[slot].peer.reset();
+    free_peer_slots_.push_back(slot);
+  }
+
+  PostResult post_write(const WriteOp& op, OpContext* ctx) override {
+    return post_write_batch(std::span<const WriteOp>(&op, 1), ctx);
+  }
+
+  size_t max_write_batch() const override { return kBatchMax; }
+
+  // Every WRITE is checked (peer, source, key, bounds) before anything is copied: an invalid one
+  // anywhere refuses the whole batch (kFailed) with nothing written. Then each destination region
+  // is held while its copies run, the copies go in as few calls as the iovec limit allows, and
+  // the immediates follow in one push. A copy that fails completes the batch with an error.
+  PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
+    if (ops.size() > kBatchMax) {
+      last_error_ = fmt::format("host_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}", ops.size(),
+                                kBatchMax);
+      return PostResult::kFailed;
+    }
+    if (ops.empty()) {
+      ready_.push_back(local_completion(ctx));
+      return PostResult::kPosted;
+    }
+    const PeerId id = ops[0].peer;
+    Peer* peer = live_peer(id);
+    if (!peer) {
+      last_error_ = "host_ipc: unknown or removed peer";
+      return PostResult::kFailed;
+    }
+    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    copies_.clear();
+    imms_.clear();
+    holds_.clear();
+    for (const WriteOp& op : ops) {
+      if (op.peer != id) return refuse("host_ipc: the WRITEs of a batch must go to one peer");
+      if (op.has_imm) imms_.push_back(op.imm);
+      if (op.len == 0) continue;  // an immediate only
+      auto* src = static_cast<const LocalRegion*>(op.desc);
+      if (!src || !src->host)
+        return refuse("host_ipc: the source is not host memory registered with this engine (GPU memory goes "
+                      "through the NICs or cuda_ipc)");
+      uint64_t base = 0;
+      if (!map_remote(*peer, op.rkey, op.remote_addr, op.len, base)) return refuse(std::move(last_error_));
+      const auto* from = static_cast<const uint8_t*>(op.src);
+      const uint64_t to = base + op.remote_addr;
+      if (!copies_.empty() && copies_.back().src + copies_.back().len == from &&
+          copies_.back().dst + copies_.back().len == to) {
+        copies_.back().len += op.len;  // contiguous on both sides: one iovec
+      } else {
+        copies_.push_back({from, to, op.len});
+      }
+    }
+    if (!hold_destinations(*peer, ops)) return refuse("host_ipc: the remote region was deregistered");
+    if (peer->ended()) {  // checked right before the copy: a PID is reused only once its process ended
+      release_holds();
+      peer->lost = true;
+      ready_.push_back(lost_completion(ctx));
+      return PostResult::kPosted;
+    }
+    std::string failure = copy(*peer);
+    release_holds();  // the bytes are in (or failed): the regions' owners may deregister now
+    if (failure == kPeerGone) {
+      peer->lost = true;
+      ready_.push_back(lost_completion(ctx));
+    } else if (!failure.empty()) {
+      ready_.push_back(error_completion(ctx, std::move(failure)));
+    } else {
+      const size_t pushed = push_imms(*peer, imms_.data(), imms_.size());
+      if (pushed == imms_.size()) {
+        ready_.push_back(local_completion(ctx));
+      } else {  // the inbox is full: the rest on a later poll
+        held_.push_back(HeldImms{ctx, id, std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
+      }
+    }
+    return PostResult::kPosted;
+  }
+
+  PostResult post_send(PeerId peer_id, const void* buf, size_t len, void*, OpContext* ctx) override {
+    Peer* peer = live_peer(peer_id);
+    if (!peer) {
+      last_error_ = "host_ipc: unknown or removed peer";
+      return PostResult::kFailed;
+    }
+    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    if (len > peer->inbox.msg_capacity()) {
+      last_error_ = fmt::format("host_ipc: message of {} bytes exceeds the peer's slots of {} bytes "
+                                "(its EngineConfig::max_message_size)",
+                                len, peer->inbox.msg_capacity());
+      return PostResult::kFailed;
+    }
+    if (!peer->inbox.push_msg(buf, len)) return PostResult::kRetry;  // the peer's inbox is full
+    ready_.push_back(local_completion(ctx));
+    return PostResult::kPosted;
+  }
+
+  PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) override {
+    recvs_.push_back({buf, len, ctx});
+    return PostResult::kPosted;
+  }
+
+  const std::string& last_error() const override { return last_error_; }
+
+  size_t poll(std::span<Completion> out) override {
+    if ((++polls_ & 1023) == 0) check_peers();
+    deliver_held_imms();
+    size_t n = 0;
+    while (n < out.size() && !ready_.empty()) {
+      out[n++] = std::move(ready_.front());
+      ready_.pop_front();
+    }
+    uint32_t imm;
+    while (n < out.size() && inbox_.pop_imm(imm)) {
+      Completion& c = out[n++];
+      c = Completion{};
+      c.kind = Completion::Kind::kRemoteImm;
+      c.imm = imm;
+    }
+    while (n < out.size() && !recvs_.empty()) {
+      const ipc::MsgCellHeader* m = inbox_.peek_msg();
+      if (!m) break;
+      PostedRecv r = recvs_.front();
+      recvs_.pop_front();
+      Completion& c = out[n++];
+      c = Completion{};
+      c.context = r.ctx;
+      if (m->len <= r.len) {
+        std::memcpy(r.buf, reinterpret_cast<const uint8_t*>(m) + sizeof(*m), m->len);
+        c.kind = Completion::Kind::kRecv;
+        c.len = m->len;
+      } else {
+        c.kind = Completion::Kind::kError;
+        c.error = fmt::format("host_ipc: message of {} bytes dropped: the receive buffers hold {}", m->len, r.len);
+      }
+      inbox_.pop_msg();
+    }
+    return n;
+  }
+
+  void* scratch_desc() const override { return nullptr; }
+  void* scratch_buffer() const override { return const_cast<uint8_t*>(scratch_); }
+
+ private:
+  struct PostedRecv {
+    void* buf;
+    size_t len;
+    OpContext* ctx;
+  };
+
+  static constexpr const char* kPeerGone = "host_ipc: the peer's process has ended";
+
+  PostResult refuse(std::string why) {
+    last_error_ = std::move(why);
+    return PostResult::kFailed;
+  }
+
+  static Completion local_completion(OpContext* ctx) {
+    Completion c;
+    c.kind = Completion::Kind::kLocal;
+    c.context = ctx;
+    return c;
+  }
+
+  static Completion error_completion(OpContext* ctx, std::string why) {
+    Completion c;
+    c.kind = Completion::Kind::kError;
+    c.context = ctx;
+    c.error = std::move(why);
+    return c;
+  }
+
+  static Completion lost_completion(OpContext* ctx) {
+    Completion c = error_completion(ctx, "host_ipc: the peer's process has ended or its endpoint "
+                                         "closed (a restarted peer has a new address)");
+    c.peer_lost = true;  // the engine releases the peer
+    return c;
+  }
+
+  // An operation for a lost peer completes at once with peer_lost (true); false: carry on.
+  bool report_if_lost(Peer& peer, OpContext* ctx) {
+    if (!peer.lost && peer.inbox.closed()) peer.lost = true;
+    if (!peer.lost) return false;
+    ready_.push_back(lost_completion(ctx));
+    return true;
+  }
+
+  // One write of our nonce into the peer's header through process_vm_writev: whether this
+  // process may write into the peer's memory at all.
+  void probe_access(const Peer& p, const ipc::Header& h) {
+    const uint64_t value = shm_.nonce();
+    const auto offset = static_cast<uint64_t>(reinterpret_cast<const uint8_t*>(&h.probe) -
+                                              reinterpret_cast<const uint8_t*>(&h));
+    iovec local{const_cast<uint64_t*>(&value), sizeof value};
+    iovec remote{reinterpret_cast<void*>(h.owner_base + offset), sizeof value};
+    if (process_vm_writev(p.pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof value)) return;
+    const int err = errno;
+    throw Error(ErrorCode::kUnsupported,
+                fmt::format("host_ipc: this process may not write into process {} ({}) with process_vm_writev: "
+                            "{} (it needs ptrace access: Yama's ptrace_scope 2 or 3, a seccomp filter or "
+                            "another user forbid it); use the NICs",
+                            p.pid, p.address, std::strerror(err)));
+  }
+
+  // The peer's address of region `rkey` (its base), checked against [remote_addr, +len); false
+  // with last_error_ when the key is invalid, stale, or the bytes fall outside the region.
+  bool map_remote(Peer& peer, uint64_t rkey, uint64_t remote_addr, uint64_t len, uint64_t& base) {
+    auto slot = static_cast<uint32_t>(rkey >> 32);
+    auto generation = static_cast<uint32_t>(rkey);
+    if (slot >= ipc::kMaxRegions || (generation & 1) == 0) {
+      last_error_ = fmt::format("host_ipc: invalid remote key {:#x}", rkey);
+      return false;
+    }
+    Peer::Mapped& m = peer.regions[slot];
+    if (m.generation != generation) {
+      ipc::RegionFields f;
+      if (!peer.inbox.region(slot).read(generation, f) || f.device != -1) {  // torn, stale or not ours
+        last_error_ = "host_ipc: the remote region was deregistered";
+        return false;
+      }
+      m = {generation, f.owner_ptr, f.len};
+    }
+    if (remote_addr > m.len || len > m.len - remote_addr) {
+      last_error_ = fmt::format("host_ipc: [{}, +{}) is outside the remote region of {} bytes", remote_addr, len, m.len);
+      return false;
+    }
+    base = m.base;
+    return true;
+  }
+
+  // Holds every destination region of `ops` (each once) at the generation its key names; false
+  // (and nothing held) when one was deregistered since.
+  bool hold_destinations(Peer& peer, std::span<const WriteOp> ops) {
+    for (const WriteOp& op : ops) {
+      if (op.len == 0) continue;
+      ipc::RegionEntry* e = &peer.inbox.region(static_cast<uint32_t>(op.rkey >> 32));
+      const auto generation = static_cast<uint32_t>(op.rkey);
+      if (std::any_of(holds_.begin(), holds_.end(), [&](const Held& h) { return h.first == e; })) continue;
+      if (!e->hold(generation)) {
+        release_holds();
+        return false;
+      }
+      holds_.push_back({e, generation});
+    }
+    return true;
+  }
+  void release_holds() {
+    for (auto& [entry, generation] : holds_) entry->release();
+    holds_.clear();
+  }
+
+  // Performs copies_; "" when every byte is in, else why not (kPeerGone when the process ended).
+  std::string copy(const Peer& peer) {
+    if (peer.same_process) {
+      for (const Copy& c : copies_) std::memcpy(reinterpret_cast<void*>(c.dst), c.src, c.len);
+      return {};
+    }
+    size_t next = 0;
+    while (next < copies_.size()) {
+      const size_t n = std::min(kIovMax, copies_.size() - next);
+      local_iov_.resize(n);
+      remote_iov_.resize(n);
+      uint64_t want = 0;
+      for (size_t k = 0; k < n; k++) {
+        const Copy& c = copies_[next + k];
+        local_iov_[k] = {const_cast<uint8_t*>(c.src), c.len};
+        remote_iov_[k] = {reinterpret_cast<void*>(c.dst), c.len};
+        want += c.len;
+      }
+      const ssize_t got = process_vm_writev(peer.pid, local_iov_.data(), n, remote_iov_.data(), n, 0);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        if (errno == ESRCH) return kPeerGone;
+        return fmt::format("host_ipc: process_vm_writev into process {} failed: {}", peer.pid, std::strerror(errno));
+      }
+      if (static_cast<uint64_t>(got) == want) {
+        next += n;
+        continue;
+      }
+      if (got == 0)
+        return fmt::format("host_ipc: process_vm_writev into process {} wrote nothing of {} bytes", peer.pid, want);
+      // A partial copy stops at an iovec boundary or inside one: go on from the first byte not written.
+      auto left = static_cast<uint64_t>(got);
+      while (left >= copies_[next].len) left -= copies_[next++].len;
+      copies_[next].src += left;
+      copies_[next].dst += left;
+      copies_[next].len -= left;
+    }
+    return {};
+  }
+
+  // Pushes up to n immediates into the peer's inbox (all at once where it has room); how many.
+  static size_t push_imms(Peer& peer, const uint32_t* imms, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      const size_t k = peer.inbox.push_imms(imms + done, n - done);
+      if (k == 0) break;
+      done += k;
+    }
+    return done;
+  }
+
+  // What is left of h's immediates; completes h once they are all in; false when the inbox
+  // filled up first.
+  bool deliver(HeldImms& h) {
+    Peer* peer = live_peer(h.peer);
+    if (!peer) {
+      ready_.push_back(error_completion(h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
+      return true;
+    }
+    if (peer->lost || peer->inbox.closed()) {
+      ready_.push_back(lost_completion(h.ctx));
+      return true;
+    }
+    h.next += push_imms(*peer, h.imms.data() + h.next, h.imms.size() - h.next);
+    if (h.next < h.imms.size()) return false;
+    ready_.push_back(local_completion(h.ctx));
+    return true;
+  }
+  void deliver_held_imms() {
+    while (!held_.empty() && deliver(held_.front())) held_.pop_front();
+  }
+
+  // About every 100 ms: which peers' processes have ended (one flock test each).
+  void check_peers() {
+    auto now = std::chrono::steady_clock::now();
+    if (now - last_peer_check_ < std::chrono::milliseconds(100)) return;
+    last_peer_check_ = now;
+    for (auto& s : peers_)
+      if (s.peer && !s.peer->lost && (s.peer->inbox.closed() || !s.peer->shm.owner_alive())) {
+        s.peer->lost = true;
+        log::info("host_ipc: peer {} has ended", s.peer->address);
+      }
+  }
+
+  Peer* live_peer(PeerId id) {
+    auto slot = static_cast<uint32_t>(id);
+    if (slot >= peers_.size() || peers_[slot].epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
+    return peers_[slot].peer.get();
+  }
+
+  // After revoke(): waits until no writer holds the region. False when writers still hold it
+  // after the timeout (a writer died while copying); the slot is then never reused.
+  bool wait_for_writers(ipc::RegionEntry& e, uint32_t slot, std::chrono::steady_clock::time_point deadline) {
+    while (e.has_writers()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        log::error("host_ipc: region {} is still held by a writer after waiting up to {} ms "
+                   "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
+                   "that died while copying? Carrying on; the slot is retired",
+                   slot, drain_timeout_.count());
+        return false;
+      }
+      std::this_thread::yield();
+    }
+    return true;
+  }
+
+  using Held = std::pair<ipc::RegionEntry*, uint32_t>;
+
+  const std::string name_ = "host_ipc";
+  // Host memory only; a WRITE is bounded only by its destination region; nothing inline; no link
+  // of its own; held immediates and messages move at poll().
+  const DomainCaps caps_{name_, /*gpu_memory=*/false, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
+                         /*link_gbps=*/0.0, /*manual_progress=*/true};
+  ShmSegment shm_;
+  ipc::Endpoint inbox_;
+  std::vector<uint32_t> free_slots_;
+  std::string scope_;
+  std::string address_;
+  std::string last_error_;
+  std::chrono::milliseconds drain_timeout_;
+  uint32_t polls_ = 0;
+  std::chrono::steady_clock::time_point last_peer_check_{};
+  std::vector<PeerSlot> peers_;
+  std::vector<uint32_t> free_peer_slots_;
+  std::unordered_map<std::string, PeerId> by_address_;
+  // One batch's work, kept to reuse their memory.
+  std::vector<Copy> copies_;
+  std::vector<uint32_t> imms_;
+  std::vector<Held> holds_;
+  std::vector<iovec> local_iov_, remote_iov_;
+  std::deque<HeldImms> held_;
+  std::deque<Completion> ready_;
+  std::deque<PostedRecv> recvs_;
+  uint8_t scratch_[64] = {};
+};
+
+}  // namespace
+
+std::unique_ptr<Domain> open_host_ipc_domain(const EngineConfig& config) {
+  return std::make_unique<HostIpcDomain>(config);
+}
+
+}  // namespace fabric
