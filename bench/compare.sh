@@ -5,9 +5,12 @@
 # And the peers (bench/peers/, installed into BUILD_DIR/peers-venv on first use): the same two
 # workloads through NIXL (UCX backend, UCX_TLS=tcp on loopback and UCX_TLS=sm) and Mooncake Transfer
 # Engine (tcp), their trials alternating with the engine's (tcp;ofi_rxm for *_tcp, shm for sm).
+# On shm the engine also runs with EngineConfig::host_ipc (fabric-demo --host-ipc, adaptive polling).
+# Every buffer, ours, the raw loop's and the peers' (numpy), is advised for huge pages alike.
 # Ends with: ratio paged64k=<engine/raw> single16m=<engine/raw> ucx=<engine/ucx>  (tcp;ofi_rxm)
 #            peers paged64k nixl_tcp=<ours/theirs> nixl_sm=<ours/theirs> mooncake_tcp=<ours/theirs>
 #            peers single16m nixl_tcp=... nixl_sm=... mooncake_tcp=...   ("failed" where a peer failed)
+#            host_ipc: paged64k nixl_sm=<ours/theirs> single16m nixl_sm=<ours/theirs> (...)
 # Usage: bench/compare.sh [BUILD_DIR] [TRIALS] [JSON_OUT]  (JSON: the medians, for bench/plot.py)
 set -euo pipefail
 build=${1:-build}
@@ -82,10 +85,15 @@ printf '%-12s %-10s %-34s %-34s %s\n' provider workload "engine GB/s (median: tr
   "raw GB/s (median: trials)" engine/raw
 for provider in "tcp;ofi_rxm" shm; do
   for w in paged64k single16m; do
-    e=() r=()
+    e=() r=() h=()
     for ((i = 0; i < trials; i++)); do  # alternate so drift in the machine hits both alike
       # shellcheck disable=SC2086
       e+=("$(gbps "$demo" --provider "$provider" --busy ${args[$w]})")
+      # On shm, also the bytes through host_ipc (the initiator's process_vm_writev into the target's
+      # pages). Adaptive polling: the target has no copy to make, and a spinning target would take
+      # one of the two cores from the initiator's copies.
+      # shellcheck disable=SC2086
+      if [[ $provider == shm ]]; then h+=("$(gbps "$demo" --provider shm --host-ipc ${args[$w]})"); fi
       # shellcheck disable=SC2086
       r+=("$(gbps "$raw" --provider "$provider" ${args[$w]})")
       for p in "${peers[@]}"; do  # the peers compared with this provider, in the same rotation
@@ -100,6 +108,12 @@ for provider in "tcp;ofi_rxm" shm; do
     result[$provider.$w.ratio]=$(ratio "$em" "$rm")
     printf '%-12s %-10s %-34s %-34s %s\n' "$provider" "$w" "$em (${e[*]})" "$rm (${r[*]})" \
       "${result[$provider.$w.ratio]}"
+    if ((${#h[@]})); then
+      hm=$(median "${h[@]}")
+      result[host_ipc.$w]=$hm
+      points+=("{\"what\": \"engine host_ipc $w\", \"provider\": \"shm+host_ipc\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$hm" 'BEGIN { print g * 8 }'), \"marker\": \"P\"}")
+      printf '%-12s %-10s %-34s %-34s %s\n' "host_ipc" "$w" "$hm (${h[*]})" "$rm (shm raw, above)" "$(ratio "$hm" "$rm")"
+    fi
   done
 done
 
@@ -136,6 +150,10 @@ for w in paged64k single16m; do
     fi
     printf '%-12s %-10s %-34s %-20s %s\n' "$p" "$w" "$pm (${pt[$p.$w]% })" "$ours (${peer_ours[$p]})" \
       "${peer_ratio[$p.$w]}"
+    if [[ $p == nixl_sm ]]; then  # the same peer against our host_ipc row
+      peer_ratio[host_ipc.$w]=$([[ $pm == failed ]] && echo failed || ratio "${result[host_ipc.$w]}" "$pm")
+      printf '%-12s %-10s %-34s %-20s %s\n' "$p" "$w" "$pm" "${result[host_ipc.$w]} (host_ipc)" "${peer_ratio[host_ipc.$w]}"
+    fi
   done
 done
 
@@ -149,3 +167,5 @@ for w in paged64k single16m; do
   echo "peers $w nixl_tcp=${peer_ratio[nixl_tcp.$w]} nixl_sm=${peer_ratio[nixl_sm.$w]}" \
     "mooncake_tcp=${peer_ratio[mooncake_tcp.$w]}"
 done
+echo "host_ipc: paged64k nixl_sm=${peer_ratio[host_ipc.paged64k]} single16m nixl_sm=${peer_ratio[host_ipc.single16m]}" \
+  "(ours through host_ipc, adaptive polling, / NIXL-UCX sm)"

@@ -48,7 +48,7 @@ std::string recv_progressing(Channel& ch, Endpoint& ep) {
 int run_receiver(const Options& o, Channel& ch) {
   Endpoint ep(o.provider, o.node);
   const uint64_t page = o.page_kib * 1024;
-  std::vector<uint8_t> dst(2 * o.pages * page, 0);
+  fabric::tools::WorkloadBuffer dst(2 * o.pages * page);
   RemoteRegion region = ep.register_buffer(dst.data(), dst.size());
   ch.send(ep.name());
   ch.send(std::string(reinterpret_cast<const char*>(&region), sizeof region));
@@ -90,7 +90,7 @@ int run_receiver(const Options& o, Channel& ch) {
 int run_sender(const Options& o, Channel& ch) {
   Endpoint ep(o.provider, o.node);
   const uint64_t page = o.page_kib * 1024;
-  std::vector<uint8_t> src(o.pages * page);
+  fabric::tools::WorkloadBuffer src(o.pages * page);
   for (uint64_t b = 0; b < src.size(); b++) src[b] = pattern(b);
   ep.register_buffer(src.data(), src.size());
   fi_addr_t peer = ep.insert_peer(ch.recv());

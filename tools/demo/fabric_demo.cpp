@@ -31,6 +31,7 @@ struct Options {
   uint32_t pages = 512;   // per half of the destination
   uint32_t rounds = 32;
   bool busy = false;
+  bool host_ipc = false;
   size_t window = 64;
 };
 
@@ -44,13 +45,14 @@ EngineConfig engine_config(const Options& o) {
   c.worker_poll = o.busy ? PollMode::kBusy : PollMode::kAdaptive;
   c.callback_poll = PollMode::kAdaptive;
   c.max_in_flight_per_nic = o.window;
+  c.host_ipc = o.host_ipc;
   return c;
 }
 
 int run_receiver(const Options& o, Channel& ch) {
   TransferEngine engine(engine_config(o));
   const uint64_t page = o.page_kib * 1024;
-  std::vector<uint8_t> dst(2 * o.pages * page, 0);
+  tools::WorkloadBuffer dst(2 * o.pages * page);
   auto [handle, desc] = engine.reg_mr(dst.data(), dst.size());
   std::atomic<int> reply_sent{kDonePending};
   ch.send(engine.main_address().to_bytes());
@@ -87,7 +89,7 @@ int run_receiver(const Options& o, Channel& ch) {
 int run_sender(const Options& o, Channel& ch) {
   TransferEngine engine(engine_config(o));
   const uint64_t page = o.page_kib * 1024;
-  std::vector<uint8_t> src(o.pages * page);
+  tools::WorkloadBuffer src(o.pages * page);
   for (uint64_t b = 0; b < src.size(); b++) src[b] = pattern(b);
   auto [handle, desc] = engine.reg_mr(src.data(), src.size());
   NetAddr receiver = NetAddr::from_bytes(ch.recv_bytes());
@@ -125,8 +127,8 @@ int run_sender(const Options& o, Channel& ch) {
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
 
   uint64_t ops = uint64_t{o.rounds} * o.pages, bytes = ops * page;
-  fmt::print("fabric-demo: provider {}, {} NIC(s) per side, {} KiB pages, two processes\n",
-             engine.main_address().provider(), engine.nic_count(), o.page_kib);
+  fmt::print("fabric-demo: provider {}, {} NIC(s) per side{}, {} KiB pages, two processes\n",
+             engine.main_address().provider(), engine.nic_count(), o.host_ipc ? " and host_ipc" : "", o.page_kib);
   fmt::print("moved {:.1f} MiB in {} paged WRITEs ({} rounds x {} pages) in {:.3f} s: {:.2f} GB/s, "
              "{:.3f} M ops/s\n",
              bytes / 1048576.0, ops, o.rounds, o.pages, secs, bytes / secs / 1e9, ops / secs / 1e6);
@@ -151,6 +153,9 @@ int main(int argc, char** argv) {
   app.add_option("--pages", o.pages, "pages per round")->check(CLI::Range(1, 65536));
   app.add_option("--rounds", o.rounds, "rounds of paged writes")->check(CLI::Range(1, 100000));
   app.add_flag("--busy", o.busy, "busy-poll the workers (default: adaptive)");
+  app.add_flag("--host-ipc", o.host_ipc,
+               "the bytes go through the host_ipc local domain (the sender's process_vm_writev into the "
+               "receiver's pages); the provider carries the rest");
   app.add_option("--window", o.window, "WRITEs in flight per NIC")->check(CLI::Range(1, 65536));
   CLI11_PARSE(app, argc, argv);
   if (o.provider == "shm") o.nics.assign(o.nics.size(), "");
