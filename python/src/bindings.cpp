@@ -414,7 +414,7 @@ NB_MODULE(_fabric_lib, m) {
               const std::string& poll, const std::string& callback_poll,
               double transfer_timeout_s, size_t max_in_flight_per_nic, size_t max_message_size,
               std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed,
-              std::optional<int> cuda_device, bool cuda_ipc, const Topology* topology,
+              std::optional<int> cuda_device, bool cuda_ipc, bool host_ipc, const Topology* topology,
               std::optional<std::vector<int>> gpus) {
              // An explicit empty list is an error, as in C++ (docs/api.md); leaving `nics` out
              // gives one NIC.
@@ -443,6 +443,7 @@ NB_MODULE(_fabric_lib, m) {
              c.reorder.seed = reorder_seed;
              c.cuda_device = cuda_device;
              c.cuda_ipc = cuda_ipc;
+             c.host_ipc = host_ipc;
              // With a topology: one worker per GPU (all, or `gpus`), their NICs and cores from it;
              // the arguments above are the rest of the configuration (and the NICs where the host
              // has no RDMA NIC).
@@ -454,7 +455,7 @@ NB_MODULE(_fabric_lib, m) {
            "poll"_a = "adaptive", "callback_poll"_a = "adaptive", "transfer_timeout_s"_a = 30.0,
            "max_in_flight_per_nic"_a = 64, "max_message_size"_a = 16384,
            "worker_cpu"_a = nb::none(), "reorder"_a = false, "reorder_seed"_a = 1,
-           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false, "topology"_a = nb::none(),
+           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false, "host_ipc"_a = false, "topology"_a = nb::none(),
            "gpus"_a = nb::none())
       .def("close", &PyEngine::close, "Ends pending work with errors and joins the engine's threads.")
       .def_prop_ro("closed", &PyEngine::closed)

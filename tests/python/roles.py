@@ -44,14 +44,16 @@ def _report(conn, fn):
         conn.send(traceback.format_exc())
 
 
-def receiver(conn, provider):
+def receiver(conn, provider, host_ipc=False):
     """Two engines: the first receives single, paged, scatter, barrier and messages; the second
-    only scatter and barrier (so scatter and barrier reach two peers)."""
+    only scatter and barrier (so scatter and barrier reach two peers). host_ipc: both engines
+    offer the host_ipc local domain."""
     import torch
 
     def run():
-        with fl.TransferEngine(provider=provider, nics=[""] if provider == "shm" else ["127.0.0.1"]) as a, \
-             fl.TransferEngine(provider=provider, nics=[""] if provider == "shm" else ["127.0.0.1"]) as b:
+        nics = [""] if provider == "shm" else ["127.0.0.1"]
+        with fl.TransferEngine(provider=provider, nics=nics, host_ipc=host_ipc) as a, \
+             fl.TransferEngine(provider=provider, nics=nics, host_ipc=host_ipc) as b:
             single = np.zeros(1 << 20, dtype=np.uint8)
             paged = torch.zeros(PAGE_RANGE * PAGE, dtype=torch.uint8)
             side = bytearray(8192)

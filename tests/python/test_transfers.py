@@ -14,10 +14,13 @@ def nics_for(provider):
     return [""] if provider == "shm" else ["127.0.0.1"]
 
 
-@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
-def test_every_call_with_numpy_and_torch(peer, provider):
-    conn, proc = peer(roles.receiver, provider)
-    with fl.TransferEngine(provider=provider, nics=nics_for(provider)) as e:
+@pytest.mark.parametrize("provider,host_ipc", [("tcp;ofi_rxm", False), ("shm", False), ("tcp;ofi_rxm", True)],
+                         ids=["tcp", "shm", "tcp-host_ipc"])
+def test_every_call_with_numpy_and_torch(peer, provider, host_ipc):
+    """host_ipc: the bytes, immediates and messages go through the host_ipc local domain (the
+    last entry of nic_stats), none over the NIC."""
+    conn, proc = peer(roles.receiver, provider, host_ipc)
+    with fl.TransferEngine(provider=provider, nics=nics_for(provider), host_ipc=host_ipc) as e:
         src_np = roles.source_bytes(1 << 20)
         src_t = torch.from_numpy(src_np.copy())
         h_np, _ = e.register_tensor(src_np)
@@ -49,8 +52,12 @@ def test_every_call_with_numpy_and_torch(peer, provider):
         assert conn.recv() == "ok"
         assert len(statuses) == 1 and statuses[0].ok
         stats = e.nic_stats()
-        assert stats[0].writes_posted >= 1 + roles.N_PAGES + 2 + 2
-        assert stats[0].sends_posted == 3
+        carrier = stats[-1] if host_ipc else stats[0]
+        assert carrier.nic == "host_ipc" or not host_ipc
+        assert carrier.writes_posted >= 1 + roles.N_PAGES + 2 + 2
+        assert carrier.sends_posted == 3
+        if host_ipc:
+            assert stats[0].writes_posted == 0 and stats[0].sends_posted == 0
     proc.join(30)
     assert proc.exitcode == 0
 
