@@ -5,7 +5,8 @@
 # And the peers (bench/peers/, installed into BUILD_DIR/peers-venv on first use): the same two
 # workloads through NIXL (UCX backend, UCX_TLS=tcp on loopback and UCX_TLS=sm) and Mooncake Transfer
 # Engine (tcp), their trials alternating with the engine's (tcp;ofi_rxm for *_tcp, shm for sm).
-# On shm the engine also runs with EngineConfig::host_ipc (fabric-demo --host-ipc, adaptive polling).
+# The engine busy-polls on tcp and polls adaptively on shm (engine_poll below says why). On shm it
+# also runs with EngineConfig::host_ipc (fabric-demo --host-ipc, adaptive polling).
 # Every buffer, ours, the raw loop's and the peers' (numpy), is advised for huge pages alike.
 # Ends with: ratio paged64k=<engine/raw> single16m=<engine/raw> ucx=<engine/ucx>  (tcp;ofi_rxm)
 #            peers paged64k nixl_tcp=<ours/theirs> nixl_sm=<ours/theirs> mooncake_tcp=<ours/theirs>
@@ -81,6 +82,13 @@ peer_trial() {  # name workload trial: prints GB/s, or "failed" (and why, on std
 declare -A args=([paged64k]="--page-kib 64 --pages 512 --rounds 128"
                  [single16m]="--page-kib 16384 --pages 1 --rounds 128")
 declare -A result
+# The engine's polling per provider, the faster on the 2-core VM (docs/benchmarks.md has both):
+# on tcp busy workers (as NIXL's loops poll); on shm adaptive, since there the target's worker
+# makes the copy (libfabric 1.17 pulls every WRITE with process_vm_readv) and busy workers and
+# the callback thread, four threads, leave it less than a core (single 16 MiB: 10-12 GB/s busy
+# against 21-24 adaptive).
+declare -A engine_poll=(["tcp;ofi_rxm"]=--busy [shm]="")
+echo "engine polling: tcp;ofi_rxm busy, shm adaptive, host_ipc adaptive; the raw loop and the peers busy"
 printf '%-12s %-10s %-34s %-34s %s\n' provider workload "engine GB/s (median: trials)" \
   "raw GB/s (median: trials)" engine/raw
 for provider in "tcp;ofi_rxm" shm; do
@@ -88,7 +96,7 @@ for provider in "tcp;ofi_rxm" shm; do
     e=() r=() h=()
     for ((i = 0; i < trials; i++)); do  # alternate so drift in the machine hits both alike
       # shellcheck disable=SC2086
-      e+=("$(gbps "$demo" --provider "$provider" --busy ${args[$w]})")
+      e+=("$(gbps "$demo" --provider "$provider" ${engine_poll[$provider]} ${args[$w]})")
       # On shm, also the bytes through host_ipc (the initiator's process_vm_writev into the target's
       # pages). Adaptive polling: the target has no copy to make, and a spinning target would take
       # one of the two cores from the initiator's copies.

@@ -1,6 +1,9 @@
 // Log level from the environment, read once; one line per message so threads do not interleave.
 #include "util/log.h"
 
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,7 +26,14 @@ Level level() {
 
 void write(Level lvl, std::string_view message) {
   static constexpr const char* kNames[] = {"error", "warn", "info", "debug"};
-  std::string line = fmt::format("[fabric {}] {}\n", kNames[static_cast<int>(lvl)], message);
+  // Debug lines carry the time (steady clock, seconds) and the process: they are read side by
+  // side from several processes to see who waited for whom.
+  std::string line =
+      lvl == Level::kDebug
+          ? fmt::format("[fabric debug {:.6f} pid {}] {}\n",
+                        std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(),
+                        getpid(), message)
+          : fmt::format("[fabric {}] {}\n", kNames[static_cast<int>(lvl)], message);
   std::fwrite(line.data(), 1, line.size(), stderr);
 }
 
