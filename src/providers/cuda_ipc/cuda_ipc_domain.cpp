@@ -28,9 +28,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/driver_api.h"
 #include "providers/cuda_ipc/gather_copy.h"
-#include "providers/ipc/ipc_shared.h"
-#include "providers/ipc/shm_segment.h"
-#include "util/log.h"
+#include "providers/ipc/local_domain.h"
 
 namespace fabric {
 namespace {
@@ -94,25 +92,14 @@ struct HeldGroup {
   size_t next = 0;  // the first immediate not delivered yet
 };
 
-struct Peer {
+struct Peer : ipc::PeerEndpoint {
   struct Mapped {
     uint32_t generation = 0;
     uint8_t* ptr = nullptr;
     uint64_t len = 0;
     std::string handle_key;  // empty when not opened through IPC (same process)
   };
-  std::string address;
-  ShmSegment shm;
-  ipc::Endpoint inbox;
-  bool same_process = false;
-  bool lost = false;  // its process has ended (its segment's lock is free) or its endpoint closed
   std::unordered_map<uint32_t, Mapped> regions;
-};
-
-// PeerId = epoch << 32 | slot: a removed peer's id stays unknown after its slot is reused.
-struct PeerSlot {
-  uint32_t epoch = 0;
-  std::unique_ptr<Peer> peer;
 };
 
 struct OpenedAllocation {
@@ -123,7 +110,9 @@ struct OpenedAllocation {
 class CudaIpcDomain final : public Domain {
  public:
   explicit CudaIpcDomain(const EngineConfig& config)
-      : device_(*config.cuda_device), drain_timeout_(config.transfer_timeout) {
+      : device_(*config.cuda_device),
+        drain_timeout_(config.transfer_timeout),
+        own_(name_, ipc::EndpointKind::kCuda, config.max_message_size) {
     cuda::use_device(device_);
     cuda::check("cudaDeviceGetAttribute",
                 cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -136,23 +125,11 @@ class CudaIpcDomain final : public Domain {
                               cudaHostAllocMapped | cudaHostAllocPortable));
     descs_ = static_cast<cuda::CopyDesc*>(descs);
     for (size_t b = kDescBlocks; b-- > 0;) free_blocks_.push_back(static_cast<int>(b));
-
-    ShmSegment::remove_stale();
-    ipc::Layout layout(config.max_message_size);
-    shm_ = ShmSegment::create_endpoint(layout.total);
-    ipc::Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()),
-                          config.max_message_size, ipc::EndpointKind::kCuda);
-    inbox_ = ipc::Endpoint(shm_.data());
-    for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
-    scope_ = shm::host_scope();
-    address_ = shm::endpoint_address(scope_, shm_.name());
-    shm::LocalEndpoints::add(shm_.nonce());
-    log::info("cuda_ipc: device {} ({} SMs), endpoint {}", device_, sm_count_, address_);
+    log::info("cuda_ipc: device {} ({} SMs), endpoint {}", device_, sm_count_, own_.address());
   }
 
   ~CudaIpcDomain() override {
-    inbox_.header().closed.store(1, std::memory_order_release);  // peers' new posts fail at once
-    shm::LocalEndpoints::remove(shm_.nonce());
+    own_.close();  // peers' new posts fail at once
     sync_streams();
     for (auto& b : inflight_) {
       for (auto& [region, generation] : b.holds) region->release();
@@ -160,15 +137,8 @@ class CudaIpcDomain final : public Domain {
     }
     inflight_.clear();
     // Regions still registered are revoked as dereg_mr would: their memory may be freed once the
-    // engine is gone, so writers that hold them are waited for (one deadline for all).
-    auto deadline = std::chrono::steady_clock::now() + drain_timeout_;
-    for (uint32_t slot = 0; slot < ipc::kMaxRegions; slot++) {
-      ipc::RegionEntry& e = inbox_.region(slot);
-      if (e.generation.load(std::memory_order_relaxed) & 1) {
-        e.revoke();
-        wait_for_writers(e, slot, deadline);
-      }
-    }
+    // engine is gone, so writers that hold them are waited for.
+    own_.revoke_all(drain_timeout_, [this] { complete_batches(); });
     for (auto& [key, a] : opened_) cudaIpcCloseMemHandle(a.base);
     for (auto e : free_events_) cudaEventDestroy(e);
     for (cudaStream_t st : streams_) cudaStreamDestroy(st);
@@ -176,7 +146,7 @@ class CudaIpcDomain final : public Domain {
   }
 
   const std::string& provider_name() const override { return name_; }
-  const std::string& address() const override { return address_; }
+  const std::string& address() const override { return own_.address(); }
   const DomainCaps& caps() const override { return caps_; }
   size_t max_in_flight() const override { return kDescBlock * kDescBlocks; }
 
@@ -212,10 +182,8 @@ class CudaIpcDomain final : public Domain {
     if (region->gpu) {
       // No writer issues copies into it from now on; those already issued are waited for, so
       // once this returns the memory may be freed or reused (REVIEW M3).
-      ipc::RegionEntry& e = inbox_.region(region->slot);
-      e.revoke();
-      if (wait_for_writers(e, region->slot, std::chrono::steady_clock::now() + drain_timeout_))
-        free_slots_.push_back(region->slot);
+      own_.region(region->slot).revoke();
+      own_.retire(region->slot, drain_timeout_, [this] { complete_batches(); });
     }
     if (region->host_registered) cudaHostUnregister(region->host_ptr);
     delete region;
@@ -226,77 +194,37 @@ class CudaIpcDomain final : public Domain {
   // scope, a segment this process cannot see or that has no live owner, another format): the
   // engine may then use its NICs for that peer.
   PeerId insert_peer(const std::string& address) override {
-    if (auto it = by_address_.find(address); it != by_address_.end()) return it->second;
-    shm::AddressParts parts = shm::split_address(address);
-    if (parts.segment_name.empty() || parts.scope != scope_)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("cuda_ipc: peer endpoint '{}' is not in this host scope ({}: boot id, "
-                              "IPC and PID namespaces, /dev/shm); use the NICs",
-                              address, scope_));
+    if (auto id = peers_.find(address)) return *id;
     auto p = std::make_unique<Peer>();
-    p->address = address;
-    p->shm = ShmSegment::open_endpoint(std::string(parts.segment_name));
-    auto* h = static_cast<ipc::Header*>(p->shm.data());
-    if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("cuda_ipc: {} is not an endpoint of this fabric-lib version", address));
-    if (h->kind != ipc::EndpointKind::kCuda)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("cuda_ipc: {} is a host_ipc endpoint (host memory only); use the NICs", address));
-    if (h->nonce != p->shm.nonce())
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("cuda_ipc: {} carries nonce {:016x}, not the one in its name", address,
-                              h->nonce));
-    p->inbox = ipc::Endpoint(p->shm.data());
-    if (p->inbox.size() > p->shm.size())
-      throw Error(ErrorCode::kUnsupported, fmt::format("cuda_ipc: {} is truncated", address));
-    if (p->inbox.closed())
-      throw Error(ErrorCode::kUnsupported, fmt::format("cuda_ipc: {} has closed", address));
-    p->same_process = shm::LocalEndpoints::contains(h->nonce);
-    uint32_t slot;
-    if (!free_peer_slots_.empty()) {
-      slot = free_peer_slots_.back();
-      free_peer_slots_.pop_back();
-    } else {
-      slot = static_cast<uint32_t>(peers_.size());
-      peers_.emplace_back();
-    }
-    PeerSlot& s = peers_[slot];
-    s.epoch++;
-    s.peer = std::move(p);
-    PeerId id = static_cast<PeerId>(s.epoch) << 32 | slot;
-    by_address_.emplace(address, id);
-    return id;
+    ipc::open_peer(*p, name_, ipc::EndpointKind::kCuda, own_.scope(), address);
+    return peers_.add(std::move(p));
   }
 
   // Releases the peer's IPC mappings and segment. WRITEs to it not yet handed to the GPU fail
   // now; those already issued are waited for (one stream synchronisation: removal is rare), and
   // their immediates, which had nowhere to go any more, complete with an error.
   void remove_peer(PeerId id) override {
-    Peer* peer = live_peer(id);
+    Peer* peer = peers_.live(id);
     if (!peer) return;
-    auto slot = static_cast<uint32_t>(id);
     auto gone = std::stable_partition(pending_.begin(), pending_.end(),
                                       [&](const PendingOp& op) { return op.peer != id; });
     for (auto it = gone; it != pending_.end(); ++it)
-      ready_.push_back(error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
+      ready_.push_back(ipc::error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
     pending_.erase(gone, pending_.end());
     if (!inflight_.empty()) sync_streams();
-    peers_[slot].epoch++;  // `id` is unknown from here on
-    complete_batches();    // every batch has completed: holds on the peer's regions go now
+    peers_.forget(id);  // `id` is unknown from here on
+    complete_batches();  // every batch has completed: holds on the peer's regions go now
     for (auto& [region_slot, m] : peer->regions) unmap(m);
-    by_address_.erase(peer->address);
-    peers_[slot].peer.reset();
-    free_peer_slots_.push_back(slot);
+    peers_.release(id);
   }
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    Peer* peer = live_peer(op.peer);
+    Peer* peer = peers_.live(op.peer);
     if (!peer) {
       last_error_ = "cuda_ipc: unknown or removed peer";
       return PostResult::kFailed;
     }
-    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
     uint8_t* dst = nullptr;
     ipc::RegionEntry* region = nullptr;
     auto generation = static_cast<uint32_t>(op.rkey);
@@ -329,16 +257,16 @@ class CudaIpcDomain final : public Domain {
       return PostResult::kFailed;
     }
     if (ops.empty()) {
-      ready_.push_back(local_completion(ctx));
+      ready_.push_back(ipc::local_completion(ctx));
       return PostResult::kPosted;
     }
     const PeerId id = ops[0].peer;
-    Peer* peer = live_peer(id);
+    Peer* peer = peers_.live(id);
     if (!peer) {
       last_error_ = "cuda_ipc: unknown or removed peer";
       return PostResult::kFailed;
     }
-    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
     // One descriptor block for the batch (kBatchMax fits one; copy-engine pages leave it unused).
     if (free_blocks_.empty()) return PostResult::kRetry;  // wait for launches to complete
 
@@ -450,34 +378,19 @@ class CudaIpcDomain final : public Domain {
     return PostResult::kPosted;
   }
 
-  PostResult post_send(PeerId peer_id, const void* buf, size_t len, void*, OpContext* ctx) override {
-    Peer* found = live_peer(peer_id);
-    if (!found) {
-      last_error_ = "cuda_ipc: unknown or removed peer";
-      return PostResult::kFailed;
-    }
-    if (report_if_lost(*found, ctx)) return PostResult::kPosted;
-    Peer& peer = *found;
-    if (len > peer.inbox.msg_capacity()) {
-      last_error_ = fmt::format("cuda_ipc: message of {} bytes exceeds the peer's slots of {} bytes "
-                                "(its EngineConfig::max_message_size)",
-                                len, peer.inbox.msg_capacity());
-      return PostResult::kFailed;
-    }
-    if (!peer.inbox.push_msg(buf, len)) return PostResult::kRetry;  // the peer's inbox is full
-    ready_.push_back(local_completion(ctx));
-    return PostResult::kPosted;
+  PostResult post_send(PeerId peer, const void* buf, size_t len, void*, OpContext* ctx) override {
+    return ipc::post_message(peers_, peer, name_, buf, len, ctx, ready_, last_error_);
   }
 
   PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) override {
-    recvs_.push_back({buf, len, ctx});
+    own_.post_recv(buf, len, ctx);
     return PostResult::kPosted;
   }
 
   const std::string& last_error() const override { return last_error_; }
 
   size_t poll(std::span<Completion> out) override {
-    if ((++polls_ & 1023) == 0) check_peers();
+    watch_.check(peers_, name_);
     flush();
     complete_batches();
     if (!pending_.empty()) flush();  // completed batches freed descriptor blocks
@@ -488,113 +401,13 @@ class CudaIpcDomain final : public Domain {
       out[n++] = std::move(ready_.front());
       ready_.pop_front();
     }
-    uint32_t imm;
-    while (n < out.size() && inbox_.pop_imm(imm)) {
-      Completion& c = out[n++];
-      c = Completion{};
-      c.kind = Completion::Kind::kRemoteImm;
-      c.imm = imm;
-    }
-    while (n < out.size() && !recvs_.empty()) {
-      const ipc::MsgCellHeader* m = inbox_.peek_msg();
-      if (!m) break;
-      PostedRecv r = recvs_.front();
-      recvs_.pop_front();
-      Completion& c = out[n++];
-      c = Completion{};
-      c.context = r.ctx;
-      if (m->len <= r.len) {
-        std::memcpy(r.buf, reinterpret_cast<const uint8_t*>(m) + sizeof(*m), m->len);
-        c.kind = Completion::Kind::kRecv;
-        c.len = m->len;
-      } else {
-        c.kind = Completion::Kind::kError;
-        c.error = fmt::format("cuda_ipc: message of {} bytes dropped: the receive buffers hold {}",
-                              m->len, r.len);
-      }
-      inbox_.pop_msg();
-    }
-    return n;
+    return own_.drain(out, n);
   }
 
   void* scratch_desc() const override { return nullptr; }
   void* scratch_buffer() const override { return const_cast<uint8_t*>(scratch_); }
 
  private:
-  struct PostedRecv {
-    void* buf;
-    size_t len;
-    OpContext* ctx;
-  };
-
-  static Completion local_completion(OpContext* ctx) {
-    Completion c;
-    c.kind = Completion::Kind::kLocal;
-    c.context = ctx;
-    return c;
-  }
-
-  static Completion error_completion(OpContext* ctx, std::string why) {
-    Completion c;
-    c.kind = Completion::Kind::kError;
-    c.context = ctx;
-    c.error = std::move(why);
-    return c;
-  }
-
-  static Completion lost_completion(OpContext* ctx) {
-    Completion c = error_completion(ctx, "cuda_ipc: the peer's process has ended or its endpoint "
-                                         "closed (a restarted peer has a new address)");
-    c.peer_lost = true;  // the engine releases the peer: its mappings close, its memory can go
-    return c;
-  }
-
-  // An operation for a lost peer completes at once with peer_lost (true); false: carry on.
-  bool report_if_lost(Peer& peer, OpContext* ctx) {
-    if (!peer.lost && peer.inbox.closed()) peer.lost = true;
-    if (!peer.lost) return false;
-    ready_.push_back(lost_completion(ctx));
-    return true;
-  }
-
-  // About every 100 ms: which peers' processes have ended (one flock test each). Our mappings
-  // keep a dead peer's GPU memory allocated until the engine releases the peer.
-  void check_peers() {
-    auto now = std::chrono::steady_clock::now();
-    if (now - last_peer_check_ < std::chrono::milliseconds(100)) return;
-    last_peer_check_ = now;
-    for (auto& s : peers_)
-      if (s.peer && !s.peer->lost && (s.peer->inbox.closed() || !s.peer->shm.owner_alive())) {
-        s.peer->lost = true;
-        log::info("cuda_ipc: peer {} has ended", s.peer->address);
-      }
-  }
-
-  Peer* live_peer(PeerId id) {
-    auto slot = static_cast<uint32_t>(id);
-    if (slot >= peers_.size() || peers_[slot].epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
-    return peers_[slot].peer.get();
-  }
-
-  // After revoke(): waits until no writer holds the region (our own copies to ourselves included,
-  // which complete_batches() releases). False when writers still hold it after the timeout: a
-  // writer died holding it (its copies died with it); the slot is then never reused.
-  bool wait_for_writers(ipc::RegionEntry& e, uint32_t slot,
-                        std::chrono::steady_clock::time_point deadline) {
-    while (e.has_writers()) {
-      complete_batches();
-      if (std::chrono::steady_clock::now() > deadline) {
-        log::error("cuda_ipc: region {} is still held by a writer after waiting up to {} ms "
-                   "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
-                   "that died while copying? Carrying on; the slot is retired",
-                   slot, drain_timeout_.count());
-        return false;
-      }
-      std::this_thread::yield();
-    }
-    return true;
-  }
-
   uint32_t export_region(void* ptr, size_t len, Device device, uint32_t& generation) {
     cuda::AddressRange range = cuda::allocation_of(ptr);
     auto* p = static_cast<uint8_t*>(ptr);
@@ -607,18 +420,14 @@ class CudaIpcDomain final : public Domain {
     cuda::check("cudaIpcGetMemHandle (memory from cudaMalloc is exportable; cuMemCreate memory is "
                 "not)",
                 cudaIpcGetMemHandle(&handle, range.base));
-    if (free_slots_.empty())
-      throw Error(ErrorCode::kResourceExhausted,
-                  fmt::format("cuda_ipc: all {} exported regions are in use", ipc::kMaxRegions));
-    uint32_t slot = free_slots_.back();
-    free_slots_.pop_back();
+    const uint32_t slot = own_.take_slot();
     ipc::RegionFields f;
     f.device = device.index;
     f.offset = static_cast<uint64_t>(p - range.base);
     f.len = len;
     f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
     std::memcpy(f.handle, &handle, sizeof handle);
-    generation = inbox_.region(slot).publish(f);  // odd: published
+    generation = own_.region(slot).publish(f);  // odd: published
     return slot;
   }
 
@@ -785,7 +594,7 @@ class CudaIpcDomain final : public Domain {
           free_blocks_.pop_back();
         }
         if (op.len > 0 && !hold_for(b, op, refused)) {
-          ready_.push_back(error_completion(op.ctx, "cuda_ipc: the remote region was deregistered"));
+          ready_.push_back(ipc::error_completion(op.ctx, "cuda_ipc: the remote region was deregistered"));
           continue;
         }
         if (op.len > 0 && engine) {
@@ -841,8 +650,8 @@ class CudaIpcDomain final : public Domain {
   }
 
   void fail_batch(Batch& b, const std::string& why) {
-    if (b.group) ready_.push_back(error_completion(b.group, why));  // one error for the batch
-    for (auto& op : b.ops) ready_.push_back(error_completion(op.ctx, why));
+    if (b.group) ready_.push_back(ipc::error_completion(b.group, why));  // one error for the batch
+    for (auto& op : b.ops) ready_.push_back(ipc::error_completion(op.ctx, why));
     release(b);
     if (b.event) free_events_.push_back(b.event);
   }
@@ -867,7 +676,7 @@ class CudaIpcDomain final : public Domain {
         release(b);  // the copies are done: their regions' owners may deregister now
         for (auto& op : b.ops) {
           if (!op.has_imm) {
-            ready_.push_back(local_completion(op.ctx));
+            ready_.push_back(ipc::local_completion(op.ctx));
           } else if (!deliver_imm(op)) {
             held_.push_back(op);  // the peer's inbox is full: deliver on a later poll
           }
@@ -881,14 +690,14 @@ class CudaIpcDomain final : public Domain {
   // The peer whose inbox an operation's immediates go to, or null with the operation's error
   // completion queued: removed (`what` delivered too late), or lost (its inbox has no reader).
   Peer* receiving_peer(PeerId id, OpContext* ctx, const char* what) {
-    Peer* peer = live_peer(id);
+    Peer* peer = peers_.live(id);
     if (!peer) {
-      ready_.push_back(error_completion(
+      ready_.push_back(ipc::error_completion(
           ctx, fmt::format("cuda_ipc: the peer was removed before {} delivered", what)));
       return nullptr;
     }
     if (peer->lost) {
-      ready_.push_back(lost_completion(ctx));
+      ready_.push_back(ipc::lost_completion(ctx, name_));
       return nullptr;
     }
     return peer;
@@ -899,7 +708,7 @@ class CudaIpcDomain final : public Domain {
     Peer* peer = receiving_peer(op.peer, op.ctx, "this WRITE's immediate was");
     if (!peer) return true;
     if (!peer->inbox.push_imm(op.imm)) return false;
-    ready_.push_back(local_completion(op.ctx));
+    ready_.push_back(ipc::local_completion(op.ctx));
     return true;
   }
 
@@ -913,7 +722,7 @@ class CudaIpcDomain final : public Domain {
       if (n == 0) return false;
       g.next += n;
     }
-    ready_.push_back(local_completion(g.ctx));
+    ready_.push_back(ipc::local_completion(g.ctx));
     return true;
   }
 
@@ -935,25 +744,17 @@ class CudaIpcDomain final : public Domain {
   cuda::CopyDesc* descs_ = nullptr;
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
-  ShmSegment shm_;
-  ipc::Endpoint inbox_;
-  std::vector<uint32_t> free_slots_;
-  std::string scope_;
-  std::string address_;
   std::string last_error_;
   std::chrono::milliseconds drain_timeout_;
-  uint32_t polls_ = 0;
-  std::chrono::steady_clock::time_point last_peer_check_{};
-  std::vector<PeerSlot> peers_;
-  std::vector<uint32_t> free_peer_slots_;
-  std::unordered_map<std::string, PeerId> by_address_;
+  ipc::OwnEndpoint own_;
+  ipc::PeerSlots<Peer> peers_;
+  ipc::PeerWatch watch_;
   std::unordered_map<std::string, OpenedAllocation> opened_;
   std::vector<PendingOp> pending_;
   std::deque<Batch> inflight_;
   std::deque<PendingOp> held_;
   std::deque<HeldGroup> held_groups_;
   std::deque<Completion> ready_;
-  std::deque<PostedRecv> recvs_;
   uint8_t scratch_[64] = {};
 };
 

@@ -31,9 +31,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "providers/ipc/ipc_shared.h"
-#include "providers/ipc/shm_segment.h"
-#include "util/log.h"
+#include "providers/ipc/local_domain.h"
 
 namespace fabric {
 namespace {
@@ -47,21 +45,19 @@ struct LocalRegion {
   uint32_t slot = UINT32_MAX;  // its entry in our region table
 };
 
-struct Peer {
+struct Peer : ipc::PeerEndpoint {
   struct Mapped {
     uint32_t generation = 0;
     uint64_t base = 0;  // the region's address in the peer's process
     uint64_t len = 0;
   };
-  std::string address;
-  ShmSegment shm;
-  ipc::Endpoint inbox;
   pid_t pid = 0;
-  int pidfd = -1;             // readable once the peer's process has ended (-1: no pidfd_open)
-  bool same_process = false;  // copies are plain memcpy
-  bool lost = false;          // its process has ended or its endpoint closed
+  int pidfd = -1;  // readable once the peer's process has ended (-1: no pidfd_open)
   std::unordered_map<uint32_t, Mapped> regions;
 
+  Peer() = default;
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
   ~Peer() {
     if (pidfd >= 0) close(pidfd);
   }
@@ -73,11 +69,6 @@ struct Peer {
     pollfd p{pidfd, POLLIN, 0};
     return ::poll(&p, 1, 0) > 0;
   }
-};
-
-struct PeerSlot {
-  uint32_t epoch = 0;
-  std::unique_ptr<Peer> peer;
 };
 
 // A WRITE or batch whose copies are done and whose immediates did not all fit into the peer's
@@ -98,40 +89,24 @@ struct Copy {
 
 class HostIpcDomain final : public Domain {
  public:
-  explicit HostIpcDomain(const EngineConfig& config) : drain_timeout_(config.transfer_timeout) {
+  explicit HostIpcDomain(const EngineConfig& config)
+      : drain_timeout_(config.transfer_timeout),
+        own_(name_, ipc::EndpointKind::kHost, config.max_message_size) {
     // Yama's ptrace_scope 1 lets only ancestors attach: let peers of this user write into us.
     // Elsewhere (no Yama) the call fails harmlessly; insert_peer's probe tells what holds.
     (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-    ShmSegment::remove_stale();
-    ipc::Layout layout(config.max_message_size);
-    shm_ = ShmSegment::create_endpoint(layout.total);
-    ipc::Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()), config.max_message_size,
-                          ipc::EndpointKind::kHost);
-    inbox_ = ipc::Endpoint(shm_.data());
-    for (uint32_t s = ipc::kMaxRegions; s-- > 0;) free_slots_.push_back(s);
-    scope_ = shm::host_scope();
-    address_ = shm::endpoint_address(scope_, shm_.name());
-    shm::LocalEndpoints::add(shm_.nonce());
-    log::info("host_ipc: endpoint {}", address_);
+    log::info("host_ipc: endpoint {}", own_.address());
   }
 
   ~HostIpcDomain() override {
-    inbox_.header().closed.store(1, std::memory_order_release);  // peers' new posts fail at once
-    shm::LocalEndpoints::remove(shm_.nonce());
+    own_.close();
     // Regions still registered are revoked as deregistration would: their memory may be freed
-    // once the engine is gone, so writers that hold them are waited for (one deadline for all).
-    auto deadline = std::chrono::steady_clock::now() + drain_timeout_;
-    for (uint32_t slot = 0; slot < ipc::kMaxRegions; slot++) {
-      ipc::RegionEntry& e = inbox_.region(slot);
-      if (e.generation.load(std::memory_order_relaxed) & 1) {
-        e.revoke();
-        wait_for_writers(e, slot, deadline);
-      }
-    }
+    // once the engine is gone, so writers that hold them are waited for.
+    own_.revoke_all(drain_timeout_, [] {});
   }
 
   const std::string& provider_name() const override { return name_; }
-  const std::string& address() const override { return address_; }
+  const std::string& address() const override { return own_.address(); }
   const DomainCaps& caps() const override { return caps_; }
   // Copies are done when posted: what is in flight is only completions not yet polled.
   size_t max_in_flight() const override { return size_t{1} << 16; }
@@ -143,16 +118,12 @@ class HostIpcDomain final : public Domain {
       region->host = false;  // posts from it are refused; the NICs (or cuda_ipc) carry GPU memory
       r.remote_access = false;
     } else {
-      if (free_slots_.empty())
-        throw Error(ErrorCode::kResourceExhausted,
-                    fmt::format("host_ipc: all {} exported regions are in use", ipc::kMaxRegions));
-      region->slot = free_slots_.back();
-      free_slots_.pop_back();
+      region->slot = own_.take_slot();
       ipc::RegionFields f;
       f.device = -1;
       f.len = len;
       f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
-      const uint32_t generation = inbox_.region(region->slot).publish(f);  // odd: published
+      const uint32_t generation = own_.region(region->slot).publish(f);  // odd: published
       r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) | generation;
     }
     r.desc = region.get();
@@ -166,10 +137,8 @@ class HostIpcDomain final : public Domain {
     if (region->host) {
       // No writer starts a copy into it from now on; those copying are waited for, so once this
       // returns the memory may be freed or reused.
-      ipc::RegionEntry& e = inbox_.region(region->slot);
-      e.revoke();
-      if (wait_for_writers(e, region->slot, std::chrono::steady_clock::now() + drain_timeout_))
-        free_slots_.push_back(region->slot);
+      own_.region(region->slot).revoke();
+      own_.retire(region->slot, drain_timeout_, [] {});
     }
     delete region;
     r = {};
@@ -179,60 +148,24 @@ class HostIpcDomain final : public Domain {
   // scope, a segment that is gone or of another kind, a process we may not write into): the
   // engine then uses its NICs for that peer.
   PeerId insert_peer(const std::string& address) override {
-    if (auto it = by_address_.find(address); it != by_address_.end()) return it->second;
-    shm::AddressParts parts = shm::split_address(address);
-    if (parts.segment_name.empty() || parts.scope != scope_)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("host_ipc: peer endpoint '{}' is not in this host scope ({}: boot id, "
-                              "IPC and PID namespaces, /dev/shm); use the NICs",
-                              address, scope_));
+    if (auto id = peers_.find(address)) return *id;
     auto p = std::make_unique<Peer>();
-    p->address = address;
-    p->shm = ShmSegment::open_endpoint(std::string(parts.segment_name));
-    auto* h = static_cast<ipc::Header*>(p->shm.data());
-    if (p->shm.size() < sizeof(ipc::Header) || h->magic != ipc::kMagic || h->nonce != p->shm.nonce())
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("host_ipc: {} is not an endpoint of this fabric-lib version", address));
-    if (h->kind != ipc::EndpointKind::kHost)
-      throw Error(ErrorCode::kUnsupported,
-                  fmt::format("host_ipc: {} is a cuda_ipc endpoint; use the NICs", address));
-    p->inbox = ipc::Endpoint(p->shm.data());
-    if (p->inbox.size() > p->shm.size())
-      throw Error(ErrorCode::kUnsupported, fmt::format("host_ipc: {} is truncated", address));
-    if (p->inbox.closed()) throw Error(ErrorCode::kUnsupported, fmt::format("host_ipc: {} has closed", address));
-    p->pid = static_cast<pid_t>(h->pid);
-    p->same_process = shm::LocalEndpoints::contains(h->nonce);
+    ipc::open_peer(*p, name_, ipc::EndpointKind::kHost, own_.scope(), address);
+    p->pid = static_cast<pid_t>(p->header().pid);
     if (!p->same_process) {
       p->pidfd = static_cast<int>(syscall(SYS_pidfd_open, p->pid, 0));
-      probe_access(*p, *h);
+      probe_access(*p);
     }
-    uint32_t slot;
-    if (!free_peer_slots_.empty()) {
-      slot = free_peer_slots_.back();
-      free_peer_slots_.pop_back();
-    } else {
-      slot = static_cast<uint32_t>(peers_.size());
-      peers_.emplace_back();
-    }
-    PeerSlot& s = peers_[slot];
-    s.epoch++;
-    s.peer = std::move(p);
-    PeerId id = static_cast<PeerId>(s.epoch) << 32 | slot;
-    by_address_.emplace(address, id);
-    return id;
+    return peers_.add(std::move(p));
   }
 
   // Copies are synchronous: nothing of the peer is in flight here but immediates that did not
   // fit into its inbox, which now fail.
   void remove_peer(PeerId id) override {
-    Peer* peer = live_peer(id);
-    if (!peer) return;
-    auto slot = static_cast<uint32_t>(id);
-    peers_[slot].epoch++;  // `id` is unknown from here on
-    deliver_held_imms();   // those of the removed peer complete with an error
-    by_address_.erase(peer->address);
-    peers_[slot].peer.reset();
-    free_peer_slots_.push_back(slot);
+    if (!peers_.live(id)) return;
+    peers_.forget(id);
+    deliver_held_imms();  // those of the removed peer complete with an error
+    peers_.release(id);
   }
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
@@ -252,16 +185,16 @@ class HostIpcDomain final : public Domain {
       return PostResult::kFailed;
     }
     if (ops.empty()) {
-      ready_.push_back(local_completion(ctx));
+      ready_.push_back(ipc::local_completion(ctx));
       return PostResult::kPosted;
     }
     const PeerId id = ops[0].peer;
-    Peer* peer = live_peer(id);
+    Peer* peer = peers_.live(id);
     if (!peer) {
       last_error_ = "host_ipc: unknown or removed peer";
       return PostResult::kFailed;
     }
-    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
+    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
     copies_.clear();
     imms_.clear();
     holds_.clear();
@@ -288,20 +221,20 @@ class HostIpcDomain final : public Domain {
     if (peer->ended()) {  // checked right before the copy: a PID is reused only once its process ended
       release_holds();
       peer->lost = true;
-      ready_.push_back(lost_completion(ctx));
+      ready_.push_back(ipc::lost_completion(ctx, name_));
       return PostResult::kPosted;
     }
     std::string failure = copy(*peer);
     release_holds();  // the bytes are in (or failed): the regions' owners may deregister now
     if (failure == kPeerGone) {
       peer->lost = true;
-      ready_.push_back(lost_completion(ctx));
+      ready_.push_back(ipc::lost_completion(ctx, name_));
     } else if (!failure.empty()) {
-      ready_.push_back(error_completion(ctx, std::move(failure)));
+      ready_.push_back(ipc::error_completion(ctx, std::move(failure)));
     } else {
       const size_t pushed = push_imms(*peer, imms_.data(), imms_.size());
       if (pushed == imms_.size()) {
-        ready_.push_back(local_completion(ctx));
+        ready_.push_back(ipc::local_completion(ctx));
       } else {  // the inbox is full: the rest on a later poll
         held_.push_back(HeldImms{ctx, id, std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
       }
@@ -309,77 +242,32 @@ class HostIpcDomain final : public Domain {
     return PostResult::kPosted;
   }
 
-  PostResult post_send(PeerId peer_id, const void* buf, size_t len, void*, OpContext* ctx) override {
-    Peer* peer = live_peer(peer_id);
-    if (!peer) {
-      last_error_ = "host_ipc: unknown or removed peer";
-      return PostResult::kFailed;
-    }
-    if (report_if_lost(*peer, ctx)) return PostResult::kPosted;
-    if (len > peer->inbox.msg_capacity()) {
-      last_error_ = fmt::format("host_ipc: message of {} bytes exceeds the peer's slots of {} bytes "
-                                "(its EngineConfig::max_message_size)",
-                                len, peer->inbox.msg_capacity());
-      return PostResult::kFailed;
-    }
-    if (!peer->inbox.push_msg(buf, len)) return PostResult::kRetry;  // the peer's inbox is full
-    ready_.push_back(local_completion(ctx));
-    return PostResult::kPosted;
+  PostResult post_send(PeerId peer, const void* buf, size_t len, void*, OpContext* ctx) override {
+    return ipc::post_message(peers_, peer, name_, buf, len, ctx, ready_, last_error_);
   }
 
   PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) override {
-    recvs_.push_back({buf, len, ctx});
+    own_.post_recv(buf, len, ctx);
     return PostResult::kPosted;
   }
 
   const std::string& last_error() const override { return last_error_; }
 
   size_t poll(std::span<Completion> out) override {
-    if ((++polls_ & 1023) == 0) check_peers();
+    watch_.check(peers_, name_);
     deliver_held_imms();
     size_t n = 0;
     while (n < out.size() && !ready_.empty()) {
       out[n++] = std::move(ready_.front());
       ready_.pop_front();
     }
-    uint32_t imm;
-    while (n < out.size() && inbox_.pop_imm(imm)) {
-      Completion& c = out[n++];
-      c = Completion{};
-      c.kind = Completion::Kind::kRemoteImm;
-      c.imm = imm;
-    }
-    while (n < out.size() && !recvs_.empty()) {
-      const ipc::MsgCellHeader* m = inbox_.peek_msg();
-      if (!m) break;
-      PostedRecv r = recvs_.front();
-      recvs_.pop_front();
-      Completion& c = out[n++];
-      c = Completion{};
-      c.context = r.ctx;
-      if (m->len <= r.len) {
-        std::memcpy(r.buf, reinterpret_cast<const uint8_t*>(m) + sizeof(*m), m->len);
-        c.kind = Completion::Kind::kRecv;
-        c.len = m->len;
-      } else {
-        c.kind = Completion::Kind::kError;
-        c.error = fmt::format("host_ipc: message of {} bytes dropped: the receive buffers hold {}", m->len, r.len);
-      }
-      inbox_.pop_msg();
-    }
-    return n;
+    return own_.drain(out, n);
   }
 
   void* scratch_desc() const override { return nullptr; }
   void* scratch_buffer() const override { return const_cast<uint8_t*>(scratch_); }
 
  private:
-  struct PostedRecv {
-    void* buf;
-    size_t len;
-    OpContext* ctx;
-  };
-
   static constexpr const char* kPeerGone = "host_ipc: the peer's process has ended";
 
   PostResult refuse(std::string why) {
@@ -387,40 +275,11 @@ class HostIpcDomain final : public Domain {
     return PostResult::kFailed;
   }
 
-  static Completion local_completion(OpContext* ctx) {
-    Completion c;
-    c.kind = Completion::Kind::kLocal;
-    c.context = ctx;
-    return c;
-  }
-
-  static Completion error_completion(OpContext* ctx, std::string why) {
-    Completion c;
-    c.kind = Completion::Kind::kError;
-    c.context = ctx;
-    c.error = std::move(why);
-    return c;
-  }
-
-  static Completion lost_completion(OpContext* ctx) {
-    Completion c = error_completion(ctx, "host_ipc: the peer's process has ended or its endpoint "
-                                         "closed (a restarted peer has a new address)");
-    c.peer_lost = true;  // the engine releases the peer
-    return c;
-  }
-
-  // An operation for a lost peer completes at once with peer_lost (true); false: carry on.
-  bool report_if_lost(Peer& peer, OpContext* ctx) {
-    if (!peer.lost && peer.inbox.closed()) peer.lost = true;
-    if (!peer.lost) return false;
-    ready_.push_back(lost_completion(ctx));
-    return true;
-  }
-
   // One write of our nonce into the peer's header through process_vm_writev: whether this
   // process may write into the peer's memory at all.
-  void probe_access(const Peer& p, const ipc::Header& h) {
-    const uint64_t value = shm_.nonce();
+  void probe_access(const Peer& p) {
+    const ipc::Header& h = p.header();
+    const uint64_t value = own_.nonce();
     const auto offset = static_cast<uint64_t>(reinterpret_cast<const uint8_t*>(&h.probe) -
                                               reinterpret_cast<const uint8_t*>(&h));
     iovec local{const_cast<uint64_t*>(&value), sizeof value};
@@ -535,56 +394,22 @@ class HostIpcDomain final : public Domain {
   // What is left of h's immediates; completes h once they are all in; false when the inbox
   // filled up first.
   bool deliver(HeldImms& h) {
-    Peer* peer = live_peer(h.peer);
+    Peer* peer = peers_.live(h.peer);
     if (!peer) {
-      ready_.push_back(error_completion(h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
+      ready_.push_back(ipc::error_completion(h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
       return true;
     }
     if (peer->lost || peer->inbox.closed()) {
-      ready_.push_back(lost_completion(h.ctx));
+      ready_.push_back(ipc::lost_completion(h.ctx, name_));
       return true;
     }
     h.next += push_imms(*peer, h.imms.data() + h.next, h.imms.size() - h.next);
     if (h.next < h.imms.size()) return false;
-    ready_.push_back(local_completion(h.ctx));
+    ready_.push_back(ipc::local_completion(h.ctx));
     return true;
   }
   void deliver_held_imms() {
     while (!held_.empty() && deliver(held_.front())) held_.pop_front();
-  }
-
-  // About every 100 ms: which peers' processes have ended (one flock test each).
-  void check_peers() {
-    auto now = std::chrono::steady_clock::now();
-    if (now - last_peer_check_ < std::chrono::milliseconds(100)) return;
-    last_peer_check_ = now;
-    for (auto& s : peers_)
-      if (s.peer && !s.peer->lost && (s.peer->inbox.closed() || !s.peer->shm.owner_alive())) {
-        s.peer->lost = true;
-        log::info("host_ipc: peer {} has ended", s.peer->address);
-      }
-  }
-
-  Peer* live_peer(PeerId id) {
-    auto slot = static_cast<uint32_t>(id);
-    if (slot >= peers_.size() || peers_[slot].epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
-    return peers_[slot].peer.get();
-  }
-
-  // After revoke(): waits until no writer holds the region. False when writers still hold it
-  // after the timeout (a writer died while copying); the slot is then never reused.
-  bool wait_for_writers(ipc::RegionEntry& e, uint32_t slot, std::chrono::steady_clock::time_point deadline) {
-    while (e.has_writers()) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        log::error("host_ipc: region {} is still held by a writer after waiting up to {} ms "
-                   "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
-                   "that died while copying? Carrying on; the slot is retired",
-                   slot, drain_timeout_.count());
-        return false;
-      }
-      std::this_thread::yield();
-    }
-    return true;
   }
 
   using Held = std::pair<ipc::RegionEntry*, uint32_t>;
@@ -594,18 +419,11 @@ class HostIpcDomain final : public Domain {
   // of its own; held immediates and messages move at poll().
   const DomainCaps caps_{name_, /*gpu_memory=*/false, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
                          /*link_gbps=*/0.0, /*manual_progress=*/true};
-  ShmSegment shm_;
-  ipc::Endpoint inbox_;
-  std::vector<uint32_t> free_slots_;
-  std::string scope_;
-  std::string address_;
-  std::string last_error_;
   std::chrono::milliseconds drain_timeout_;
-  uint32_t polls_ = 0;
-  std::chrono::steady_clock::time_point last_peer_check_{};
-  std::vector<PeerSlot> peers_;
-  std::vector<uint32_t> free_peer_slots_;
-  std::unordered_map<std::string, PeerId> by_address_;
+  ipc::OwnEndpoint own_;
+  ipc::PeerSlots<Peer> peers_;
+  ipc::PeerWatch watch_;
+  std::string last_error_;
   // One batch's work, kept to reuse their memory.
   std::vector<Copy> copies_;
   std::vector<uint32_t> imms_;
@@ -613,7 +431,6 @@ class HostIpcDomain final : public Domain {
   std::vector<iovec> local_iov_, remote_iov_;
   std::deque<HeldImms> held_;
   std::deque<Completion> ready_;
-  std::deque<PostedRecv> recvs_;
   uint8_t scratch_[64] = {};
 };
 
