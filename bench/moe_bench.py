@@ -238,6 +238,12 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         # Read when the CUDA context is made: ranks sharing a GPU under MPS each get this share of
         # its SMs (with all of it, a rank's spinning receive kernel starves another's send).
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_share)
+    if args.rdma_buffers == "device":
+        # Under MPS the ranks share one pool of hardware work queues that streams alias onto: a copy
+        # of the engine's cuda_ipc domain aliased behind this rank's spinning receive kernel would
+        # wait for it to end (the suspected stall of the device-memory boundary, docs/benchmarks.md).
+        # More queues per client make that less likely; read when the CUDA context is made.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     torch.set_num_threads(1)
     if args.device == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
