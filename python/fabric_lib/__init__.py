@@ -122,7 +122,10 @@ class TransferEngine(_Engine):
     callback_poll="adaptive", transfer_timeout_s=30.0, ...). Each entry of `nics` is a source
     address ("127.0.0.2"), a libfabric domain name with an address ("domain@node"), or "" for the
     provider's default; 1 to 4 entries (an empty list raises FabricError, as zero NICs is invalid).
-    Usable as a context manager (close() on exit).
+    Usable as a context manager (close() on exit). Same-host peers: cuda_ipc=True (with
+    cuda_device) writes GPU memory through CUDA IPC; host_ipc=True writes host memory with one
+    kernel copy by the initiator (process_vm_writev): both engines must enable it, and not both
+    local domains on one engine (docs/api.md, "Same-host host memory").
 
     One engine for every GPU of the host: TransferEngine(topology=detect_topology()) (or with
     gpus=[...] for some of them) starts one worker per GPU with the NICs and cores the topology
