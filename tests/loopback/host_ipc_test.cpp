@@ -35,7 +35,9 @@ EngineConfig host_ipc_config(const std::string& provider) {
   return c;
 }
 
-uint8_t byte_at(uint64_t i, uint32_t salt) { return static_cast<uint8_t>((i * 131 + salt * 7 + (i >> 12)) & 0xFF); }
+uint8_t byte_at(uint64_t i, uint32_t salt) {
+  return static_cast<uint8_t>((i * 131 + salt * 7 + (i >> 12)) & 0xFF);
+}
 
 int wait_flag(std::atomic<int>& f) {
   const auto deadline = Clock::now() + std::chrono::seconds(30);
@@ -72,13 +74,16 @@ int receiver(Channel& ch, const std::string& provider) {
     // "expect <count> <salt> <first page> <pages>": the immediates, then pages [first, +pages)
     // hold byte_at(offset in the range, salt).
     unsigned count = 0, salt = 0, first = 0, pages = 0;
-    if (std::sscanf(cmd.c_str(), "expect %u %u %u %u", &count, &salt, &first, &pages) != 4) return 2;
+    if (std::sscanf(cmd.c_str(), "expect %u %u %u %u", &count, &salt, &first, &pages) != 4)
+      return 2;
     std::atomic<int> arrived{kDonePending};
     engine.expect_imm_count(kImm, count, OnDone::flag(&arrived));
     std::string verdict = "ok";
-    if (wait_flag(arrived) != kDoneSucceeded) verdict = fmt::format("{} immediates did not arrive", count);
+    if (wait_flag(arrived) != kDoneSucceeded)
+      verdict = fmt::format("{} immediates did not arrive", count);
     for (uint64_t b = 0; b < uint64_t{pages} * kPage && verdict == "ok"; b++)
-      if (dst[first * kPage + b] != byte_at(b, salt)) verdict = fmt::format("byte {} of page {} differs", b % kPage, first + b / kPage);
+      if (dst[first * kPage + b] != byte_at(b, salt))
+        verdict = fmt::format("byte {} of page {} differs", b % kPage, first + b / kPage);
     ch.send(verdict);
   }
   engine.dereg_mr(mr);
@@ -105,16 +110,22 @@ TEST_P(HostIpc, AnotherProcessReceivesSinglePagedAndScatteredWritesThroughTheLoc
         // One 16 MiB WRITE into pages [0, 256).
         for (uint64_t b = 0; b < 256 * kPage; b++) src[b] = byte_at(b, 1);
         std::atomic<int> done{kDonePending};
-        engine.submit(SingleWrite{.len = 256 * kPage, .src = {mr, 0}, .dst = {dst, 0}, .imm = kImm}, OnDone::flag(&done));
+        engine.submit(SingleWrite{.len = 256 * kPage, .src = {mr, 0}, .dst = {dst, 0}, .imm = kImm},
+                      OnDone::flag(&done));
         EXPECT_EQ(wait_flag(done), kDoneSucceeded);
         EXPECT_EQ(ask(1, 1, 0, 256), "ok");
         // kPages pages into [kPages, 2 kPages), in reverse order (no two neighbours merge).
         for (uint64_t b = 0; b < src.size(); b++) src[b] = byte_at(b, 2);
         std::vector<uint32_t> src_idx(kPages), dst_idx(kPages);
-        for (uint32_t i = 0; i < kPages; i++) src_idx[i] = kPages - 1 - i, dst_idx[i] = 2 * kPages - 1 - i;
+        for (uint32_t i = 0; i < kPages; i++)
+          src_idx[i] = kPages - 1 - i, dst_idx[i] = 2 * kPages - 1 - i;
         std::atomic<int> paged{kDonePending};
-        engine.submit(PagedWrites{.page_len = kPage, .src = mr, .src_pages = {src_idx, kPage, 0}, .dst = dst,
-                                  .dst_pages = {dst_idx, kPage, 0}, .imm = kImm},
+        engine.submit(PagedWrites{.page_len = kPage,
+                                  .src = mr,
+                                  .src_pages = {src_idx, kPage, 0},
+                                  .dst = dst,
+                                  .dst_pages = {dst_idx, kPage, 0},
+                                  .imm = kImm},
                       OnDone::flag(&paged));
         EXPECT_EQ(wait_flag(paged), kDoneSucceeded);
         EXPECT_EQ(ask(kPages, 2, kPages, kPages), "ok");
@@ -122,16 +133,21 @@ TEST_P(HostIpc, AnotherProcessReceivesSinglePagedAndScatteredWritesThroughTheLoc
         for (uint32_t i = 0; i < kPages; i++) src_idx[i] = dst_idx[i] = i;
         for (uint64_t b = 0; b < src.size(); b++) src[b] = byte_at(b, 3);
         std::atomic<int> merged{kDonePending};
-        engine.submit(PagedWrites{.page_len = kPage, .src = mr, .src_pages = {src_idx, kPage, 0}, .dst = dst,
-                                  .dst_pages = {dst_idx, kPage, 0}, .imm = kImm},
+        engine.submit(PagedWrites{.page_len = kPage,
+                                  .src = mr,
+                                  .src_pages = {src_idx, kPage, 0},
+                                  .dst = dst,
+                                  .dst_pages = {dst_idx, kPage, 0},
+                                  .imm = kImm},
                       OnDone::flag(&merged));
         EXPECT_EQ(wait_flag(merged), kDoneSucceeded);
         EXPECT_EQ(ask(kPages, 3, 0, kPages), "ok");
         // A scatter of 3 slices of odd lengths into pages 10, 11, 12 (byte_at over the 3 pages).
         for (uint64_t b = 0; b < 3 * kPage; b++) src[b] = byte_at(b, 4);
-        std::vector<ScatterSlice> slices = {{.len = 1000, .src_offset = 0, .dst = {dst, 10 * kPage}},
-                                            {.len = 3 * kPage - 5000, .src_offset = 1000, .dst = {dst, 10 * kPage + 1000}},
-                                            {.len = 4000, .src_offset = 3 * kPage - 4000, .dst = {dst, 13 * kPage - 4000}}};
+        std::vector<ScatterSlice> slices = {
+            {.len = 1000, .src_offset = 0, .dst = {dst, 10 * kPage}},
+            {.len = 3 * kPage - 5000, .src_offset = 1000, .dst = {dst, 10 * kPage + 1000}},
+            {.len = 4000, .src_offset = 3 * kPage - 4000, .dst = {dst, 13 * kPage - 4000}}};
         std::atomic<int> scattered{kDonePending};
         engine.submit(Scatter{.src = mr, .slices = slices, .imm = kImm}, OnDone::flag(&scattered));
         EXPECT_EQ(wait_flag(scattered), kDoneSucceeded);
@@ -149,7 +165,9 @@ TEST_P(HostIpc, AnotherProcessReceivesSinglePagedAndScatteredWritesThroughTheLoc
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, HostIpc, ::testing::Values("tcp;ofi_rxm", "shm"),
-                         [](const auto& info) { return info.param == "shm" ? std::string("shm") : std::string("tcp"); });
+                         [](const auto& info) {
+                           return info.param == "shm" ? std::string("shm") : std::string("tcp");
+                         });
 
 // Two engines of one process reach each other through host_ipc too (plain copies).
 TEST(HostIpcOneProcess, TwoEnginesOfOneProcessCopyDirectly) {
@@ -161,7 +179,8 @@ TEST(HostIpcOneProcess, TwoEnginesOfOneProcessCopyDirectly) {
   const RemoteMr remote = a.add_remote(ddesc);
   std::atomic<int> arrived{kDonePending}, done{kDonePending};
   b.expect_imm_count(kImm, 1, OnDone::flag(&arrived));
-  a.submit(SingleWrite{.len = src.size(), .src = {smr, 0}, .dst = {remote, 0}, .imm = kImm}, OnDone::flag(&done));
+  a.submit(SingleWrite{.len = src.size(), .src = {smr, 0}, .dst = {remote, 0}, .imm = kImm},
+           OnDone::flag(&done));
   EXPECT_EQ(wait_flag(done), kDoneSucceeded);
   EXPECT_EQ(wait_flag(arrived), kDoneSucceeded);
   EXPECT_EQ(dst, src);
@@ -179,7 +198,8 @@ TEST(HostIpcErrors, BadRangesAndDeregisteredRegionsFailClearlyAndTheEngineGoesOn
   // Past the end of the destination: refused by name (the engine's own bounds check, or ours).
   std::atomic<int> past{kDonePending};
   try {
-    a.submit(SingleWrite{.len = 2 * kPage, .src = {smr, 0}, .dst = {remote, 0}}, OnDone::flag(&past));
+    a.submit(SingleWrite{.len = 2 * kPage, .src = {smr, 0}, .dst = {remote, 0}},
+             OnDone::flag(&past));
     EXPECT_EQ(wait_flag(past), kDoneFailed);
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("outside"), std::string::npos) << e.what();
@@ -194,7 +214,8 @@ TEST(HostIpcErrors, BadRangesAndDeregisteredRegionsFailClearlyAndTheEngineGoesOn
   // The engine goes on: a fresh region takes the next WRITE.
   auto [omr, odesc] = b.reg_mr(other.data(), other.size());
   std::atomic<int> fine{kDonePending};
-  a.submit(SingleWrite{.len = 64, .src = {smr, 0}, .dst = {a.add_remote(odesc), 0}}, OnDone::flag(&fine));
+  a.submit(SingleWrite{.len = 64, .src = {smr, 0}, .dst = {a.add_remote(odesc), 0}},
+           OnDone::flag(&fine));
   EXPECT_EQ(wait_flag(fine), kDoneSucceeded);
   EXPECT_EQ(other[63], 7);
   a.dereg_mr(smr);
@@ -225,7 +246,8 @@ TEST(HostIpcMixed, APeerWithoutHostIpcGoesOverTheNics) {
   auto [dmr, ddesc] = b.reg_mr(dst.data(), dst.size());
   std::atomic<int> done{kDonePending}, arrived{kDonePending};
   b.expect_imm_count(kImm, 1, OnDone::flag(&arrived));
-  a.submit(SingleWrite{.len = kPage, .src = {smr, 0}, .dst = {a.add_remote(ddesc), 0}, .imm = kImm}, OnDone::flag(&done));
+  a.submit(SingleWrite{.len = kPage, .src = {smr, 0}, .dst = {a.add_remote(ddesc), 0}, .imm = kImm},
+           OnDone::flag(&done));
   EXPECT_EQ(wait_flag(done), kDoneSucceeded);
   EXPECT_EQ(wait_flag(arrived), kDoneSucceeded);
   EXPECT_EQ(dst, src);
@@ -238,8 +260,10 @@ TEST(HostIpcMixed, APeerWithoutHostIpcGoesOverTheNics) {
 // A receiver killed between two transfers: the next WRITE to it fails within the transfer
 // timeout, and the same engine then writes to a live receiver.
 TEST(HostIpcDeadPeer, AKilledPeerFailsInBoundedTimeAndTheNextPeerWorks) {
-  tools::ChildProcess doomed = tools::spawn_child([](Channel& ch) { return receiver(ch, "tcp;ofi_rxm"); });
-  tools::ChildProcess live = tools::spawn_child([](Channel& ch) { return receiver(ch, "tcp;ofi_rxm"); });
+  tools::ChildProcess doomed =
+      tools::spawn_child([](Channel& ch) { return receiver(ch, "tcp;ofi_rxm"); });
+  tools::ChildProcess live =
+      tools::spawn_child([](Channel& ch) { return receiver(ch, "tcp;ofi_rxm"); });
   TransferEngine engine(host_ipc_config("tcp;ofi_rxm"));
   std::vector<uint8_t> src(kPages * kPage);
   for (uint64_t b = 0; b < src.size(); b++) src[b] = byte_at(b, 6);
@@ -251,20 +275,26 @@ TEST(HostIpcDeadPeer, AKilledPeerFailsInBoundedTimeAndTheNextPeerWorks) {
     c->ch.send(engine.main_address().to_bytes());
   }
   std::atomic<int> first{kDonePending};
-  engine.submit(SingleWrite{.len = kPage, .src = {mr, 0}, .dst = {dsts[0], 0}, .imm = kImm}, OnDone::flag(&first));
+  engine.submit(SingleWrite{.len = kPage, .src = {mr, 0}, .dst = {dsts[0], 0}, .imm = kImm},
+                OnDone::flag(&first));
   EXPECT_EQ(wait_flag(first), kDoneSucceeded);
   kill(doomed.pid, SIGKILL);
   tools::reap(doomed.pid);
   const auto t0 = Clock::now();
   std::atomic<int> after{kDonePending};
-  engine.submit(SingleWrite{.len = kPage, .src = {mr, 0}, .dst = {dsts[0], 0}, .imm = kImm}, OnDone::flag(&after));
+  engine.submit(SingleWrite{.len = kPage, .src = {mr, 0}, .dst = {dsts[0], 0}, .imm = kImm},
+                OnDone::flag(&after));
   EXPECT_EQ(wait_flag(after), kDoneFailed);
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(6)) << "within the 5 s transfer timeout";
   std::vector<uint32_t> idx(kPages);
   for (uint32_t i = 0; i < kPages; i++) idx[i] = i;
   std::atomic<int> paged{kDonePending};
-  engine.submit(PagedWrites{.page_len = kPage, .src = mr, .src_pages = {idx, kPage, 0}, .dst = dsts[1],
-                            .dst_pages = {idx, kPage, 0}, .imm = kImm},
+  engine.submit(PagedWrites{.page_len = kPage,
+                            .src = mr,
+                            .src_pages = {idx, kPage, 0},
+                            .dst = dsts[1],
+                            .dst_pages = {idx, kPage, 0},
+                            .imm = kImm},
                 OnDone::flag(&paged));
   EXPECT_EQ(wait_flag(paged), kDoneSucceeded);
   live.ch.send(fmt::format("expect {} 6 0 {}", kPages, kPages));

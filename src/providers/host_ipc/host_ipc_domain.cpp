@@ -36,7 +36,7 @@
 namespace fabric {
 namespace {
 
-constexpr size_t kBatchMax = 1024;  // WRITEs per post_write_batch: 64 MiB of 64 KiB pages, ~10 ms
+constexpr size_t kBatchMax = 1024;   // WRITEs per post_write_batch: 64 MiB of 64 KiB pages, ~10 ms
 constexpr size_t kIovMax = IOV_MAX;  // iovecs per process_vm_writev
 
 // One of this domain's registrations.
@@ -180,8 +180,9 @@ class HostIpcDomain final : public Domain {
   // the immediates follow in one push. A copy that fails completes the batch with an error.
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
     if (ops.size() > kBatchMax) {
-      last_error_ = fmt::format("host_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}", ops.size(),
-                                kBatchMax);
+      last_error_ =
+          fmt::format("host_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}",
+                      ops.size(), kBatchMax);
       return PostResult::kFailed;
     }
     if (ops.empty()) {
@@ -204,10 +205,12 @@ class HostIpcDomain final : public Domain {
       if (op.len == 0) continue;  // an immediate only
       auto* src = static_cast<const LocalRegion*>(op.desc);
       if (!src || !src->host)
-        return refuse("host_ipc: the source is not host memory registered with this engine (GPU memory goes "
-                      "through the NICs or cuda_ipc)");
+        return refuse(
+            "host_ipc: the source is not host memory registered with this engine (GPU memory goes "
+            "through the NICs or cuda_ipc)");
       uint64_t base = 0;
-      if (!map_remote(*peer, op.rkey, op.remote_addr, op.len, base)) return refuse(std::move(last_error_));
+      if (!map_remote(*peer, op.rkey, op.remote_addr, op.len, base))
+        return refuse(std::move(last_error_));
       const auto* from = static_cast<const uint8_t*>(op.src);
       const uint64_t to = base + op.remote_addr;
       if (!copies_.empty() && copies_.back().src + copies_.back().len == from &&
@@ -217,8 +220,10 @@ class HostIpcDomain final : public Domain {
         copies_.push_back({from, to, op.len});
       }
     }
-    if (!hold_destinations(*peer, ops)) return refuse("host_ipc: the remote region was deregistered");
-    if (peer->ended()) {  // checked right before the copy: a PID is reused only once its process ended
+    if (!hold_destinations(*peer, ops))
+      return refuse("host_ipc: the remote region was deregistered");
+    if (peer->ended()) {  // checked right before the copy: a PID is reused only once its process
+                          // ended
       release_holds();
       peer->lost = true;
       ready_.push_back(ipc::lost_completion(ctx, name_));
@@ -236,7 +241,9 @@ class HostIpcDomain final : public Domain {
       if (pushed == imms_.size()) {
         ready_.push_back(ipc::local_completion(ctx));
       } else {  // the inbox is full: the rest on a later poll
-        held_.push_back(HeldImms{ctx, id, std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
+        held_.push_back(HeldImms{
+            ctx, id,
+            std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
       }
     }
     return PostResult::kPosted;
@@ -284,13 +291,16 @@ class HostIpcDomain final : public Domain {
                                               reinterpret_cast<const uint8_t*>(&h));
     iovec local{const_cast<uint64_t*>(&value), sizeof value};
     iovec remote{reinterpret_cast<void*>(h.owner_base + offset), sizeof value};
-    if (process_vm_writev(p.pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof value)) return;
+    if (process_vm_writev(p.pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof value))
+      return;
     const int err = errno;
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("host_ipc: this process may not write into process {} ({}) with process_vm_writev: "
-                            "{} (it needs ptrace access: Yama's ptrace_scope 2 or 3, a seccomp filter or "
-                            "another user forbid it); use the NICs",
-                            p.pid, p.address, std::strerror(err)));
+    throw Error(
+        ErrorCode::kUnsupported,
+        fmt::format(
+            "host_ipc: this process may not write into process {} ({}) with process_vm_writev: "
+            "{} (it needs ptrace access: Yama's ptrace_scope 2 or 3, a seccomp filter or "
+            "another user forbid it); use the NICs",
+            p.pid, p.address, std::strerror(err)));
   }
 
   // The peer's address of region `rkey` (its base), checked against [remote_addr, +len); false
@@ -305,14 +315,16 @@ class HostIpcDomain final : public Domain {
     Peer::Mapped& m = peer.regions[slot];
     if (m.generation != generation) {
       ipc::RegionFields f;
-      if (!peer.inbox.region(slot).read(generation, f) || f.device != -1) {  // torn, stale or not ours
+      if (!peer.inbox.region(slot).read(generation, f) ||
+          f.device != -1) {  // torn, stale or not ours
         last_error_ = "host_ipc: the remote region was deregistered";
         return false;
       }
       m = {generation, f.owner_ptr, f.len};
     }
     if (remote_addr > m.len || len > m.len - remote_addr) {
-      last_error_ = fmt::format("host_ipc: [{}, +{}) is outside the remote region of {} bytes", remote_addr, len, m.len);
+      last_error_ = fmt::format("host_ipc: [{}, +{}) is outside the remote region of {} bytes",
+                                remote_addr, len, m.len);
       return false;
     }
     base = m.base;
@@ -326,7 +338,8 @@ class HostIpcDomain final : public Domain {
       if (op.len == 0) continue;
       ipc::RegionEntry* e = &peer.inbox.region(static_cast<uint32_t>(op.rkey >> 32));
       const auto generation = static_cast<uint32_t>(op.rkey);
-      if (std::any_of(holds_.begin(), holds_.end(), [&](const Held& h) { return h.first == e; })) continue;
+      if (std::any_of(holds_.begin(), holds_.end(), [&](const Held& h) { return h.first == e; }))
+        continue;
       if (!e->hold(generation)) {
         release_holds();
         return false;
@@ -358,19 +371,23 @@ class HostIpcDomain final : public Domain {
         remote_iov_[k] = {reinterpret_cast<void*>(c.dst), c.len};
         want += c.len;
       }
-      const ssize_t got = process_vm_writev(peer.pid, local_iov_.data(), n, remote_iov_.data(), n, 0);
+      const ssize_t got =
+          process_vm_writev(peer.pid, local_iov_.data(), n, remote_iov_.data(), n, 0);
       if (got < 0) {
         if (errno == EINTR) continue;
         if (errno == ESRCH) return kPeerGone;
-        return fmt::format("host_ipc: process_vm_writev into process {} failed: {}", peer.pid, std::strerror(errno));
+        return fmt::format("host_ipc: process_vm_writev into process {} failed: {}", peer.pid,
+                           std::strerror(errno));
       }
       if (static_cast<uint64_t>(got) == want) {
         next += n;
         continue;
       }
       if (got == 0)
-        return fmt::format("host_ipc: process_vm_writev into process {} wrote nothing of {} bytes", peer.pid, want);
-      // A partial copy stops at an iovec boundary or inside one: go on from the first byte not written.
+        return fmt::format("host_ipc: process_vm_writev into process {} wrote nothing of {} bytes",
+                           peer.pid, want);
+      // A partial copy stops at an iovec boundary or inside one: go on from the first byte not
+      // written.
       auto left = static_cast<uint64_t>(got);
       while (left >= copies_[next].len) left -= copies_[next++].len;
       copies_[next].src += left;
@@ -396,7 +413,8 @@ class HostIpcDomain final : public Domain {
   bool deliver(HeldImms& h) {
     Peer* peer = peers_.live(h.peer);
     if (!peer) {
-      ready_.push_back(ipc::error_completion(h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
+      ready_.push_back(ipc::error_completion(
+          h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
       return true;
     }
     if (peer->lost || peer->inbox.closed()) {
@@ -417,8 +435,12 @@ class HostIpcDomain final : public Domain {
   const std::string name_ = "host_ipc";
   // Host memory only; a WRITE is bounded only by its destination region; nothing inline; no link
   // of its own; held immediates and messages move at poll().
-  const DomainCaps caps_{name_, /*gpu_memory=*/false, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
-                         /*link_gbps=*/0.0, /*manual_progress=*/true};
+  const DomainCaps caps_{name_,
+                         /*gpu_memory=*/false,
+                         /*max_message=*/SIZE_MAX,
+                         /*inject_size=*/0,
+                         /*link_gbps=*/0.0,
+                         /*manual_progress=*/true};
   std::chrono::milliseconds drain_timeout_;
   ipc::OwnEndpoint own_;
   ipc::PeerSlots<Peer> peers_;

@@ -41,9 +41,10 @@ inline Completion error_completion(OpContext* ctx, std::string why) {
 // The peer's process has ended or its endpoint closed: the engine releases the peer (its
 // mappings close, its memory can go).
 inline Completion lost_completion(OpContext* ctx, std::string_view provider) {
-  Completion c = error_completion(ctx, fmt::format("{}: the peer's process has ended or its endpoint closed (a "
-                                                   "restarted peer has a new address)",
-                                                   provider));
+  Completion c = error_completion(
+      ctx, fmt::format("{}: the peer's process has ended or its endpoint closed (a "
+                       "restarted peer has a new address)",
+                       provider));
   c.peer_lost = true;
   return c;
 }
@@ -62,31 +63,35 @@ struct PeerEndpoint {
 // kUnsupported whenever it cannot be reached that way (another host scope, a segment this process
 // cannot see or that has no live owner, another version or kind, truncated, closed): the engine
 // then uses its NICs for that peer.
-inline void open_peer(PeerEndpoint& p, std::string_view provider, EndpointKind kind, const std::string& scope,
-                      const std::string& address) {
+inline void open_peer(PeerEndpoint& p, std::string_view provider, EndpointKind kind,
+                      const std::string& scope, const std::string& address) {
   shm::AddressParts parts = shm::split_address(address);
   if (parts.segment_name.empty() || parts.scope != scope)
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("{}: peer endpoint '{}' is not in this host scope ({}: boot id, IPC and PID namespaces, "
-                            "/dev/shm); use the NICs",
-                            provider, address, scope));
+    throw Error(ErrorCode::kUnsupported, fmt::format("{}: peer endpoint '{}' is not in this host "
+                                                     "scope ({}: boot id, IPC and PID namespaces, "
+                                                     "/dev/shm); use the NICs",
+                                                     provider, address, scope));
   p.address = address;
   p.shm = ShmSegment::open_endpoint(std::string(parts.segment_name));
   const auto* h = static_cast<const Header*>(p.shm.data());
   if (p.shm.size() < sizeof(Header) || h->magic != kMagic)
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("{}: {} is not an endpoint of this fabric-lib version", provider, address));
+    throw Error(
+        ErrorCode::kUnsupported,
+        fmt::format("{}: {} is not an endpoint of this fabric-lib version", provider, address));
   if (h->kind != kind)
-    throw Error(ErrorCode::kUnsupported,
-                fmt::format("{}: {} is an endpoint of the other local domain ({}); use the NICs", provider, address,
-                            h->kind == EndpointKind::kCuda ? "cuda_ipc" : "host_ipc"));
+    throw Error(
+        ErrorCode::kUnsupported,
+        fmt::format("{}: {} is an endpoint of the other local domain ({}); use the NICs", provider,
+                    address, h->kind == EndpointKind::kCuda ? "cuda_ipc" : "host_ipc"));
   if (h->nonce != p.shm.nonce())
     throw Error(ErrorCode::kUnsupported,
-                fmt::format("{}: {} carries nonce {:016x}, not the one in its name", provider, address, h->nonce));
+                fmt::format("{}: {} carries nonce {:016x}, not the one in its name", provider,
+                            address, h->nonce));
   p.inbox = Endpoint(p.shm.data());
   if (p.inbox.size() > p.shm.size())
     throw Error(ErrorCode::kUnsupported, fmt::format("{}: {} is truncated", provider, address));
-  if (p.inbox.closed()) throw Error(ErrorCode::kUnsupported, fmt::format("{}: {} has closed", provider, address));
+  if (p.inbox.closed())
+    throw Error(ErrorCode::kUnsupported, fmt::format("{}: {} has closed", provider, address));
   p.same_process = shm::LocalEndpoints::contains(h->nonce);
 }
 
@@ -97,7 +102,8 @@ class PeerSlots {
  public:
   Peer* live(PeerId id) {
     auto slot = static_cast<uint32_t>(id);
-    if (slot >= slots_.size() || slots_[slot].epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
+    if (slot >= slots_.size() || slots_[slot].epoch != static_cast<uint32_t>(id >> 32))
+      return nullptr;
     return slots_[slot].peer.get();
   }
   std::optional<PeerId> find(const std::string& address) const {
@@ -148,11 +154,13 @@ class PeerSlots {
 // A domain's own endpoint: the segment peers open, its region slots, and the inboxes it reads.
 class OwnEndpoint {
  public:
-  OwnEndpoint(std::string_view provider, EndpointKind kind, size_t max_message_size) : provider_(provider) {
+  OwnEndpoint(std::string_view provider, EndpointKind kind, size_t max_message_size)
+      : provider_(provider) {
     ShmSegment::remove_stale();
     Layout layout(max_message_size);
     shm_ = ShmSegment::create_endpoint(layout.total);
-    Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()), max_message_size, kind);
+    Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()), max_message_size,
+                     kind);
     inbox_ = Endpoint(shm_.data());
     for (uint32_t s = kMaxRegions; s-- > 0;) free_slots_.push_back(s);
     scope_ = shm::host_scope();
@@ -235,7 +243,8 @@ class OwnEndpoint {
         c.len = m->len;
       } else {
         c.kind = Completion::Kind::kError;
-        c.error = fmt::format("{}: message of {} bytes dropped: the receive buffers hold {}", provider_, m->len, r.len);
+        c.error = fmt::format("{}: message of {} bytes dropped: the receive buffers hold {}",
+                              provider_, m->len, r.len);
       }
       inbox_.pop_msg();
     }
@@ -256,10 +265,11 @@ class OwnEndpoint {
     while (e.has_writers()) {
       progress();
       if (std::chrono::steady_clock::now() > deadline) {
-        log::error("{}: region {} is still held by a writer after waiting up to {} ms "
-                   "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
-                   "that died while copying? Carrying on; the slot is retired",
-                   provider_, slot, timeout.count());
+        log::error(
+            "{}: region {} is still held by a writer after waiting up to {} ms "
+            "(EngineConfig::transfer_timeout) since its deregistration: a writer process "
+            "that died while copying? Carrying on; the slot is retired",
+            provider_, slot, timeout.count());
         return false;
       }
       std::this_thread::yield();
@@ -290,8 +300,9 @@ inline bool report_if_lost(PeerEndpoint& peer, std::string_view provider, OpCont
 // while the inbox is full, kFailed (why in last_error) for an unknown peer or a message larger
 // than its slots; a lost peer's completes with peer_lost.
 template <class Peer>
-PostResult post_message(PeerSlots<Peer>& peers, PeerId id, std::string_view provider, const void* buf, size_t len,
-                        OpContext* ctx, std::deque<Completion>& ready, std::string& last_error) {
+PostResult post_message(PeerSlots<Peer>& peers, PeerId id, std::string_view provider,
+                        const void* buf, size_t len, OpContext* ctx, std::deque<Completion>& ready,
+                        std::string& last_error) {
   Peer* peer = peers.live(id);
   if (!peer) {
     last_error = fmt::format("{}: unknown or removed peer", provider);
@@ -299,9 +310,10 @@ PostResult post_message(PeerSlots<Peer>& peers, PeerId id, std::string_view prov
   }
   if (report_if_lost(*peer, provider, ctx, ready)) return PostResult::kPosted;
   if (len > peer->inbox.msg_capacity()) {
-    last_error = fmt::format("{}: message of {} bytes exceeds the peer's slots of {} bytes "
-                             "(its EngineConfig::max_message_size)",
-                             provider, len, peer->inbox.msg_capacity());
+    last_error = fmt::format(
+        "{}: message of {} bytes exceeds the peer's slots of {} bytes "
+        "(its EngineConfig::max_message_size)",
+        provider, len, peer->inbox.msg_capacity());
     return PostResult::kFailed;
   }
   if (!peer->inbox.push_msg(buf, len)) return PostResult::kRetry;
