@@ -119,28 +119,23 @@ TEST_P(HostIpc, AnotherProcessReceivesSinglePagedAndScatteredWritesThroughTheLoc
         std::vector<uint32_t> src_idx(kPages), dst_idx(kPages);
         for (uint32_t i = 0; i < kPages; i++)
           src_idx[i] = kPages - 1 - i, dst_idx[i] = 2 * kPages - 1 - i;
-        std::atomic<int> paged{kDonePending};
-        engine.submit(PagedWrites{.page_len = kPage,
-                                  .src = mr,
-                                  .src_pages = {src_idx, kPage, 0},
-                                  .dst = dst,
-                                  .dst_pages = {dst_idx, kPage, 0},
-                                  .imm = kImm},
-                      OnDone::flag(&paged));
-        EXPECT_EQ(wait_flag(paged), kDoneSucceeded);
+        auto paged = [&] {  // src_idx[i] -> dst_idx[i], one immediate per page; its outcome
+          std::atomic<int> f{kDonePending};
+          engine.submit(PagedWrites{.page_len = kPage,
+                                    .src = mr,
+                                    .src_pages = {src_idx, kPage, 0},
+                                    .dst = dst,
+                                    .dst_pages = {dst_idx, kPage, 0},
+                                    .imm = kImm},
+                        OnDone::flag(&f));
+          return wait_flag(f);
+        };
+        EXPECT_EQ(paged(), kDoneSucceeded);
         EXPECT_EQ(ask(kPages, 2, kPages, kPages), "ok");
         // In order (neighbours merge into one iovec), over the first half.
         for (uint32_t i = 0; i < kPages; i++) src_idx[i] = dst_idx[i] = i;
         for (uint64_t b = 0; b < src.size(); b++) src[b] = byte_at(b, 3);
-        std::atomic<int> merged{kDonePending};
-        engine.submit(PagedWrites{.page_len = kPage,
-                                  .src = mr,
-                                  .src_pages = {src_idx, kPage, 0},
-                                  .dst = dst,
-                                  .dst_pages = {dst_idx, kPage, 0},
-                                  .imm = kImm},
-                      OnDone::flag(&merged));
-        EXPECT_EQ(wait_flag(merged), kDoneSucceeded);
+        EXPECT_EQ(paged(), kDoneSucceeded);
         EXPECT_EQ(ask(kPages, 3, 0, kPages), "ok");
         // A scatter of 3 slices of odd lengths into pages 10, 11, 12 (byte_at over the 3 pages).
         for (uint64_t b = 0; b < 3 * kPage; b++) src[b] = byte_at(b, 4);
