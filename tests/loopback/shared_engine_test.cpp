@@ -113,10 +113,18 @@ TEST_P(SharedEngine, KvWeightsAndTwoAllToAllsRunAtOnceOnOneEnginePairEveryByteAn
     for (uint32_t r = 0; r < mc.ranks; r++) EXPECT_EQ(f[r], "") << "rank " << r;
   for (TransferEngine* e : {&a, &b})
     for (const NicStats& s : e->nic_stats()) EXPECT_EQ(s.imms_dropped, 0u) << s.nic;
+  if (pc.host_ipc)  // every WRITE of the four users went through the local domain, none on the NIC
+    for (TransferEngine* e : {&a, &b}) {
+      const std::vector<NicStats> s = e->nic_stats();
+      EXPECT_EQ(s.back().nic, "host_ipc");
+      EXPECT_GT(s.back().writes_posted, 0u);
+      EXPECT_EQ(s.front().writes_posted, 0u);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Loopback, SharedEngine,
-                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false}, ProviderCase{"shm", 1, false}),
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false}, ProviderCase{"shm", 1, false},
+                                           ProviderCase{"tcp;ofi_rxm", 1, false, true}),
                          case_name);
 
 }  // namespace

@@ -23,17 +23,20 @@ struct ProviderCase {
   std::string provider;
   size_t nics;
   bool reorder;
+  bool host_ipc = false;  // EngineConfig::host_ipc: same-host host memory through the local domain
 };
 
 // Readable in ctest's listing (gtest would print the raw bytes of the struct).
 inline void PrintTo(const ProviderCase& c, std::ostream* os) {
-  *os << c.provider << ", " << c.nics << " NIC(s)" << (c.reorder ? ", reordered" : "");
+  *os << c.provider << ", " << c.nics << " NIC(s)" << (c.reorder ? ", reordered" : "")
+      << (c.host_ipc ? ", host_ipc" : "");
 }
 
 inline std::string case_name(const ::testing::TestParamInfo<ProviderCase>& info) {
   const std::string& name = info.param.provider;
   std::string p = name == "shm" || name == "verbs" ? name : "tcp";
-  return p + "_" + std::to_string(info.param.nics) + "nic" + (info.param.reorder ? "_reordered" : "");
+  return p + "_" + std::to_string(info.param.nics) + "nic" + (info.param.reorder ? "_reordered" : "") +
+         (info.param.host_ipc ? "_host_ipc" : "");
 }
 
 // verbs needs an RDMA device: on hosts without one (CI outside the Soft-RoCE VM) its cases skip.
@@ -67,6 +70,7 @@ inline EngineConfig config_for(const ProviderCase& c) {
   cfg.callback_poll = PollMode::kAdaptive;
   cfg.reorder.enabled = c.reorder;
   cfg.reorder.seed = 42;
+  cfg.host_ipc = c.host_ipc;
   cfg.transfer_timeout = std::chrono::seconds(60);
   return cfg;
 }
