@@ -249,6 +249,14 @@ struct AllToAll::Impl {
   // Every call first reports an earlier failure: a host receive half's, a CUDA kernel's (it
   // gave up on the device, after the call that enqueued it returned) or a proxy's.
   void check_before(const char* what) const {
+    // A failure already reported to the caller comes first: the proxy's expectations for the
+    // same missing rank may time out a moment after the receive half did, and the next call
+    // must say the same thing whichever came first.
+    if (failed)
+      throw Error(ErrorCode::kInvalidArgument,
+                  fmt::format("MoE {} on rank {}: this AllToAll failed earlier; build a new one "
+                              "(with the job's live ranks)",
+                              what, cfg.rank));
     for (const auto& b : sets) {
       const uint64_t kernel = b->signal(lay.signals.kernel_error).load(std::memory_order_acquire);
       if (kernel != 0) throw kernel_failure(kernel);
@@ -259,11 +267,6 @@ struct AllToAll::Impl {
                                 "AllToAll (with the job's live ranks)",
                                 what, cfg.rank));
     }
-    if (failed)
-      throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE {} on rank {}: this AllToAll failed earlier; build a new one "
-                              "(with the job's live ranks)",
-                              what, cfg.rank));
   }
 
   Error kernel_failure(uint64_t kernel) const {

@@ -12,7 +12,35 @@
 #include <cstring>
 #include <new>
 
+#if defined(__SANITIZE_THREAD__)
+#define FABRIC_IPC_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FABRIC_IPC_TSAN 1
+#endif
+#endif
+#ifdef FABRIC_IPC_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
 namespace fabric::ipc {
+
+// ThreadSanitizer tracks synchronisation by address, and a producer in this process pushes
+// through its own mapping of the segment while the owner pops through another: the release and
+// the acquire never meet, and the bytes copied before a push look racy. Under TSan a push also
+// releases, and a pop acquires, a key that both mappings name alike (the endpoint's nonce).
+#ifdef FABRIC_IPC_TSAN
+inline char* tsan_key(uint64_t nonce) {
+  static char keys[256];
+  return &keys[nonce % 256];
+}
+inline void tsan_release_key(uint64_t nonce) { __tsan_release(tsan_key(nonce)); }
+inline void tsan_acquire_key(uint64_t nonce) { __tsan_acquire(tsan_key(nonce)); }
+#else
+inline void tsan_release_key(uint64_t) {}
+inline void tsan_acquire_key(uint64_t) {}
+#endif
 
 inline constexpr uint64_t kMagic = 0x33764350494246ull;  // "FBIPCv3": nonce, closed flag, holds, kind
 inline constexpr uint32_t kMaxRegions = 4096;
@@ -180,6 +208,7 @@ class Endpoint {
     ImmCell* cell = claim(header().imm_head, kImmSlots, [&](uint64_t i) { return &imm_cell(i); }, pos);
     if (!cell) return false;
     cell->imm = imm;
+    tsan_release_key(header().nonce);
     cell->seq.store(pos + 1, std::memory_order_release);
     return true;
   }
@@ -209,6 +238,7 @@ class Endpoint {
       }
       if (k == 0) return 0;  // full
       if (!head.compare_exchange_weak(pos, pos + k, std::memory_order_relaxed)) continue;
+      tsan_release_key(header().nonce);
       for (size_t j = 0; j < k; j++) {
         ImmCell& cell = imm_cell(pos + j);
         cell.imm = imms[j];
@@ -223,6 +253,7 @@ class Endpoint {
     if (!cell) return false;
     cell->len = len;
     std::memcpy(reinterpret_cast<uint8_t*>(cell) + sizeof(MsgCellHeader), data, len);
+    tsan_release_key(header().nonce);
     cell->seq.store(pos + 1, std::memory_order_release);
     return true;
   }
@@ -232,6 +263,7 @@ class Endpoint {
     uint64_t& tail = header().imm_tail;
     ImmCell& cell = imm_cell(tail % kImmSlots);
     if (cell.seq.load(std::memory_order_acquire) != tail + 1) return false;
+    tsan_acquire_key(header().nonce);
     imm = static_cast<uint32_t>(cell.imm);
     cell.seq.store(tail + kImmSlots, std::memory_order_release);
     tail++;
@@ -241,7 +273,9 @@ class Endpoint {
   const MsgCellHeader* peek_msg() const {
     uint64_t tail = header().msg_tail;
     MsgCellHeader& cell = msg_cell(tail % kMsgSlots);
-    return cell.seq.load(std::memory_order_acquire) == tail + 1 ? &cell : nullptr;
+    if (cell.seq.load(std::memory_order_acquire) != tail + 1) return nullptr;
+    tsan_acquire_key(header().nonce);
+    return &cell;
   }
   void pop_msg() {
     uint64_t& tail = header().msg_tail;
