@@ -84,14 +84,6 @@ struct Batch {
   std::vector<uint32_t> imms;
 };
 
-// A completed post_write_batch whose immediates did not all fit into the peer's inbox yet.
-struct HeldGroup {
-  OpContext* ctx;
-  PeerId peer;
-  std::vector<uint32_t> imms;
-  size_t next = 0;  // the first immediate not delivered yet
-};
-
 struct Peer : ipc::PeerEndpoint {
   struct Mapped {
     uint32_t generation = 0;
@@ -395,13 +387,7 @@ class CudaIpcDomain final : public Domain {
     complete_batches();
     if (!pending_.empty()) flush();  // completed batches freed descriptor blocks
     deliver_held_imms();
-
-    size_t n = 0;
-    while (n < out.size() && !ready_.empty()) {
-      out[n++] = std::move(ready_.front());
-      ready_.pop_front();
-    }
-    return own_.drain(out, n);
+    return own_.drain(out, ready_);
   }
 
   void* scratch_desc() const override { return nullptr; }
@@ -669,7 +655,7 @@ class CudaIpcDomain final : public Domain {
         fail_batch(b, b.failure);
       } else if (b.group) {
         release(b);  // the copies are done: their regions' owners may deregister now
-        HeldGroup g{b.group, b.group_peer, std::move(b.imms)};
+        ipc::HeldImms g{b.group, b.group_peer, std::move(b.imms)};
         if (!deliver_group(g)) held_groups_.push_back(std::move(g));  // the inbox is full
         free_events_.push_back(b.event);
       } else {
@@ -714,16 +700,10 @@ class CudaIpcDomain final : public Domain {
 
   // Delivers what is left of a batch's immediates (all at once where the inbox has room) and
   // completes the batch once they are all in; false when the inbox filled up first.
-  bool deliver_group(HeldGroup& g) {
+  bool deliver_group(ipc::HeldImms& g) {
     Peer* peer = receiving_peer(g.peer, g.ctx, "this batch's immediates were");
     if (!peer) return true;
-    while (g.next < g.imms.size()) {
-      size_t n = peer->inbox.push_imms(g.imms.data() + g.next, g.imms.size() - g.next);
-      if (n == 0) return false;
-      g.next += n;
-    }
-    ready_.push_back(ipc::local_completion(g.ctx));
-    return true;
+    return ipc::push_held(peer->inbox, g, ready_);
   }
 
   void deliver_held_imms() {
@@ -753,7 +733,7 @@ class CudaIpcDomain final : public Domain {
   std::vector<PendingOp> pending_;
   std::deque<Batch> inflight_;
   std::deque<PendingOp> held_;
-  std::deque<HeldGroup> held_groups_;
+  std::deque<ipc::HeldImms> held_groups_;
   std::deque<Completion> ready_;
   uint8_t scratch_[64] = {};
 };

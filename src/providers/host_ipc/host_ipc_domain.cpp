@@ -71,15 +71,6 @@ struct Peer : ipc::PeerEndpoint {
   }
 };
 
-// A WRITE or batch whose copies are done and whose immediates did not all fit into the peer's
-// inbox yet.
-struct HeldImms {
-  OpContext* ctx;
-  PeerId peer;
-  std::vector<uint32_t> imms;
-  size_t next = 0;
-};
-
 // One copy of a batch: [src, +len) to the peer's address dst.
 struct Copy {
   const uint8_t* src;
@@ -237,11 +228,11 @@ class HostIpcDomain final : public Domain {
     } else if (!failure.empty()) {
       ready_.push_back(ipc::error_completion(ctx, std::move(failure)));
     } else {
-      const size_t pushed = push_imms(*peer, imms_.data(), imms_.size());
+      const size_t pushed = ipc::push_imms(peer->inbox, imms_.data(), imms_.size());
       if (pushed == imms_.size()) {
         ready_.push_back(ipc::local_completion(ctx));
       } else {  // the inbox is full: the rest on a later poll
-        held_.push_back(HeldImms{
+        held_.push_back(ipc::HeldImms{
             ctx, id,
             std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
       }
@@ -263,12 +254,7 @@ class HostIpcDomain final : public Domain {
   size_t poll(std::span<Completion> out) override {
     watch_.check(peers_, name_);
     deliver_held_imms();
-    size_t n = 0;
-    while (n < out.size() && !ready_.empty()) {
-      out[n++] = std::move(ready_.front());
-      ready_.pop_front();
-    }
-    return own_.drain(out, n);
+    return own_.drain(out, ready_);
   }
 
   void* scratch_desc() const override { return nullptr; }
@@ -397,20 +383,9 @@ class HostIpcDomain final : public Domain {
     return {};
   }
 
-  // Pushes up to n immediates into the peer's inbox (all at once where it has room); how many.
-  static size_t push_imms(Peer& peer, const uint32_t* imms, size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      const size_t k = peer.inbox.push_imms(imms + done, n - done);
-      if (k == 0) break;
-      done += k;
-    }
-    return done;
-  }
-
   // What is left of h's immediates; completes h once they are all in; false when the inbox
   // filled up first.
-  bool deliver(HeldImms& h) {
+  bool deliver(ipc::HeldImms& h) {
     Peer* peer = peers_.live(h.peer);
     if (!peer) {
       ready_.push_back(ipc::error_completion(
@@ -421,11 +396,9 @@ class HostIpcDomain final : public Domain {
       ready_.push_back(ipc::lost_completion(h.ctx, name_));
       return true;
     }
-    h.next += push_imms(*peer, h.imms.data() + h.next, h.imms.size() - h.next);
-    if (h.next < h.imms.size()) return false;
-    ready_.push_back(ipc::local_completion(h.ctx));
-    return true;
+    return ipc::push_held(peer->inbox, h, ready_);
   }
+
   void deliver_held_imms() {
     while (!held_.empty() && deliver(held_.front())) held_.pop_front();
   }
@@ -451,7 +424,7 @@ class HostIpcDomain final : public Domain {
   std::vector<uint32_t> imms_;
   std::vector<Held> holds_;
   std::vector<iovec> local_iov_, remote_iov_;
-  std::deque<HeldImms> held_;
+  std::deque<ipc::HeldImms> held_;
   std::deque<Completion> ready_;
   uint8_t scratch_[64] = {};
 };

@@ -219,9 +219,14 @@ class OwnEndpoint {
 
   void post_recv(void* buf, size_t len, OpContext* ctx) { recvs_.push_back({buf, len, ctx}); }
 
-  // Moves arrived immediates, then messages (into the posted receives, in order), into out from
-  // index n; returns the new count.
-  size_t drain(std::span<Completion> out, size_t n) {
+  // Moves the domain's own completions (`ready`), then arrived immediates, then messages (into
+  // the posted receives, in order), into out; returns how many.
+  size_t drain(std::span<Completion> out, std::deque<Completion>& ready) {
+    size_t n = 0;
+    while (n < out.size() && !ready.empty()) {
+      out[n++] = std::move(ready.front());
+      ready.pop_front();
+    }
     uint32_t imm;
     while (n < out.size() && inbox_.pop_imm(imm)) {
       Completion& c = out[n++];
@@ -286,6 +291,35 @@ class OwnEndpoint {
   bool closed_ = false;
   std::deque<PostedRecv> recvs_;
 };
+
+// Immediates of a completed WRITE or batch that did not all fit into the peer's inbox yet: the
+// rest goes on a later poll, and ctx completes once they are all in.
+struct HeldImms {
+  OpContext* ctx;
+  PeerId peer;
+  std::vector<uint32_t> imms;
+  size_t next = 0;  // the first immediate not delivered yet
+};
+
+// Pushes up to n immediates into `inbox` (all at once where it has room); how many went in.
+inline size_t push_imms(Endpoint& inbox, const uint32_t* imms, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const size_t k = inbox.push_imms(imms + done, n - done);
+    if (k == 0) break;
+    done += k;
+  }
+  return done;
+}
+
+// Pushes what is left of h's immediates; true, with h.ctx's completion queued, once they are all
+// in; false when the inbox filled up first.
+inline bool push_held(Endpoint& inbox, HeldImms& h, std::deque<Completion>& ready) {
+  h.next += push_imms(inbox, h.imms.data() + h.next, h.imms.size() - h.next);
+  if (h.next < h.imms.size()) return false;
+  ready.push_back(local_completion(h.ctx));
+  return true;
+}
 
 // An operation for a lost peer completes at once with peer_lost (true); false: carry on.
 inline bool report_if_lost(PeerEndpoint& peer, std::string_view provider, OpContext* ctx,
