@@ -21,11 +21,12 @@ int main(int argc, char** argv) {
   app.add_flag("--list", list, "with --scatter: a plain Scatter, not a GroupScatter");
   CLI11_PARSE(app, argc, argv);
 
-  // The buffer and the counter outlive the engine (declared first, destroyed last): on tcp a
+  // The buffers and the counter outlive the engine (declared first, destroyed last): on tcp a
   // local completion does not mean the target has written, so the worker may still touch both
   // while the engine shuts down.
   std::vector<uint8_t> buf(1 << 20);
   std::atomic<uint64_t> done{0};
+  std::vector<std::vector<uint8_t>> regions(static_cast<size_t>(scatter), std::vector<uint8_t>(4096));
   fabric::EngineConfig cfg;
   cfg.nics = {{"", "127.0.0.1"}};
   cfg.worker_poll = fabric::PollMode::kAdaptive;
@@ -33,7 +34,6 @@ int main(int argc, char** argv) {
   auto [h, d] = engine.reg_mr(buf.data(), buf.size());
   const fabric::RemoteMr dst = engine.add_remote(d);
   // Scatter: `scatter` regions of this engine, 64 bytes each from the same source bytes.
-  std::vector<std::vector<uint8_t>> regions(static_cast<size_t>(scatter), std::vector<uint8_t>(4096));
   std::vector<fabric::RemoteMr> members;
   for (auto& r : regions) members.push_back(engine.add_remote(engine.reg_mr(r.data(), r.size()).second));
   std::vector<fabric::ScatterSlice> slices;

@@ -40,6 +40,21 @@ struct VerbsConfig {
   // and 3 (about 0.3 s). Soft-RoCE (rxe) retries forever when retry_count is 7.
   uint8_t ack_timeout = 20;
   uint8_t retry_count = 7;
+  // Receiver not ready (the immediate receive queue ran dry): the sender retries after this long,
+  // forever (rnr_retry 7). IB encoding: 1 = 0.01 ms ... 6 = 0.08 ms ... 12 = 0.64 ms, 0 = 655 ms.
+  // 6 keeps a stall below one MoE step; the receive queue is sized so that it should not happen.
+  uint8_t min_rnr_timer = 6;
+  // Receives posted for arriving immediates (one per WRITE with an immediate that has landed and
+  // not yet been polled). 0: min(16384, the device's max_srq_wr). Raise it when many peers write
+  // at once (peers x WRITEs in flight each); NicStats::imm_receive_low counts near-empty queues.
+  uint32_t imm_receives = 0;
+  // RoCE / InfiniBand traffic class of every packet this NIC sends (queue pairs and handshake):
+  // the GRH traffic class (RoCE v2: DSCP << 2 | ECN, e.g. 106 for DSCP 26, as NCCL_IB_TC) and the
+  // service level (0-15; on RoCE the VLAN priority). On a lossless (PFC) fabric set them to the
+  // class the switches keep lossless. FABRIC_VERBS_TC / FABRIC_VERBS_SL set them from the
+  // environment.
+  uint8_t traffic_class = 0;
+  uint8_t service_level = 0;
   // For tests: the first N handshake packets this domain sends are dropped (lost-packet recovery).
   uint32_t drop_handshake_packets = 0;
 };

@@ -817,6 +817,16 @@ std::vector<PostTiming> TransferEngine::take_post_timings() { return impl_->take
 
 // ---- configuration from the environment ----
 
+namespace {
+uint8_t env_byte(const char* name, const char* value) {
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 0);
+  if (end == value || *end != '\0' || v < 0 || v > 255)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("{}='{}' is not a number from 0 to 255", name, value));
+  return static_cast<uint8_t>(v);
+}
+}  // namespace
+
 EngineConfig EngineConfig::from_env() {
   EngineConfig c;
   if (const char* p = std::getenv("FABRIC_PROVIDER")) c.provider = p;
@@ -835,6 +845,8 @@ EngineConfig EngineConfig::from_env() {
   if (c.nics.empty())
     c.nics.push_back(c.provider.rfind("tcp", 0) == 0 ? NicConfig{"", "127.0.0.1"} : NicConfig{});
   if (const char* g = std::getenv("FABRIC_GID_INDEX")) c.verbs.gid_index = std::atoi(g);
+  if (const char* t = std::getenv("FABRIC_VERBS_TC")) c.verbs.traffic_class = env_byte("FABRIC_VERBS_TC", t);
+  if (const char* l = std::getenv("FABRIC_VERBS_SL")) c.verbs.service_level = env_byte("FABRIC_VERBS_SL", l);
   if (const char* d = std::getenv("FABRIC_CUDA_DEVICE")) c.cuda_device = std::atoi(d);
   if (const char* i = std::getenv("FABRIC_CUDA_IPC")) c.cuda_ipc = std::strcmp(i, "1") == 0;
   if (const char* i = std::getenv("FABRIC_HOST_IPC")) c.host_ipc = std::strcmp(i, "1") == 0;

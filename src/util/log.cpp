@@ -1,8 +1,9 @@
-// Log level from the environment, read once; one line per message so threads do not interleave.
+// Log level from the environment, read once (tests may change it); one line per message so threads do not interleave.
 #include "util/log.h"
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,10 +20,15 @@ static Level parse_level() {
   return Level::kWarn;
 }
 
-Level level() {
-  static const Level lvl = parse_level();
+namespace {
+std::atomic<int>& current() {
+  static std::atomic<int> lvl{static_cast<int>(parse_level())};
   return lvl;
 }
+}  // namespace
+
+Level level() { return static_cast<Level>(current().load(std::memory_order_relaxed)); }
+void set_level(Level lvl) { current().store(static_cast<int>(lvl), std::memory_order_relaxed); }
 
 void write(Level lvl, std::string_view message) {
   static constexpr const char* kNames[] = {"error", "warn", "info", "debug"};

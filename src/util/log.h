@@ -10,6 +10,7 @@ namespace fabric::log {
 enum class Level { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 Level level();
+void set_level(Level lvl);  // for tests: FABRIC_LOG is read once, at the first message
 void write(Level lvl, std::string_view message);
 
 template <class... Args>

@@ -15,7 +15,7 @@ namespace {
 using gpu_test::DeviceBuffer;
 using gpu_test::gpu_count;
 
-TEST(EfaSimGpu, GpuMemoryRegistersAsADmaBufAndAGpuDomainRefusesCudaCalls) {
+TEST(EfaSimGpu, GpuMemoryRegistersAsADmaBufAndTheDomainSetsCudaApiPermittedFalse) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device visible";
   efa_sim::offer_hmem(true);
   EngineConfig cfg;

@@ -2,6 +2,7 @@
 // thread and NICs, standing in for two GPUs with their rails (host memory placed on a worker with
 // Device::host_for_worker). Every call is routed to its worker and checked by its data and by the
 // worker that counts its immediates.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -164,15 +165,30 @@ TEST(MultiWorker, EveryRequestGoesOutItsSourcesWorkerAndLandsOnItsDestinationsWo
 
 TEST(MultiWorker, AOneWorkerPeerWritesIntoEitherWorkerOfAMultiWorkerEngine) {
   TransferEngine wide(two_workers()), one(config_for({"tcp;ofi_rxm", 2, false}));
-  std::vector<uint8_t> src = random_bytes(256 << 10, 3), dst(256 << 10, 0);
+  std::vector<uint8_t> src = random_bytes(256 << 10, 3);
   auto [hs, ds] = one.reg_mr(src.data(), src.size());
-  auto [hd, dd] = wide.reg_mr(dst.data(), dst.size(), Device::host_for_worker(1));
-  Flags landed, sent;
-  wide.expect_imm_count(7, single_write_imm_count(src.size(), 2, false), landed.next(), on_worker(1));
-  one.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {one.add_remote(dd), 0}, .imm = 7}, sent.next());
-  ASSERT_TRUE(sent.wait() && landed.wait());
-  EXPECT_EQ(landed.succeeded(), 1u);
-  EXPECT_EQ(dst, src);
+  auto imms_on = [&](int w) {  // immediates the wide engine's NICs of worker w have received
+    uint64_t n = 0;
+    for (const NicStats& st : wide.nic_stats())
+      if (st.worker == static_cast<uint32_t>(w)) n += st.imms_received;
+    return n;
+  };
+  for (int w : {0, 1}) {
+    SCOPED_TRACE(fmt::format("into worker {}", w));
+    const uint64_t before = imms_on(w), other_before = imms_on(1 - w);
+    std::vector<uint8_t> dst(256 << 10, 0);
+    auto [hd, dd] = wide.reg_mr(dst.data(), dst.size(), Device::host_for_worker(w));
+    Flags landed, sent;
+    const uint32_t imm = 7 + static_cast<uint32_t>(w);
+    wide.expect_imm_count(imm, single_write_imm_count(src.size(), 2, false), landed.next(), on_worker(w));
+    one.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {one.add_remote(dd), 0}, .imm = imm}, sent.next());
+    ASSERT_TRUE(sent.wait() && landed.wait());
+    EXPECT_EQ(landed.succeeded(), 1u);
+    EXPECT_EQ(dst, src);
+    EXPECT_EQ(imms_on(w) - before, 2u) << "one immediate per NIC of the worker written to";
+    EXPECT_EQ(imms_on(1 - w), other_before) << "the other worker received nothing";
+    wide.dereg_mr(hd);
+  }
 }
 
 TEST(MultiWorker, BadWorkerChoicesAreRejectedWithAClearError) {

@@ -17,6 +17,7 @@
 
 #include "../../src/domain/domain.h"  // the Domain tests drive the provider itself
 #include "fabric/fabric.h"
+#include "util/log.h"
 #include "process_pair.h"
 #include "test_support.h"
 
@@ -112,6 +113,104 @@ TEST(Verbs, BadDeviceOrGidIsRejectedWithAClearError) {
     EXPECT_EQ(e.code(), ErrorCode::kNotFound) << e.what();
     EXPECT_NE(std::string(e.what()).find("no_such_device"), std::string::npos) << e.what();
   }
+}
+
+TEST(Verbs, QueueAndTrafficSettingsOutOfRangeAreRefusedByName) {
+  FABRIC_SKIP_WITHOUT_DEVICE(kVerbs);
+  auto refused = [](void (*set)(EngineConfig&), const char* name) {
+    EngineConfig cfg = config_for(kVerbs);
+    set(cfg);
+    try {
+      TransferEngine engine(cfg);
+      ADD_FAILURE() << name << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  };
+  refused([](EngineConfig& c) { c.verbs.service_level = 16; }, "service_level");
+  refused([](EngineConfig& c) { c.verbs.min_rnr_timer = 32; }, "min_rnr_timer");
+  refused([](EngineConfig& c) { c.verbs.imm_receives = UINT32_MAX; }, "imm_receives");
+  refused([](EngineConfig& c) { c.verbs.imm_receives = 3; }, "imm_receives");
+}
+
+// The traffic class and RNR timer asked for are what every connected queue pair holds, read back
+// from the device (the debug line of each connection). The service level is set too, but rxe, a
+// RoCE device without VLANs, keeps none (it reads back 0), so it is not checked here.
+TEST(Verbs, TrafficClassAndRnrTimerReachEveryQueuePair) {
+  FABRIC_SKIP_WITHOUT_DEVICE(kVerbs);
+  EngineConfig cfg = config_for(kVerbs);
+  cfg.verbs.traffic_class = 106;  // DSCP 26, ECN 2
+  cfg.verbs.service_level = 3;
+  cfg.verbs.min_rnr_timer = 2;
+  const log::Level before = log::level();
+  log::set_level(log::Level::kDebug);  // before the fork: both processes log their connections
+  ::testing::internal::CaptureStderr();
+  expect_write_arrives(cfg, cfg);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  log::set_level(before);
+  int connected = 0;
+  size_t at = 0;
+  while ((at = err.find("connected to qp", at)) != std::string::npos) {
+    const std::string line = err.substr(at, err.find('\n', at) - at);
+    EXPECT_NE(line.find("traffic class 106,"), std::string::npos) << line;
+    EXPECT_NE(line.find("min_rnr_timer 2,"), std::string::npos) << line;
+    connected++;
+    at++;
+  }
+  // Each side connects a SEND and a WRITE queue pair.
+  EXPECT_GE(connected, 4) << err;
+}
+
+// An immediate receive queue far smaller than the WRITEs in flight: senders meet
+// receiver-not-ready and retry after min_rnr_timer, every page and immediate still lands, and the
+// receiver says which setting to raise.
+TEST(Verbs, AnImmediateReceiveQueueThatRunsDryRecoversAndSaysWhatToRaise) {
+  FABRIC_SKIP_WITHOUT_DEVICE(kVerbs);
+  EngineConfig cfg = config_for(kVerbs);
+  cfg.verbs.imm_receives = 16;
+  cfg.verbs.min_rnr_timer = 1;  // 0.01 ms
+  constexpr uint32_t kPages = 512;
+  constexpr uint64_t kPage = 4096;
+  std::vector<uint32_t> idx(kPages);
+  for (uint32_t i = 0; i < kPages; i++) idx[i] = (i * 37) % kPages;  // a permutation
+  auto receiver = [&](Channel& ch) {
+    TransferEngine engine(cfg);
+    std::vector<uint8_t> dst(kPages * kPage, 0);
+    auto [h, d] = engine.reg_mr(dst.data(), dst.size());
+    std::atomic<int> landed{kDonePending};
+    engine.expect_imm_count(9, kPages, OnDone::flag(&landed));
+    ch.send(d.to_bytes());
+    EXPECT_TRUE(wait_until([&] { return landed.load() != kDonePending; }));
+    EXPECT_EQ(landed.load(), kDoneSucceeded);
+    EXPECT_EQ(dst, random_bytes(dst.size(), 33));
+    EXPECT_EQ(engine.nic_stats().at(0).imms_received, kPages);
+    ch.send("verified");
+    return role_result();
+  };
+  auto sender = [&](Channel& ch) {
+    TransferEngine engine(cfg);
+    auto src = random_bytes(kPages * kPage, 33);
+    auto [h, d] = engine.reg_mr(src.data(), src.size());
+    RemoteMr dst = engine.add_remote(MrDesc::from_bytes(ch.recv_bytes()));
+    std::atomic<int> done{kDonePending};
+    engine.submit(PagedWrites{.page_len = kPage,
+                              .src = h,
+                              .src_pages = {.indices = idx, .stride = kPage},
+                              .dst = dst,
+                              .dst_pages = {.indices = idx, .stride = kPage},
+                              .imm = 9},
+                  OnDone::flag(&done));
+    EXPECT_TRUE(wait_until([&] { return done.load() != kDonePending; }));
+    EXPECT_EQ(done.load(), kDoneSucceeded);
+    EXPECT_EQ(ch.recv(), "verified");
+    return role_result();
+  };
+  ::testing::internal::CaptureStderr();
+  auto r = tools::run_process_pair(sender, receiver);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status << "\n" << err;
+  EXPECT_NE(err.find("raise VerbsConfig::imm_receives"), std::string::npos) << err;
 }
 
 TEST(Verbs, APeerThatNeverAnswersFailsAtTheHandshakeTimeout) {

@@ -131,11 +131,13 @@ ibv_ah_attr DeviceContext::ah_attr(const ibv_gid& dgid, uint16_t dlid) const {
   ibv_ah_attr a{};
   a.port_num = port;
   a.dlid = dlid;
+  a.sl = service_level;
   if (roce() || dlid == 0) {  // RoCE always routes by GID; IB across subnets too
     a.is_global = 1;
     a.grh.dgid = dgid;
     a.grh.sgid_index = static_cast<uint8_t>(gid_index);
     a.grh.hop_limit = 64;
+    a.grh.traffic_class = traffic_class;
   }
   return a;
 }

@@ -17,7 +17,8 @@ struct DeviceContext {
   DeviceContext& operator=(const DeviceContext&) = delete;
 
   bool roce() const { return port_attr.link_layer == IBV_LINK_LAYER_ETHERNET; }
-  // Address vector towards a peer's port (GRH on RoCE, LID on InfiniBand).
+  // Address vector towards a peer's port (GRH on RoCE, LID on InfiniBand), in this context's
+  // traffic class and service level.
   ibv_ah_attr ah_attr(const ibv_gid& dgid, uint16_t dlid) const;
 
   std::string name;
@@ -28,6 +29,9 @@ struct DeviceContext {
   ibv_port_attr port_attr{};
   int gid_index = 0;
   ibv_gid gid{};
+  // Put into every address vector (VerbsConfig::traffic_class / service_level).
+  uint8_t traffic_class = 0;
+  uint8_t service_level = 0;
 };
 
 // The port's link speed in Gb/s (active_speed per lane x active_width lanes, as ibv_devinfo

@@ -144,8 +144,11 @@ class VerbsDomain final : public Domain {
     const ibv_device_attr& da = dev_.dev_attr;
     max_msg_ = std::max<uint64_t>(dev_.port_attr.max_msg_sz, 4096);
     qp_depth_ = static_cast<uint32_t>(std::min<int>(da.max_qp_wr, 1024));
+    check_config(da);
+    dev_.traffic_class = cfg_.traffic_class;
+    dev_.service_level = cfg_.service_level;
     msg_srq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_srq_wr, 8192));
-    imm_srq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_srq_wr, 4096));
+    imm_srq_depth_ = cfg_.imm_receives ? cfg_.imm_receives : static_cast<uint32_t>(std::min<int>(da.max_srq_wr, 16384));
     send_cq_depth_ = static_cast<uint32_t>(std::min<int>(da.max_cqe, 8192));
     // Completions waiting in the receive CQ are at most the receives posted to both SRQs.
     uint32_t recv_cq_depth = static_cast<uint32_t>(std::min<int>(da.max_cqe, msg_srq_depth_ + imm_srq_depth_));
@@ -331,24 +334,67 @@ class VerbsDomain final : public Domain {
       out[n++] = std::move(synthetic_.front());
       synthetic_.pop_front();
     }
-    ibv_wc wcs[32];
-    while (n < out.size()) {
-      int got = ibv_poll_cq(send_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), out.size() - n)), wcs);
-      if (got <= 0) break;
-      for (int i = 0; i < got; i++) n += on_send_completion(wcs[i], out[n]);
-    }
-    while (n < out.size()) {
-      int got = ibv_poll_cq(recv_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), out.size() - n)), wcs);
-      if (got <= 0) break;
-      for (int i = 0; i < got; i++) n += on_recv_completion(wcs[i], out[n]);
-    }
+    // Each CQ may take half of `out` first, then the send CQ the rest: a stream of local
+    // completions never leaves the receive CQ (and so the immediate receives' reposting) unread.
+    const size_t half = n + (out.size() - n + 1) / 2;
+    n = drain_send_cq(out, n, half);
+    n = drain_recv_cq(out, n, out.size());
+    n = drain_send_cq(out, n, out.size());
     if (imm_reposts_ >= kChain * 4) repost_imm_recvs();
     if (!retired_.empty()) reap_retired();
     return n;
   }
 
  private:
+  size_t drain_send_cq(std::span<Completion> out, size_t n, size_t limit) {
+    ibv_wc wcs[32];
+    while (n < limit) {
+      int got = ibv_poll_cq(send_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), limit - n)), wcs);
+      if (got <= 0) break;
+      for (int i = 0; i < got; i++) n += on_send_completion(wcs[i], out[n]);
+    }
+    return n;
+  }
+
+  size_t drain_recv_cq(std::span<Completion> out, size_t n, size_t limit) {
+    ibv_wc wcs[32];
+    while (n < limit) {
+      int got = ibv_poll_cq(recv_cq_, static_cast<int>(std::min<size_t>(std::size(wcs), limit - n)), wcs);
+      if (got <= 0) break;
+      for (int i = 0; i < got; i++) n += on_recv_completion(wcs[i], out[n]);
+    }
+    if (imm_reposts_ > imm_srq_depth_ - imm_srq_depth_ / 4) warn_imm_receives_low();
+    return n;
+  }
+
+  // Fewer than a quarter of the immediate receives still posted: senders are about to meet
+  // receiver-not-ready and wait min_rnr_timer. Said at most once a second.
+  void warn_imm_receives_low() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_low_warning_) return;
+    next_low_warning_ = now + std::chrono::seconds(1);
+    log::warn("verbs: only {} of {} immediate receives posted on {} (WRITEs with immediates arrive faster than "
+              "this worker polls): raise VerbsConfig::imm_receives (device max {}) or poll more often",
+              imm_srq_depth_ - imm_reposts_, imm_srq_depth_, dev_.name, dev_.dev_attr.max_srq_wr);
+  }
+
   // ---- setup ---------------------------------------------------------------------------------
+
+  void check_config(const ibv_device_attr& da) const {
+    auto bad = [&](const std::string& what) {
+      throw Error(ErrorCode::kInvalidArgument, fmt::format("verbs on {}: {}", dev_.name, what));
+    };
+    if (cfg_.service_level > 15)
+      bad(fmt::format("VerbsConfig::service_level {} is not a service level (0-15)", cfg_.service_level));
+    if (cfg_.min_rnr_timer > 31)
+      bad(fmt::format("VerbsConfig::min_rnr_timer {} is not an RNR timer code (0-31)", cfg_.min_rnr_timer));
+    if (cfg_.imm_receives > static_cast<uint32_t>(da.max_srq_wr))
+      bad(fmt::format("VerbsConfig::imm_receives {} exceeds the device's shared receive queue depth ({})",
+                      cfg_.imm_receives, da.max_srq_wr));
+    if (cfg_.imm_receives != 0 && cfg_.imm_receives < 4 * kChain)
+      bad(fmt::format("VerbsConfig::imm_receives {} is too few (at least {}; 0 for the default)", cfg_.imm_receives,
+                      4 * kChain));
+  }
 
   ibv_srq* create_srq(uint32_t depth) {
     ibv_srq_init_attr a{};
@@ -757,7 +803,7 @@ class VerbsDomain final : public Domain {
     m.dest_qp_num = remote_qpn;
     m.rq_psn = remote_psn;
     m.max_dest_rd_atomic = 1;
-    m.min_rnr_timer = 12;  // 0.64 ms: a receiver out of buffers is asked again soon
+    m.min_rnr_timer = cfg_.min_rnr_timer;
     m.ah_attr = dev_.ah_attr(dgid, to.lid);
     int rc = ibv_modify_qp(q.qp, &m, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                                          IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
@@ -772,6 +818,18 @@ class VerbsDomain final : public Domain {
     rc = ibv_modify_qp(q.qp, &m, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                                      IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
     if (rc) fail("ibv_modify_qp(RTS)", rc, dev_.name);
+    if (log::level() >= log::Level::kDebug) log_connected(q);
+  }
+
+  // What the device holds for a connected queue pair, read back (is the traffic class applied?).
+  void log_connected(SendQueue& q) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr init{};
+    if (ibv_query_qp(q.qp, &a, IBV_QP_AV | IBV_QP_MIN_RNR_TIMER | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT, &init) != 0) return;
+    log::debug("verbs: queue pair {} on {} connected to qp {}: traffic class {}, service level {}, min_rnr_timer {}, "
+               "ack_timeout {}, retry_count {}",
+               q.qp->qp_num, dev_.name, a.dest_qp_num, a.ah_attr.grh.traffic_class, a.ah_attr.sl, a.min_rnr_timer,
+               a.timeout, a.retry_cnt);
   }
 
   // Our current message to `p` (which has queue pairs).
@@ -967,6 +1025,7 @@ class VerbsDomain final : public Domain {
   uint32_t send_outstanding_ = 0;
   uint32_t imm_reposts_ = 0;
   uint32_t polls_ = 0;
+  std::chrono::steady_clock::time_point next_low_warning_{};
 
   ibv_cq* send_cq_ = nullptr;
   ibv_cq* recv_cq_ = nullptr;
