@@ -52,7 +52,7 @@ void check_config(const AllToAllConfig& c) {
                             kMaxNodeSize, c.ranks));
   if (c.experts == 0 || c.experts % c.ranks != 0)
     fail_config(fmt::format("experts {}: a positive multiple of ranks {}", c.experts, c.ranks));
-  if (c.topk == 0 || c.topk > 8) fail_config(fmt::format("topk {} (1 to 8)", c.topk));
+  if (c.topk == 0 || c.topk > kMaxTopk) fail_config(fmt::format("topk {} (1 to {})", c.topk, kMaxTopk));
   if (c.hidden == 0 || c.hidden % kScaleBlock != 0)
     fail_config(fmt::format("hidden {}: a positive multiple of 128", c.hidden));
   if (c.max_tokens == 0) fail_config("max_tokens 0");

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
+#include "fabric/e4m3.h"
 #include "fabric/error.h"
 #include "kernel_side.h"
 
@@ -81,6 +82,7 @@ struct DispatchInput {
   const float* scales;
   const int64_t* idx;
   uint32_t tokens;
+  Quantize quantize;  // not kNone: x is BF16, quantized by send_quantized_rows
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -440,6 +442,78 @@ __device__ void send_rows(const Ptrs& p, const DispatchInput& in, const Routing&
   }
 }
 
+// A quantizing dispatch (Quantize): one warp per chunk of kQuantChunk 128-value blocks of a
+// token, not per slot, so each value is quantized once however many experts the token goes to:
+// the warp loads the chunk's BF16 values (lane l holds values 4l..4l+3 of each block), takes each
+// block's amax across the warp, and stores the e4m3 values and the scale into every row of the
+// token. The arithmetic is fabric/e4m3.h's, as host_kernels.cpp's quantize_row.
+constexpr uint32_t kQuantChunk = 8;
+
+__device__ __forceinline__ uint32_t quantize4(uint2 v, float scale) {
+  const float f[4] = {fp8::from_bf16(static_cast<uint16_t>(v.x)), fp8::from_bf16(static_cast<uint16_t>(v.x >> 16)),
+                      fp8::from_bf16(static_cast<uint16_t>(v.y)), fp8::from_bf16(static_cast<uint16_t>(v.y >> 16))};
+  uint32_t packed = 0;
+#pragma unroll
+  for (uint32_t i = 0; i < 4; ++i) packed |= uint32_t{fp8::to_e4m3(fp8::div_rn(f[i], scale))} << (8 * i);
+  return packed;
+}
+
+__device__ __forceinline__ float block_scale(uint2 v, Quantize q) {
+  const float a = fmaxf(fabsf(fp8::from_bf16(static_cast<uint16_t>(v.x))), fabsf(fp8::from_bf16(static_cast<uint16_t>(v.x >> 16))));
+  const float b = fmaxf(fabsf(fp8::from_bf16(static_cast<uint16_t>(v.y))), fabsf(fp8::from_bf16(static_cast<uint16_t>(v.y >> 16))));
+  float amax = fmaxf(a, b);
+  for (uint32_t o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(kAllLanes, amax, o));
+  return q == Quantize::kPow2 ? fp8::pow2_scale(amax) : fp8::amax_scale(amax);
+}
+
+template <uint32_t kHidden>
+__device__ void send_quantized_rows(const Ptrs& p, const DispatchInput& in, const Routing& r, uint64_t step) {
+  const Dims& d = p.lay.dims;
+  const RowBytes rb = row_bytes<kHidden, true>(d);
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t blocks = rb.payload / kScaleBlock, chunks = (blocks + kQuantChunk - 1) / kQuantChunk;
+  int32_t* pos = reinterpret_cast<int32_t*>(p.local + p.lay.local.pos);
+  int32_t* dst_of = reinterpret_cast<int32_t*>(p.local + p.lay.local.dst);
+  const uint32_t items = in.tokens * chunks;
+  for (uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += gridDim.x * kWarps) {
+    const uint32_t t = item / chunks, c = item % chunks;
+    std::byte* rows[kMaxTopk];
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < d.topk; ++k) {
+      bool bad;
+      const int32_t e = slot_expert(in.idx, t, k, d, bad);  // the same for every lane
+      const uint32_t j = e < 0 ? 0 : rank_in_expert(r, e, t);
+      if (c == 0 && lane == 0) {
+        const uint32_t slot = t * d.topk + k;
+        pos[slot] = e < 0 ? -1 : static_cast<int32_t>(r.before[e] + j);
+        dst_of[slot] = e < 0 ? -1 : static_cast<int32_t>(d.rank_of_expert(e));
+      }
+      if (e < 0) continue;
+      rows[n] = dispatch_row_at(p, r, e, j, rb.row);
+      if (c == 0 && lane == 0) store_tail(rows[n] + rb.payload + rb.scales, make_uint4(t, k, static_cast<uint32_t>(step), 0), uint32_t{});
+      ++n;
+    }
+    if (n == 0) continue;
+    const uint32_t b0 = c * kQuantChunk, nb = blocks - b0 < kQuantChunk ? blocks - b0 : kQuantChunk;
+    const uint2* src = reinterpret_cast<const uint2*>(in.x + uint64_t{t} * 2 * rb.payload) + uint64_t{b0} * 32;
+    uint2 v[kQuantChunk];
+#pragma unroll
+    for (uint32_t b = 0; b < kQuantChunk; ++b)
+      if (b < nb) v[b] = src[b * 32 + lane];
+#pragma unroll
+    for (uint32_t b = 0; b < kQuantChunk; ++b) {
+      if (b >= nb) break;  // the same for every lane
+      const float scale = block_scale(v[b], in.quantize);
+      const uint32_t packed = quantize4(v[b], scale);
+      const uint64_t at = uint64_t{b0 + b} * kScaleBlock + 4 * lane;
+      for (uint32_t i = 0; i < n; ++i) {
+        *reinterpret_cast<uint32_t*>(rows[i] + at) = packed;
+        if (lane == 0) *reinterpret_cast<float*>(rows[i] + rb.payload + 4ull * (b0 + b)) = scale;
+      }
+    }
+  }
+}
+
 __device__ void raise_dispatch_flags(const Ptrs& p, uint64_t step) {
   const Dims& d = p.lay.dims;
   const uint32_t N = d.node_size;
@@ -456,7 +530,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ptrs p, Dispatc
   const uint64_t step = current_step(p) + 1;
   const Routing r = build_routing(p, in, smem);
   if (blockIdx.x == 0) publish_counts(p, in.tokens, r);
-  send_rows<kHidden, kFp8, Vec>(p, in, r, step);
+  if (kFp8 && in.quantize != Quantize::kNone) send_quantized_rows<kHidden>(p, in, r, step);
+  else send_rows<kHidden, kFp8, Vec>(p, in, r, step);
   if (finish_block(scratch(p, kDispatchSendDone))) raise_dispatch_flags(p, step);
 }
 
@@ -855,12 +930,15 @@ cudaStream_t stream_of(void* stream) { return static_cast<cudaStream_t>(stream);
 void check_dispatch(const Dims& d, const DispatchArgs& a) {
   if (a.num_tokens > d.max_tokens)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
+  if (const char* bad = dispatch_args_error(d, a)) throw Error(ErrorCode::kInvalidArgument, bad);
   if (a.num_tokens == 0) return;
-  if (!a.x || !a.topk_idx || (d.fp8 && !a.x_scales))
-    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x and topk_idx (and x_scales for FP8) must be given");
-  const size_t word = dispatch_rows_vec16(d) ? 16 : 4;
-  require_aligned(a.x, word, "dispatch x");
-  if (d.fp8) require_aligned(a.x_scales, word, "dispatch x_scales");
+  if (a.quantize != Quantize::kNone) {
+    require_aligned(a.x, 8, "dispatch x (BF16, quantized)");  // 4 BF16 per lane load
+  } else {
+    const size_t word = dispatch_rows_vec16(d) ? 16 : 4;
+    require_aligned(a.x, word, "dispatch x");
+    if (d.fp8) require_aligned(a.x_scales, word, "dispatch x_scales");
+  }
   require_aligned(a.topk_idx, 8, "dispatch topk_idx");
 }
 
@@ -907,10 +985,13 @@ void dispatch_send(const Views& v, const DispatchArgs& a) {
   const Dims& d = v.lay.dims;
   check_dispatch(d, a);
   const Ptrs p = to_ptrs(v);
-  const DispatchInput in{static_cast<const std::byte*>(a.x), a.x_scales, a.topk_idx, a.num_tokens};
+  const DispatchInput in{static_cast<const std::byte*>(a.x), a.x_scales, a.topk_idx, a.num_tokens, a.quantize};
   const size_t shared = routing_shared_bytes(d, a.num_tokens);
-  const uint32_t slots = a.num_tokens * d.topk;
-  uint32_t blocks = (slots + kWarps - 1) / kWarps;  // a warp per slot, as far as the SMs go
+  // A warp per slot (per token chunk when quantizing), as far as the SMs go.
+  const uint32_t items = a.quantize != Quantize::kNone
+                             ? a.num_tokens * ((d.hidden / kScaleBlock + kQuantChunk - 1) / kQuantChunk)
+                             : a.num_tokens * d.topk;
+  uint32_t blocks = (items + kWarps - 1) / kWarps;
   blocks = blocks == 0 ? 1 : (blocks < v.max_blocks ? blocks : v.max_blocks);
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "fabric/e4m3.h"
 #include "fabric/error.h"
 #include "kernel_side.h"
 
@@ -88,8 +90,7 @@ void wait_all(const Views& v, const char* what, uint64_t step, Ready ready) {
 void check_dispatch_args(const Dims& d, const DispatchArgs& a) {
   if (a.num_tokens > d.max_tokens)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE dispatch: {} tokens, more than max_tokens {}", a.num_tokens, d.max_tokens));
-  if (a.num_tokens > 0 && (!a.x || !a.topk_idx || (d.fp8 && !a.x_scales)))
-    throw Error(ErrorCode::kInvalidArgument, "MoE dispatch: x and topk_idx (and x_scales for FP8) must be given");
+  if (const char* bad = dispatch_args_error(d, a)) throw Error(ErrorCode::kInvalidArgument, bad);
   for (uint32_t t = 0; t < a.num_tokens; ++t)
     for (uint32_t k = 0; k < d.topk; ++k) {
       const int64_t e = a.topk_idx[uint64_t{t} * d.topk + k];
@@ -104,11 +105,32 @@ void check_dispatch_args(const Dims& d, const DispatchArgs& a) {
 
 namespace {
 
-// Writes row (t, k) of the dispatch input, with its tail, to `dst`.
-void write_row(const Dims& d, const DispatchArgs& a, uint32_t t, uint32_t k, uint64_t step, std::byte* dst) {
+// BF16 token x quantized into an FP8 row's payload and scales at dst (Quantize, fabric/e4m3.h).
+void quantize_row(const Dims& d, const uint16_t* x, Quantize q, std::byte* dst) {
+  for (uint64_t b = 0; b < d.hidden / kScaleBlock; ++b) {
+    const uint16_t* in = x + b * kScaleBlock;
+    float amax = 0.0f;
+    for (uint64_t i = 0; i < kScaleBlock; ++i) amax = std::max(amax, std::fabs(fp8::from_bf16(in[i])));
+    const float scale = q == Quantize::kPow2 ? fp8::pow2_scale(amax) : fp8::amax_scale(amax);
+    for (uint64_t i = 0; i < kScaleBlock; ++i)
+      dst[b * kScaleBlock + i] = std::byte{fp8::to_e4m3(fp8::div_rn(fp8::from_bf16(in[i]), scale))};
+    std::memcpy(dst + d.hidden + 4 * b, &scale, 4);
+  }
+}
+
+// Writes row (t, k) of the dispatch input, with its tail, to `dst`. `staged`: the token's row
+// already written for an earlier slot (a quantizing dispatch copies it rather than quantize again).
+void write_row(const Dims& d, const DispatchArgs& a, uint32_t t, uint32_t k, uint64_t step, const std::byte* staged,
+               std::byte* dst) {
   const uint64_t pb = d.payload_bytes(), sc = d.scales_per_row();
-  std::memcpy(dst, static_cast<const std::byte*>(a.x) + t * pb, pb);
-  if (sc) std::memcpy(dst + pb, a.x_scales + t * sc, 4 * sc);
+  if (staged) {
+    std::memcpy(dst, staged, pb + 4 * sc);
+  } else if (a.quantize != Quantize::kNone) {
+    quantize_row(d, static_cast<const uint16_t*>(a.x) + uint64_t{t} * d.hidden, a.quantize, dst);
+  } else {
+    std::memcpy(dst, static_cast<const std::byte*>(a.x) + t * pb, pb);
+    if (sc) std::memcpy(dst + pb, a.x_scales + t * sc, 4 * sc);
+  }
   const RowTail tail{t, k, static_cast<uint32_t>(step), 0};
   std::memcpy(dst + pb + 4 * sc, &tail, sizeof tail);
 }
@@ -140,7 +162,8 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
     all += counts[e];
     if (!d.same_node(d.rank_of_expert(e), me)) remote += counts[e];
   }
-  for (uint32_t t = 0; t < a.num_tokens; ++t)
+  for (uint32_t t = 0; t < a.num_tokens; ++t) {
+    const std::byte* staged = nullptr;  // the token's first row, when it is quantized here
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
       const int64_t e64 = a.topk_idx[slot];
@@ -156,8 +179,10 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
         row = v.node[dst % N] + v.lay.node.rows + ((uint64_t{e % L} * N + me % N) * d.max_tokens + j) * R;
       else
         row = v.send + v.lay.send.stage + (uint64_t{remote_before[e]} + j) * R;
-      write_row(d, a, t, k, step, row);
+      write_row(d, a, t, k, step, staged, row);
+      if (a.quantize != Quantize::kNone) staged = row;
     }
+  }
   // The counts row, then the flag: a node-mate that sees the flag (acquire) sees rows and counts.
   for (uint32_t i = 0; i < N; ++i) {
     std::byte* node = v.node[i];

@@ -29,6 +29,20 @@ struct Views {
   uint32_t max_blocks = 0;  // CUDA: the most blocks a half's grid takes (AllToAllConfig::num_sms)
 };
 
+// What is wrong with a dispatch's pointers and quantize choice (nullptr: nothing), the part of
+// the checks both kernel sides make alike.
+inline const char* dispatch_args_error(const Dims& d, const DispatchArgs& a) {
+  if (a.quantize != Quantize::kNone && a.quantize != Quantize::kAmax && a.quantize != Quantize::kPow2)
+    return "MoE dispatch: quantize is not a Quantize value";
+  if (a.quantize != Quantize::kNone && !d.fp8)
+    return "MoE dispatch: quantize is for an FP8 dispatch (dispatch_dtype kFp8); this AllToAll dispatches BF16";
+  if (a.quantize != Quantize::kNone && a.x_scales)
+    return "MoE dispatch: x_scales is given with quantize: the send half computes the scales (pass BF16 x alone)";
+  if (a.num_tokens > 0 && (!a.x || !a.topk_idx || (d.fp8 && a.quantize == Quantize::kNone && !a.x_scales)))
+    return "MoE dispatch: x and topk_idx (and x_scales for FP8 without quantize) must be given";
+  return nullptr;
+}
+
 namespace host {
 // Throws kInvalidArgument for a dispatch the host kernels cannot run (too many tokens, an expert
 // out of range or repeated within a token, missing pointers); call before dispatch_send.

@@ -45,6 +45,7 @@
 namespace fabric::moe::detail {
 
 inline constexpr uint32_t kScaleBlock = 128;  // FP8: one fp32 scale per 128 values
+inline constexpr uint32_t kMaxTopk = 8;       // experts per token
 inline constexpr uint64_t kLine = 64;          // signal words each on their own cache line
 
 // Immediates: kind (2 bits), step modulo 2^10, the sending rank (16 bits): local values of the

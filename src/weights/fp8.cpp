@@ -1,49 +1,14 @@
-// FP8 e4m3 conversion and 128 x 128 block quantization (include/fabric/weights/fp8.h).
+// 128 x 128 block quantization (include/fabric/weights/fp8.h).
 #include "fabric/weights/fp8.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 
 #include "fabric/error.h"
 
 namespace fabric::fp8 {
-
-uint8_t to_e4m3(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
-  const float a = std::fabs(x);
-  if (std::isnan(a)) return sign | 0x7F;
-  if (a >= kE4m3Max) return sign | 0x7E;
-  if (a < 0x1p-6f) {
-    // Subnormals are multiples of 2^-9: scaling by 2^9 is exact, and nearbyint rounds to nearest
-    // even. 8 (a just below 2^-6 rounding up) is the smallest normal's code, 0x08.
-    return sign | static_cast<uint8_t>(std::nearbyint(a * 0x1p9f));
-  }
-  // Normal: keep 3 of the 23 mantissa bits, rounding the 20 dropped ones to nearest even.
-  const uint32_t abits = bits & 0x7FFFFFFF;
-  int exponent = static_cast<int>(abits >> 23) - 127;  // -6 .. 8
-  uint32_t mantissa = (abits >> 20) & 0x7;
-  const uint32_t dropped = abits & 0xFFFFF;
-  if (dropped > 0x80000 || (dropped == 0x80000 && (mantissa & 1))) mantissa++;
-  if (mantissa == 8) {  // rounded up into the next binade
-    mantissa = 0;
-    exponent++;
-  }
-  // a < 448 rounds to at most 448 (exponent 8, mantissa 6): never the NaN pattern.
-  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | mantissa);
-}
-
-float from_e4m3(uint8_t b) {
-  const float sign = (b & 0x80) ? -1.0f : 1.0f;
-  const int exponent = (b >> 3) & 0xF;
-  const int mantissa = b & 0x7;
-  if (exponent == 0xF && mantissa == 0x7) return std::nanf("");
-  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
-  return sign * std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
-}
 
 void quantize_blocks(const QuantizeRequest& r) {
   const uint64_t in_stride = r.in_stride ? r.in_stride : r.cols;
@@ -70,7 +35,7 @@ void quantize_blocks(const QuantizeRequest& r) {
       float amax = 0.0f;
       for (uint64_t i = r0; i < r1; i++)
         for (uint64_t j = c0; j < c1; j++) amax = std::max(amax, std::fabs(from_bf16(r.in[i * in_stride + j])));
-      const float scale = amax > 0.0f ? amax / kE4m3Max : 1.0f;
+      const float scale = amax_scale(amax);
       r.scales[br * bcols + bc] = scale;
       for (uint64_t i = r0; i < r1; i++)
         for (uint64_t j = c0; j < c1; j++)

@@ -3,9 +3,10 @@
 // reduction), pass two reads them again (from L2: 32 KiB per block) and writes e4m3 bytes.
 // The arithmetic is fp8.cpp's: scale = amax / 448 rounded to nearest (1 for an all-zero block),
 // value = e4m3(x / scale) with the division rounded to nearest and e4m3 rounded to nearest even,
-// saturating at 448; the conversion below is fp8::to_e4m3 line for line.
+// saturating at 448: fabric/e4m3.h, which host and device code share.
 #include <cstdint>
 
+#include "fabric/e4m3.h"
 #include "weights/gpu_quantize.h"
 
 namespace fabric::weights::gpu {
@@ -13,28 +14,8 @@ namespace {
 
 constexpr int kBlock = 128;
 constexpr int kThreads = 256;
-constexpr float kE4m3Max = 448.0f;
-
-__device__ __forceinline__ float from_bf16(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
-
-__device__ __forceinline__ uint8_t to_e4m3(float x) {
-  const uint32_t bits = __float_as_uint(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
-  const float a = fabsf(x);
-  if (isnan(a)) return sign | 0x7F;
-  if (a >= kE4m3Max) return sign | 0x7E;
-  if (a < 0x1p-6f) return sign | static_cast<uint8_t>(rintf(a * 0x1p9f));  // subnormal: exact scaling
-  const uint32_t abits = bits & 0x7FFFFFFF;
-  int exponent = static_cast<int>(abits >> 23) - 127;
-  uint32_t mantissa = (abits >> 20) & 0x7;
-  const uint32_t dropped = abits & 0xFFFFF;
-  if (dropped > 0x80000 || (dropped == 0x80000 && (mantissa & 1))) mantissa++;
-  if (mantissa == 8) {
-    mantissa = 0;
-    exponent++;
-  }
-  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | mantissa);
-}
+using fp8::from_bf16;
+using fp8::to_e4m3;
 
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks(const uint8_t* __restrict__ in, uint64_t in_stride, uint64_t rows, uint64_t cols,
@@ -60,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     float m = 0.0f;
     for (int w = 0; w < kThreads / 32; w++) m = fmaxf(m, warp_max[w]);
-    const float scale = m > 0.0f ? __fdiv_rn(m, kE4m3Max) : 1.0f;
+    const float scale = fp8::amax_scale(m);
     block_scale = scale;
     scales[br * bcols + bc] = scale;
   }

@@ -6,7 +6,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -18,6 +20,7 @@
 
 #include "fabric/moe/all_to_all.h"
 #include "fabric/moe/reference.h"
+#include "fabric/weights/fp8.h"
 #include "loopback/test_support.h"
 #include "moe/layout.h"
 
@@ -142,14 +145,64 @@ inline std::vector<uint16_t> expert_output(const AllToAllConfig& c, uint32_t ran
   return y;
 }
 
+// BF16 tokens for a quantizing dispatch, [num_tokens][hidden]: per 128-value block a magnitude
+// m = 2^-14 .. 2^10 (values from subnormal e4m3 to saturation after scaling), 1 block in 16 all
+// zeros, 1 value in 32 zero; 1 block in 8 has amax 1.75 m (amax / 448 exactly a power of two, the
+// edge of a power-of-two scale's ceiling) and 1 in 8 the next BF16 above it.
+inline std::vector<uint16_t> make_bf16_tokens(const AllToAllConfig& c, uint32_t num_tokens, uint32_t seed) {
+  std::mt19937_64 rng(seed * 2654435761ull + 99);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<uint16_t> x(uint64_t{num_tokens} * c.hidden, 0);
+  for (uint64_t b = 0; b < x.size() / 128; ++b) {
+    if (rng() % 16 == 0) continue;
+    const float magnitude = std::ldexp(1.0f, static_cast<int>(rng() % 25) - 14);
+    for (uint64_t i = 0; i < 128; ++i)
+      if (rng() % 32 != 0) x[b * 128 + i] = moe::detail::float_to_bf16(unit(rng) * magnitude);
+    const uint64_t kind = rng() % 8, at = b * 128 + rng() % 128;
+    const float sign = rng() % 2 ? -1.0f : 1.0f;
+    if (kind == 0) x[at] = moe::detail::float_to_bf16(sign * 1.75f * magnitude);
+    if (kind == 1) x[at] = moe::detail::float_to_bf16(sign * 1.75f * (1.0f + 0x1p-7f) * magnitude);
+  }
+  return x;
+}
+
+// What a quantizing dispatch must send for BF16 tokens x, computed apart from the library's
+// kernels: block quantization of each token (fp8::quantize_blocks, one row at a time) for kAmax;
+// for kPow2 the scale from a double log2 (exact for the float quotient) and fp8::to_e4m3.
+inline void quantize_tokens(const AllToAllConfig& c, moe::Quantize q, const std::vector<uint16_t>& x,
+                            ReferenceInput& in) {
+  const uint64_t H = c.hidden, G = H / 128;
+  in.x.assign(uint64_t{in.num_tokens} * H, std::byte{0});
+  in.x_scales.assign(uint64_t{in.num_tokens} * G, 0.0f);
+  for (uint64_t t = 0; t < in.num_tokens; ++t) {
+    if (q == moe::Quantize::kAmax) {
+      fp8::quantize_blocks({.in = std::span(x).subspan(t * H, H), .rows = 1, .cols = H,
+                            .out = std::span(reinterpret_cast<uint8_t*>(in.x.data()) + t * H, H),
+                            .scales = std::span(in.x_scales).subspan(t * G, G)});
+      continue;
+    }
+    for (uint64_t g = 0; g < G; ++g) {
+      float amax = 0.0f;
+      for (uint64_t i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(fp8::from_bf16(x[t * H + g * 128 + i])));
+      const float v = std::max(amax, 1e-4f) / 448.0f;
+      const float scale = static_cast<float>(std::exp2(std::ceil(std::log2(static_cast<double>(v)))));
+      in.x_scales[t * G + g] = scale;
+      for (uint64_t i = 0; i < 128; ++i)
+        in.x[t * H + g * 128 + i] = std::byte{fp8::to_e4m3(fp8::from_bf16(x[t * H + g * 128 + i]) / scale)};
+    }
+  }
+}
+
 // How run_steps runs: shared, rank r's engine (empty: an engine each); seed, another input for
 // every step (two instances that share engines route differently); overlap, two dispatches in
 // flight (send A, send B, receive A, receive B, then combine A and B, received in the opposite
-// order), else one at a time with every other step's halves as separate calls.
+// order), else one at a time with every other step's halves as separate calls; quantize, FP8
+// dispatches of BF16 tokens that the send half quantizes (checked against quantize_tokens).
 struct StepRun {
   std::vector<TransferEngine*> shared{};
   uint32_t seed = 0;
   bool overlap = false;
+  moe::Quantize quantize = moe::Quantize::kNone;
 };
 
 // Runs `steps` steps on every rank (a thread each) and checks each rank's dispatch output and
@@ -198,14 +251,39 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
   auto rank_main = [&](uint32_t r) -> std::string {
     const AllToAllConfig cfg = config_of(mc, r, job);
     AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
+    if (run.quantize != moe::Quantize::kNone) {
+      // Scales with a quantizing dispatch are refused before anything is written (the steps
+      // below then run exactly).
+      const float scale = 1.0f;
+      try {
+        a2a.dispatch_send({.x_scales = &scale, .quantize = run.quantize});
+        return "a quantizing dispatch took x_scales";
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kInvalidArgument ||
+            std::string(e.what()).find("x_scales is given with quantize") == std::string::npos)
+          return fmt::format("x_scales with quantize: {}", e.what());
+      }
+    }
     for (uint32_t first = 1; first + batch - 1 <= steps; first += batch) {
       std::vector<std::vector<ReferenceInput>> inputs(batch);
+      std::vector<std::vector<uint16_t>> bf16(batch);  // this rank's tokens before quantization
       std::vector<moe::Handle> handles(batch);
       for (uint32_t b = 0; b < batch; ++b)
-        for (uint32_t s = 0; s < mc.ranks; ++s)
-          inputs[b].push_back(make_input(cfg, s, first + b + 1000 * run.seed));
+        for (uint32_t s = 0; s < mc.ranks; ++s) {
+          const uint32_t seed = first + b + 1000 * run.seed;
+          inputs[b].push_back(make_input(cfg, s, seed));
+          if (run.quantize == moe::Quantize::kNone) continue;
+          const std::vector<uint16_t> x = make_bf16_tokens(cfg, inputs[b][s].num_tokens, seed * 131 + s);
+          quantize_tokens(cfg, run.quantize, x, inputs[b][s]);
+          if (s == r) bf16[b] = x;
+        }
       auto args_of = [&](uint32_t b) {
         const ReferenceInput& in = inputs[b][r];
+        if (run.quantize != moe::Quantize::kNone)
+          return moe::DispatchArgs{.num_tokens = in.num_tokens,
+                                   .x = bf16[b].data(),
+                                   .topk_idx = in.topk_idx.data(),
+                                   .quantize = run.quantize};
         return moe::DispatchArgs{.num_tokens = in.num_tokens,
                                  .x = in.x.data(),
                                  .x_scales = in.x_scales.data(),

@@ -75,6 +75,40 @@ INSTANTIATE_TEST_SUITE_P(
         MoeCase{{"shm", 1, false}, 4, 4, 8, 8, 2048, 16, 4, moe::Dtype::kFp8}),
     moe_case_name);
 
+// FP8 dispatches of BF16 tokens quantized by the send half (DispatchArgs::quantize): every
+// value and scale equals an independent quantization of the token, through the proxy and inside
+// one node, with amax scales and with power-of-two scales (DeepEP's round_scale).
+struct QuantizeCase {
+  MoeCase moe;
+  moe::Quantize quantize;
+};
+inline void PrintTo(const QuantizeCase& c, std::ostream* os) {
+  PrintTo(c.moe, os);
+  *os << (c.quantize == moe::Quantize::kAmax ? ", amax scales" : ", power-of-two scales");
+}
+class MoeQuantize : public ::testing::TestWithParam<QuantizeCase> {};
+
+TEST_P(MoeQuantize, TheSendHalfQuantizesEveryTokenOnceAndExactly) {
+  const QuantizeCase& qc = GetParam();
+  const std::vector<std::string> failures =
+      run_steps(qc.moe, 6, "moe-quantize", {.quantize = qc.quantize});
+  for (uint32_t r = 0; r < qc.moe.ranks; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Loopback, MoeQuantize,
+    ::testing::Values(
+        QuantizeCase{{{"tcp;ofi_rxm", 1, false}, 4, 2, 16, 8, 2048, 24, 3, moe::Dtype::kFp8},
+                     moe::Quantize::kAmax},
+        QuantizeCase{{{"shm", 1, false}, 4, 4, 8, 4, 1152, 16, 4, moe::Dtype::kFp8},
+                     moe::Quantize::kPow2},
+        QuantizeCase{{{"shm", 1, false}, 4, 2, 16, 6, 1024, 16, 0, moe::Dtype::kFp8},
+                     moe::Quantize::kPow2}),
+    [](const ::testing::TestParamInfo<QuantizeCase>& info) {
+      return moe_case_name(::testing::TestParamInfo<MoeCase>(info.param.moe, info.index)) +
+             (info.param.quantize == moe::Quantize::kAmax ? "_amax" : "_pow2");
+    });
+
 // A rank that stops taking part (before step 2's dispatch, or between its dispatch and combine):
 // every other rank's receive half fails in bounded time (the 2 s timeout; asserted loosely, under
 // 30 s, so that a loaded sanitizer run passes) naming it, leaves its outputs marked
@@ -200,6 +234,13 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
     }
     a.num_tokens = 5;
     expect_error(ErrorCode::kInvalidArgument, "more than max_tokens 4", [&] { a2a.dispatch(a); });
+    a = good;
+    a.quantize = moe::Quantize::kAmax;
+    expect_error(ErrorCode::kInvalidArgument, "quantize is for an FP8 dispatch",
+                 [&] { a2a.dispatch(a); });
+    a.quantize = static_cast<moe::Quantize>(7);
+    expect_error(ErrorCode::kInvalidArgument, "not a Quantize value", [&] { a2a.dispatch(a); });
+    a = good;
     const moe::Handle h = a2a.dispatch_send(good);
     // Calls out of order for a handle are refused and change nothing.
     expect_error(ErrorCode::kInvalidArgument,

@@ -77,16 +77,27 @@ inline constexpr uint16_t kInvalidBf16 = 0x7FC0;
 using AllGather =
     std::function<std::vector<std::vector<std::byte>>(const std::vector<std::byte>& mine)>;
 
+// Who quantizes an FP8 dispatch's tokens. kNone: the caller (x is e4m3 bytes with x_scales).
+// Otherwise x is BF16 and the send half quantizes each 128 values of a token as it stages the
+// token's rows (DeepEP's low_latency_dispatch with use_fp8), into values e4m3(x / scale) rounded
+// to nearest even and one fp32 scale (fabric/e4m3.h):
+//   kAmax  scale = amax / 448 (1 for a block of zeros): fabric_lib.moe.quantize_fp8_tokens
+//   kPow2  scale = 2^ceil(log2(max(amax, 1e-4) / 448)), a power of two that one UE8M0 exponent
+//          holds exactly (DeepEP's round_scale)
+enum class Quantize : uint8_t { kNone, kAmax, kPow2 };
+
 // One dispatch call. x is [num_tokens][hidden] in the dispatch dtype (FP8: e4m3 bytes, with
-// x_scales [num_tokens][hidden / 128] fp32); topk_idx [num_tokens][topk] (-1: slot not used).
-// The routing weights go to combine (CombineArgs), as in DeepEP. Host kernels read host memory,
-// CUDA kernels device memory (num_tokens and the pointers fixed for a captured graph).
+// x_scales [num_tokens][hidden / 128] fp32), or BF16 for an FP8 dispatch that quantizes
+// (`quantize`, then no x_scales); topk_idx [num_tokens][topk] (-1: slot not used). The routing
+// weights go to combine (CombineArgs), as in DeepEP. Host kernels read host memory, CUDA kernels
+// device memory (num_tokens and the pointers fixed for a captured graph).
 struct DispatchArgs {
   uint32_t num_tokens = 0;
   const void* x = nullptr;
   const float* x_scales = nullptr;
   const int64_t* topk_idx = nullptr;
   void* stream = nullptr;  // kCuda: the cudaStream_t the kernels go on
+  Quantize quantize = Quantize::kNone;
 };
 
 // Where dispatch puts what this rank's experts received (owned by the AllToAll: its handle's

@@ -3,26 +3,17 @@
 // update quantizes on the training side, so inference ranks receive their final bytes and need no
 // pass of their own.
 //
-// e4m3 here is OCP "e4m3fn" (torch.float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits,
-// no infinities, largest finite 448, one NaN pattern per sign (0x7F / 0xFF).
+// The e4m3 format and its conversion are in fabric/e4m3.h.
 #pragma once
 
-#include <bit>
 #include <cstdint>
 #include <span>
 
+#include "fabric/e4m3.h"
+
 namespace fabric::fp8 {
 
-inline constexpr float kE4m3Max = 448.0f;
 inline constexpr uint64_t kBlock = 128;
-
-// Round to nearest, ties to even; values beyond +-448 saturate to +-448 (torch's cast gives NaN
-// from 464 up; block scaling keeps values within 448, so both agree on what quantize produces).
-// NaN stays NaN.
-uint8_t to_e4m3(float x);
-float from_e4m3(uint8_t b);
-
-inline float from_bf16(uint16_t b) { return std::bit_cast<float>(uint32_t{b} << 16); }
 
 // A rows x cols BF16 matrix (row i at in + i * in_stride elements) quantized block by block:
 // scale = amax / 448 over each 128 x 128 block (1 for a block of zeros), out = e4m3(x / scale).
