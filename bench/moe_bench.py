@@ -10,8 +10,9 @@ meet in a gloo process group (its store carries the AllToAll's descriptors; its 
 ranks before every step, outside the timed halves). Each step times the four halves (dispatch send,
 dispatch receive, combine send, combine receive) with CUDA events on the current stream (--device
 cuda; ranks of one process spawn share GPU rank % GPUs) or wall time (--device cpu: host kernels on
-the calling thread). x is quantized to FP8 before the timed call (the transport alone; --quantize
-times it inside dispatch), and the experts are not run (combine sends a fixed BF16 buffer).
+the calling thread). x is quantized to FP8 before the timed call (the transport alone; with
+--quantize x is BF16 and the send half quantizes it, as DeepEP's use_fp8), and the experts are not
+run (combine sends a fixed BF16 buffer).
 
 Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
 the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
@@ -289,7 +290,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--provider", default="tcp", help="tcp (tcp;ofi_rxm on 127.0.0.1), shm, or a libfabric provider")
-    ap.add_argument("--quantize", action="store_true", help="pass BF16 x: time the FP8 quantization inside dispatch")
+    ap.add_argument("--quantize", action="store_true", help="pass BF16 x: the send half quantizes it (timed inside dispatch)")
     ap.add_argument("--busy-poll", action="store_true", help="proxy threads spin (give each a core)")
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")

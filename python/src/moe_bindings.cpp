@@ -74,6 +74,12 @@ void bind_moe(nb::module_& m) {
                    "What dispatch moves: FP8 e4m3 with fp32 scales per 128 values, or BF16.")
       .value("FP8", Dtype::kFp8)
       .value("BF16", Dtype::kBf16);
+  nb::enum_<Quantize>(m, "MoeQuantize",
+                      "Who quantizes an FP8 dispatch's tokens: NONE, the caller (e4m3 x with x_scales); AMAX or POW2, "
+                      "the send half, from BF16 x, with scales amax / 448 or a power of two (DeepEP's round_scale).")
+      .value("NONE", Quantize::kNone)
+      .value("AMAX", Quantize::kAmax)
+      .value("POW2", Quantize::kPow2);
   nb::enum_<KernelSide>(m, "MoeKernelSide",
                         "Who runs the halves: the calling thread (HOST) or CUDA kernels (CUDA).")
       .value("HOST", KernelSide::kHost)
@@ -215,19 +221,21 @@ void bind_moe(nb::module_& m) {
       .def(
           "dispatch_send",
           [](PyAllToAll& a, uint32_t num_tokens, uintptr_t x, uintptr_t x_scales,
-             uintptr_t topk_idx, uintptr_t stream) {
+             uintptr_t topk_idx, uintptr_t stream, Quantize quantize) {
             AllToAll& obj = a.get();
             const DispatchArgs args{.num_tokens = num_tokens,
                                     .x = ptr<const void>(x),
                                     .x_scales = ptr<const float>(x_scales),
                                     .topk_idx = ptr<const int64_t>(topk_idx),
-                                    .stream = ptr<void>(stream)};
+                                    .stream = ptr<void>(stream),
+                                    .quantize = quantize};
             nb::gil_scoped_release release;
             return obj.dispatch_send(args);
           },
           "num_tokens"_a, "x"_a, "x_scales"_a, "topk_idx"_a, "stream"_a = 0,
-          "x [num_tokens][hidden] (FP8 bytes or BF16), x_scales [num_tokens][hidden/128] fp32 "
-          "(FP8), topk_idx "
+          "quantize"_a = Quantize::kNone,
+          "x [num_tokens][hidden] (FP8 bytes or BF16; BF16 for an FP8 dispatch with quantize), "
+          "x_scales [num_tokens][hidden/128] fp32 (FP8 without quantize), topk_idx "
           "[num_tokens][topk] int64 (-1: unused); stream: a cudaStream_t (CUDA kernels). Returns "
           "the dispatch's handle.")
       .def(

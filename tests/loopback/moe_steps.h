@@ -161,7 +161,7 @@ inline std::vector<uint16_t> make_bf16_tokens(const AllToAllConfig& c, uint32_t 
     const uint64_t kind = rng() % 8, at = b * 128 + rng() % 128;
     const float sign = rng() % 2 ? -1.0f : 1.0f;
     if (kind == 0) x[at] = moe::detail::float_to_bf16(sign * 1.75f * magnitude);
-    if (kind == 1) x[at] = moe::detail::float_to_bf16(sign * 1.75f * (1.0f + 0x1p-7f) * magnitude);
+    if (kind == 1) x[at] = moe::detail::float_to_bf16(sign * (1.75f + 0x1p-7f) * magnitude);
   }
   return x;
 }

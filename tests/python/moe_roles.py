@@ -256,9 +256,13 @@ def bad_inputs(cfg: dict, a2a: M.AllToAll) -> list:
         cases += [
             ("fp8 x without scales", ValueError, "needs x_scales", lambda: a2a.dispatch(q, idx)),
             ("bf16 x with scales", ValueError, "x_scales is given", lambda: a2a.dispatch(x, idx, s)),
+            ("round_scale with fp8 x", ValueError, "round_scale is for BF16 x",
+             lambda: a2a.dispatch(q, idx, s, round_scale=True)),
             ("scales wrong shape", ValueError, "x_scales must have shape", lambda: a2a.dispatch(q, idx, s[:, :1])),
         ]
     else:
+        cases.append(("round_scale for bf16", ValueError, "round_scale is for BF16 x in an FP8 dispatch",
+                      lambda: a2a.dispatch(x, idx, round_scale=True)))
         cases.append(("fp8 x for bf16", TypeError, "x must be torch.bfloat16",
                       lambda: a2a.dispatch(x.to(torch.float8_e4m3fn), idx)))
     return [f for f in (_expect(*c) for c in cases) if f]
@@ -469,7 +473,7 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                 batches[1][1][4]()  # B's receive hook
                 outs = []
                 for b, (inputs, got) in enumerate(batches):
-                    quant = deep_ep.round_scales_to_pow2 if ue8m0 else M.quantize_fp8_tokens
+                    quant = M.quantize_fp8_tokens_pow2 if ue8m0 else M.quantize_fp8_tokens
                     forms = [quant(x) for x, _, _ in inputs]
                     tag = f"step {step} batch {'AB'[b]}"
                     bad += deep_ep_problems(c, buf, rank, inputs, forms, got, tag)

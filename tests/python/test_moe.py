@@ -6,6 +6,7 @@ outputs; a rank killed mid-step fails the others within the timeout, naming it; 
 changes nothing. The oracle's fp32 fused multiply-add emulation against libm's fmaf."""
 
 import ctypes
+import math
 import os
 import re
 import sys
@@ -262,3 +263,19 @@ def test_quantize_fp8_tokens_per_128_values():
     assert s[0, 2] == x[0, 256:].float().abs().max() / 448
     back = M.dequantize_fp8_tokens(q, s)
     assert torch.all((back - x.float()).abs() <= x.float().abs() / 16 + 1e-6)
+
+
+def test_quantize_fp8_tokens_pow2_scales_are_the_ceiling_power_of_two():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(4, 512, generator=g) * 3).to(torch.bfloat16)
+    x[0, :128] = 0  # amax below 1e-4: the floor's scale
+    x[1, 0:128] = x[1, 0:128].clamp(-0.1, 0.1)
+    x[1, 5] = 1.75 * 2**-3  # amax / 448 exactly 2^-11: that power, not the next
+    x[2, 128:256] = x[2, 128:256].clamp(-0.1, 0.1)
+    x[2, 130] = (1.75 + 2**-7) * 2**-3  # the next BF16 above it: the next power
+    q, s = M.quantize_fp8_tokens_pow2(x)
+    amax = x.float().view(4, 4, 128).abs().amax(dim=2).clamp(min=1e-4)
+    v = amax / torch.full_like(amax, 448.0)  # the float32 quotient; log2 of it in double is exact enough
+    assert s.tolist() == [[2.0 ** math.ceil(math.log2(a)) for a in row] for row in v.tolist()]
+    assert s[1, 0] == 2**-11 and s[2, 1] == 2**-10
+    assert torch.equal(q.view(torch.uint8), (x.float().view(4, 4, 128) / s.unsqueeze(2)).to(torch.float8_e4m3fn).view(4, 512).view(torch.uint8))

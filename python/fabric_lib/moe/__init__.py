@@ -51,11 +51,12 @@ from .._fabric_lib import (
     MoeKernelSide as KernelSide,
     MoeRdmaBuffers as RdmaBuffers,
     MoeProxyStats as ProxyStats,
+    MoeQuantize as Quantize,
 )
 from .._stores import store_of
 
 __all__ = ["AllToAll", "AllToAllConfig", "Dtype", "Handle", "KernelSide", "RdmaBuffers", "ProxyStats", "DispatchOutput", "MOE_INVALID_COUNT",
-           "quantize_fp8_tokens", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
+           "Quantize", "quantize_fp8_tokens", "quantize_fp8_tokens_pow2", "dequantize_fp8_tokens", "reference_dispatch", "reference_combine",
            "reference_combine_rows", "fma_fp32"]
 
 E4M3_MAX = 448.0
@@ -82,6 +83,23 @@ def quantize_fp8_tokens(x: Any) -> tuple:
     # reciprocal, which rounds differently from the CPU's amax / 448 (as in weights.py). An
     # all-zero block divides 448 by itself: scale 1.
     scale = torch.where(amax > 0, amax, E4M3_MAX) / torch.full_like(amax, E4M3_MAX)
+    q = (xb / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
+    return q, scale
+
+
+def quantize_fp8_tokens_pow2(x: Any) -> tuple:
+    """quantize_fp8_tokens with power-of-two scales (DeepEP's round_scale): scale =
+    2^ceil(log2(max(amax, 1e-4) / 448)) per 128 values, so one UE8M0 exponent holds it exactly.
+    The ceiling comes from the bits of amax / 448 (its exponent, plus one when a mantissa bit is
+    set), as the dispatch kernels compute it, not from a log2 that may round."""
+    n, h = x.shape
+    if h % BLOCK:
+        raise ValueError(f"hidden {h} is not a multiple of {BLOCK}")
+    xb = x.view(n, h // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=2).float().clamp(min=1e-4)
+    v = (amax / torch.full_like(amax, E4M3_MAX)).view(torch.int32)  # normal: >= 2.2e-7
+    exponent = (v >> 23) + ((v & 0x7FFFFF) != 0).to(torch.int32)
+    scale = (exponent << 23).view(torch.float32)
     q = (xb / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
     return q, scale
 
@@ -206,7 +224,7 @@ class AllToAll:
     dividing world_size; rank r is on node r // node_size). num_experts (a multiple of
     world_size; expert e lives on rank e // (num_experts // world_size)), experts_per_token (top-k,
     1-8), hidden (a multiple of 128), max_tokens (per rank and call). dispatch_dtype "fp8" (e4m3
-    with fp32 scales per 128 values; BF16 input is quantized by quantize_fp8_tokens first) or
+    with fp32 scales per 128 values; BF16 input is quantized by the send half) or
     "bf16". private_rows: rows per remote peer sent before the routing counts are known.
     buffers: dispatches in flight at once (1-4; 2 for two-batch overlap). num_sms: CUDA kernels,
     the most blocks each half takes (0: min(SMs, 16)), leaving SMs to compute and to other ranks
@@ -322,9 +340,9 @@ class AllToAll:
 
     # ---- dispatch ----
 
-    def _dispatch_inputs(self, x: Any, topk_idx: Any, x_scales: Any) -> tuple:
+    def _dispatch_inputs(self, x: Any, topk_idx: Any, x_scales: Any, round_scale: bool) -> tuple:
         """Checks the inputs (before anything reaches C++, so refused input changes nothing) and
-        quantizes BF16 tokens for an FP8 dispatch."""
+        says who quantizes: (x, x_scales, topk_idx, Quantize)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2:
@@ -333,12 +351,15 @@ class AllToAll:
         if n > self.max_tokens:
             raise ValueError(f"x holds {n} tokens, more than max_tokens {self.max_tokens}")
         fp8 = self.dispatch_dtype == "fp8"
+        quantize = Quantize.NONE
+        if round_scale and not (fp8 and x.dtype == torch.bfloat16):
+            raise ValueError("round_scale is for BF16 x in an FP8 dispatch (the send half quantizes it)")
         if fp8 and x.dtype == torch.bfloat16:
             if x_scales is not None:
-                raise ValueError("x_scales is given with BF16 x: pass BF16 x alone (it is quantized here) "
+                raise ValueError("x_scales is given with BF16 x: pass BF16 x alone (the send half quantizes it) "
                                  "or float8_e4m3fn x with its scales")
             _check_tensor("x", x, torch.bfloat16, (n, self.hidden), self.device)
-            x, x_scales = quantize_fp8_tokens(x)
+            quantize = Quantize.POW2 if round_scale else Quantize.AMAX
         elif fp8:
             if x.dtype != torch.float8_e4m3fn:
                 raise TypeError(f"x must be torch.bfloat16 or torch.float8_e4m3fn (dispatch_dtype 'fp8'), got {x.dtype}")
@@ -351,18 +372,20 @@ class AllToAll:
             if x_scales is not None:
                 raise ValueError("x_scales is only for dispatch_dtype 'fp8'")
         _check_tensor("topk_idx", topk_idx, torch.int64, (n, self.topk), self.device)
-        return x, x_scales, topk_idx
+        return x, x_scales, topk_idx, quantize
 
-    def dispatch_send(self, x: Any, topk_idx: Any, x_scales: Any = None) -> Handle:
+    def dispatch_send(self, x: Any, topk_idx: Any, x_scales: Any = None, round_scale: bool = False) -> Handle:
         """Sends this rank's tokens to the ranks of their experts and returns the dispatch's
-        handle. x [num_tokens, hidden]: BF16 (quantized here for an FP8 dispatch) or float8_e4m3fn
-        with x_scales [num_tokens, hidden / 128] float32; topk_idx [num_tokens, top-k] int64 (-1:
-        slot unused; an expert at most once per token). The routing weights go to combine.
-        Up to `buffers` dispatches may be in flight; one more raises FabricError."""
+        handle. x [num_tokens, hidden]: BF16, or for an FP8 dispatch float8_e4m3fn with x_scales
+        [num_tokens, hidden / 128] float32. BF16 x for an FP8 dispatch is quantized by the send
+        half itself, each token once (no torch kernels): bit for bit quantize_fp8_tokens, or with
+        round_scale quantize_fp8_tokens_pow2 (power-of-two scales). topk_idx [num_tokens, top-k]
+        int64 (-1: slot unused; an expert at most once per token). The routing weights go to
+        combine. Up to `buffers` dispatches may be in flight; one more raises FabricError."""
         self._live()
-        x, x_scales, topk_idx = self._dispatch_inputs(x, topk_idx, x_scales)
+        x, x_scales, topk_idx, quantize = self._dispatch_inputs(x, topk_idx, x_scales, round_scale)
         return self._a2a.dispatch_send(x.shape[0], x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0,
-                                       topk_idx.data_ptr(), self._stream())
+                                       topk_idx.data_ptr(), self._stream(), quantize)
 
     def dispatch_recv(self, handle: Handle) -> tuple:
         """Waits for every rank's rows of this dispatch to this rank's experts. Returns
@@ -378,9 +401,9 @@ class AllToAll:
         self._a2a.dispatch_recv(handle, self._stream())
         return views[handle.buffer]
 
-    def dispatch(self, x: Any, topk_idx: Any, x_scales: Any = None) -> tuple:
+    def dispatch(self, x: Any, topk_idx: Any, x_scales: Any = None, round_scale: bool = False) -> tuple:
         """dispatch_send and dispatch_recv: (recv_x, recv_scales, recv_counts, recv_src, handle)."""
-        h = self.dispatch_send(x, topk_idx, x_scales)
+        h = self.dispatch_send(x, topk_idx, x_scales, round_scale)
         return (*self.dispatch_recv(h), h)
 
     # ---- combine ----

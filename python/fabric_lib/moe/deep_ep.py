@@ -42,6 +42,9 @@ Differences, each raising where the argument would change behaviour:
 - num_nvl_bytes / num_rdma_bytes / num_qps_per_rank: accepted and not needed (buffers are sized
   from the dispatch's dimensions). allow_nvlink_for_low_latency_mode=False puts every rank on a
   node of its own (every row through the proxy and the NIC).
+- use_fp8: the send half quantizes each token (as DeepEP's kernels do, no torch kernels), with
+  scales amax / 448 (fabric_lib.moe.quantize_fp8_tokens) or with round_scale powers of two
+  (quantize_fp8_tokens_pow2); bit for bit what those functions give, not DeepEP's own rounding.
 - The scales copy into DeepEP's column-major layout (and the UE8M0 packing) and the handle's
   src_info / layout_range are computed by a few torch kernels after each receive: their cost is
   the shim's, reported by bench/moe_bench.py against the native API.
@@ -56,7 +59,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import BLOCK, MOE_INVALID_COUNT, AllToAll, quantize_fp8_tokens
+from . import MOE_INVALID_COUNT, AllToAll
 
 __all__ = ["Buffer", "EventOverlap"]
 
@@ -96,17 +99,6 @@ class LowLatencyHandle(tuple):
     hidden, num_experts); `.moe` is the AllToAll's handle of the dispatch."""
 
     moe: Any = None
-
-
-def round_scales_to_pow2(x: torch.Tensor) -> tuple:
-    """FP8 quantization with power-of-two scales (DeepEP's round_scale): scale = 2^ceil(log2(amax
-    / 448)) per 128 values, so it is exactly one UE8M0 exponent. Returns (e4m3 values, scales)."""
-    n, h = x.shape
-    xf = x.float().view(n, h // BLOCK, BLOCK)
-    amax = xf.abs().amax(dim=2).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    q = (xf / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(n, h)
-    return q, scale
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
@@ -213,11 +205,7 @@ class Buffer:
         if use_ue8m0 and x.shape[1] % 512:
             raise ValueError(f"use_ue8m0 needs hidden {x.shape[1]} to be a multiple of 512 (four scales per int32)")
         a2a = self._all_to_all(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
-        if use_fp8 and round_scale:
-            q, s = round_scales_to_pow2(x)
-            h = a2a.dispatch_send(q, topk_idx, s)
-        else:
-            h = a2a.dispatch_send(x, topk_idx)
+        h = a2a.dispatch_send(x, topk_idx, round_scale=use_fp8 and round_scale)  # quantized by the send half
         rx, rs, counts, src = a2a.views(h)
         scales = self._scales_tensor(h.buffer, rs, use_ue8m0) if use_fp8 else None
         W, T, L = self.group_size, num_max_dispatch_tokens_per_rank, a2a.local_experts
