@@ -185,7 +185,7 @@ void bind_moe(nb::module_& m) {
   nb::class_<DispatchOutput>(
       m, "MoeDispatchOutput",
       "Addresses of the dispatch output (host or device memory the AllToAll owns): x "
-      "[local_experts][rows_per_expert][hidden], scales (FP8; 0 for BF16), counts, src.")
+      "[local_experts][rows_per_expert][hidden], scales (FP8; 0 for BF16), counts, src, runs.")
       .def_prop_ro("x", [](const DispatchOutput& o) { return reinterpret_cast<uintptr_t>(o.x); })
       .def_prop_ro("scales",
                    [](const DispatchOutput& o) { return reinterpret_cast<uintptr_t>(o.scales); })
@@ -193,6 +193,8 @@ void bind_moe(nb::module_& m) {
                    [](const DispatchOutput& o) { return reinterpret_cast<uintptr_t>(o.counts); })
       .def_prop_ro("src",
                    [](const DispatchOutput& o) { return reinterpret_cast<uintptr_t>(o.src); })
+      .def_prop_ro("runs",
+                   [](const DispatchOutput& o) { return reinterpret_cast<uintptr_t>(o.runs); })
       .def_ro("local_experts", &DispatchOutput::local_experts)
       .def_ro("rows_per_expert", &DispatchOutput::rows_per_expert);
 

@@ -566,6 +566,7 @@ DispatchOutput AllToAll::output(const Handle& h) const {
       .scales = l.dims.fp8 ? reinterpret_cast<float*>(out + l.out.scales) : nullptr,
       .counts = reinterpret_cast<int32_t*>(out + l.out.counts),
       .src = reinterpret_cast<int32_t*>(out + l.out.src),
+      .runs = reinterpret_cast<int64_t*>(out + l.out.runs),
       .local_experts = l.dims.local_experts,
       .rows_per_expert = l.dims.rows_per_expert()};
 }

@@ -689,9 +689,10 @@ __device__ __forceinline__ bool kernel_failed(const Ptrs& p) {
   return load_acquire_sys(p.signals + p.lay.signals.kernel_error) != 0;
 }
 
-// The rows of every source, copied by the blocks whose wait succeeded. The counts are written
-// last, by the last block to finish: the real counts when no block of this rank gave up (and no
-// row was stale), else kInvalidCount, so a failed step never leaves plausible outputs behind.
+// The rows of every source, copied by the blocks whose wait succeeded. The counts and runs are
+// written last, by the last block to finish: the real ones when no block of this rank gave up
+// (and no row was stale), else kInvalidCount / kInvalidRun, so a failed step never leaves
+// plausible outputs behind.
 template <uint32_t kHidden, bool kFp8, typename Vec>
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
   extern __shared__ uint32_t smem[];
@@ -709,6 +710,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
     for (uint32_t el = threadIdx.x; el < d.local_experts; el += kThreads)
       reinterpret_cast<int32_t*>(p.out + p.lay.out.counts)[el] =
           valid ? static_cast<int32_t>(t.expert_base[el + 1] - t.expert_base[el]) : kInvalidCount;
+    for (uint32_t i = threadIdx.x; i < d.local_experts * d.ranks; i += kThreads)
+      reinterpret_cast<int64_t*>(p.out + p.lay.out.runs)[i] =
+          valid ? static_cast<int64_t>((uint64_t{t.count[i]} << 32) | t.row_base[i]) : kInvalidRun;
   }
 }
 

@@ -209,7 +209,9 @@ void dispatch_recv(const Views& v, uint64_t step) {
   const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
   int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
+  int64_t* out_runs = at<int64_t>(v.out, v.lay.out.runs);
   for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
+    out_runs[uint64_t{el} * d.ranks + s] = static_cast<int64_t>((uint64_t{c} << 32) | m);
     const PrivateSplit split = private_split(d, expert_start(d, row_s, e), c);
     const uint64_t base = d.same_node(s, me) ? 0 : shared_base(d, routing, e, s, me);
     for (uint32_t j = 0; j < c; ++j) {
@@ -255,6 +257,8 @@ void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
 void mark_dispatch_failed(const Views& v) {
   int32_t* counts = at<int32_t>(v.out, v.lay.out.counts);
   std::fill(counts, counts + v.lay.dims.local_experts, kInvalidCount);
+  int64_t* runs = at<int64_t>(v.out, v.lay.out.runs);
+  std::fill(runs, runs + uint64_t{v.lay.dims.local_experts} * v.lay.dims.ranks, kInvalidRun);
 }
 
 void mark_combine_failed(const Views& v, const CombineArgs& a) {

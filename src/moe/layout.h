@@ -152,6 +152,7 @@ struct OutLayout {
   uint64_t scales = 0;  // [L][M][H/128] fp32 (FP8 only)
   uint64_t counts = 0;  // [L] i32 rows per expert
   uint64_t src = 0;     // [L][M] i32: source rank * T + source token of each row
+  uint64_t runs = 0;    // [L][W] i64: (rows << 32) | first row, of each source's rows of each expert
   uint64_t bytes = 0;
 };
 
@@ -222,6 +223,7 @@ inline Layout make_layout(const Dims& d) {
   l.out.scales = take(4 * d.scales_per_row() * d.local_experts * M);
   l.out.counts = take(4ull * d.local_experts);
   l.out.src = take(4 * d.local_experts * M);
+  l.out.runs = take(8ull * d.local_experts * d.ranks);
   l.out.bytes = align_up(o, 256);
   return l;
 }

@@ -169,6 +169,9 @@ TEST_P(MoeFailure, ARankThatStopsMidJobFailsEveryOtherRankInBoundedTimeNamingIt)
           for (uint32_t el = 0; el < o.local_experts; ++el)
             if (o.counts[el] != moe::kInvalidCount)
               errors[r] += fmt::format(" | counts[{}] = {} after the failure", el, o.counts[el]);
+          for (uint32_t i = 0; i < o.local_experts * mc.ranks; ++i)
+            if (o.runs[i] != moe::kInvalidRun)
+              errors[r] += fmt::format(" | runs[{}] = {:#x} after the failure", i, o.runs[i]);
         }
         expect_error(ErrorCode::kInvalidArgument, "failed earlier",
                      [&] { a2a.dispatch_send(args); });

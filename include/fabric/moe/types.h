@@ -66,10 +66,11 @@ struct Handle {
   uint32_t num_tokens = 0;
 };
 
-// Written to every DispatchOutput::counts entry by a dispatch receive that failed (timed out, or
-// found the AllToAll failed): never a plausible count. A failed combine receive fills `out` with
+// Written to every DispatchOutput::counts entry (and kInvalidRun to every runs entry) by a
+// dispatch receive that failed (timed out, or found the AllToAll failed): never a plausible count. A failed combine receive fills `out` with
 // BF16 NaN (kInvalidBf16).
 inline constexpr int32_t kInvalidCount = -1;
+inline constexpr int64_t kInvalidRun = -1;
 inline constexpr uint16_t kInvalidBf16 = 0x7FC0;
 
 // Exchanges each rank's bytes with every rank (an all-gather over torch.distributed, a store, MPI):
@@ -108,12 +109,16 @@ struct DispatchArgs {
 //   counts  [local_experts] i32: rows of each expert that hold tokens (the rest are stale);
 //           kInvalidCount in every entry after a failed receive
 //   src     [local_experts][rows_per_expert] i32: source rank * max_tokens + source token
+//   runs    [local_experts][ranks] i64: (rows << 32) | first row, of each source rank's rows of
+//           each expert (DeepEP's layout_range; an empty run starts where the next one does);
+//           kInvalidRun in every entry after a failed receive
 // Expert e's rows come from source ranks in rank order, each source's by token, then top-k slot.
 struct DispatchOutput {
   void* x = nullptr;
   float* scales = nullptr;
   int32_t* counts = nullptr;
   int32_t* src = nullptr;
+  int64_t* runs = nullptr;
   uint32_t local_experts = 0;
   uint64_t rows_per_expert = 0;
 };

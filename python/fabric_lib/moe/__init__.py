@@ -297,15 +297,16 @@ class AllToAll:
     # ---- the output buffers ----
 
     def _make_views(self, buffer: int) -> tuple:
-        """recv_x, recv_scales (FP8; None for BF16), recv_counts, recv_src of one buffer set:
-        fixed addresses."""
+        """recv_x, recv_scales (FP8; None for BF16), recv_counts, recv_src, recv_runs of one
+        buffer set: fixed addresses."""
         o = self._a2a.output_of_set(buffer)
         L, M, H = o.local_experts, o.rows_per_expert, self.hidden
         x = _view(o.x, self.x_dtype, (L, M, H), self.device)
         scales = _view(o.scales, torch.float32, (L, M, H // BLOCK), self.device) if o.scales else None
         counts = _view(o.counts, torch.int32, (L,), self.device)
         src = _view(o.src, torch.int32, (L, M), self.device)
-        return x, scales, counts, src
+        runs = _view(o.runs, torch.int64, (L, self.world_size), self.device)
+        return x, scales, counts, src, runs
 
     @property
     def local_experts(self) -> int:
@@ -331,7 +332,15 @@ class AllToAll:
         """(recv_x, recv_scales, recv_counts, recv_src) of the handle's buffer set: what
         dispatch_recv fills (valid once it returned, or on the stream after it for CUDA)."""
         self._check_handle(handle)
-        return self._live()[handle.buffer]
+        return self._live()[handle.buffer][:4]
+
+    def runs(self, handle: Handle) -> Any:
+        """recv_runs [local_experts, world_size] int64 of the handle's buffer set: (rows << 32) |
+        first row of each source rank's rows of each expert (DeepEP's layout_range; an empty run
+        starts where the next one does; -1 in every entry after a failed receive), filled with
+        the rows by dispatch_recv."""
+        self._check_handle(handle)
+        return self._live()[handle.buffer][4]
 
     @staticmethod
     def _check_handle(handle: Any) -> None:
@@ -399,7 +408,7 @@ class AllToAll:
         views = self._live()
         self._check_handle(handle)
         self._a2a.dispatch_recv(handle, self._stream())
-        return views[handle.buffer]
+        return views[handle.buffer][:4]
 
     def dispatch(self, x: Any, topk_idx: Any, x_scales: Any = None, round_scale: bool = False) -> tuple:
         """dispatch_send and dispatch_recv: (recv_x, recv_scales, recv_counts, recv_src, handle)."""

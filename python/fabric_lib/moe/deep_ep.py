@@ -15,8 +15,9 @@ What it returns, as DeepEP does:
   last two dimensions are column-major, or with use_ue8m0 int32 [L, W*T, H/512] of four packed
   UE8M0 exponents, column-major too); else values [L, W*T, H] bfloat16. L = E / W local experts.
 - recv_count [L] int32 (MOE_INVALID_COUNT in every entry after a failed receive).
-- handle: a tuple (src_info [L, W*T] int32: each row's token index in its source rank,
-  layout_range [L, W] int64: (rows << 32) | first row of each source rank's rows of each expert,
+- handle: a tuple (src_info [L, W*T] int32: each row's token index in its source rank (rows past
+  recv_count stale), layout_range [L, W] int64: (rows << 32) | first row of each source rank's
+  rows of each expert (written by the receive half itself; a view of the buffer set, as recv_x),
   T, H, E), with the AllToAll's own handle in `.moe`. Rows of one expert come from the source
   ranks in rank order (DeepEP's come in arrival order: layout_range describes both).
 - event: an EventOverlap (current_stream_wait(), a context manager) recorded after the call.
@@ -45,9 +46,9 @@ Differences, each raising where the argument would change behaviour:
 - use_fp8: the send half quantizes each token (as DeepEP's kernels do, no torch kernels), with
   scales amax / 448 (fabric_lib.moe.quantize_fp8_tokens) or with round_scale powers of two
   (quantize_fp8_tokens_pow2); bit for bit what those functions give, not DeepEP's own rounding.
-- The scales copy into DeepEP's column-major layout (and the UE8M0 packing) and the handle's
-  src_info / layout_range are computed by a few torch kernels after each receive: their cost is
-  the shim's, reported by bench/moe_bench.py against the native API.
+- The scales copy into DeepEP's column-major layout (one torch kernel; the UE8M0 packing two)
+  and src_info (source index modulo T, one kernel) follow each receive: their cost is the shim's,
+  reported by bench/moe_bench.py against the native API.
 
 CPU tensors run the host kernels (tests, CPU decode); CUDA tensors the CUDA kernels.
 """
@@ -155,7 +156,6 @@ class Buffer:
         self._a2a: Optional[AllToAll] = None
         self._dims: Optional[tuple] = None
         self._scales: dict = {}  # (buffer set, ue8m0) -> DeepEP-layout scales tensor
-        self._layout_consts: dict = {}  # the index tensors _fill_layout searches with
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -210,13 +210,13 @@ class Buffer:
         scales = self._scales_tensor(h.buffer, rs, use_ue8m0) if use_fp8 else None
         W, T, L = self.group_size, num_max_dispatch_tokens_per_rank, a2a.local_experts
         src_info = torch.empty(L, W * T, dtype=torch.int32, device=x.device)
-        layout_range = torch.empty(L, W, dtype=torch.int64, device=x.device)
+        layout_range = a2a.runs(h)  # filled by the receive half
 
         def receive() -> None:
             a2a.dispatch_recv(h)
             if scales is not None:
                 scales.copy_(pack_ue8m0(rs) if use_ue8m0 else rs)
-            self._fill_layout(counts, src, T, src_info, layout_range)
+            torch.remainder(src, T, out=src_info)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(counts.clamp(min=0))
 
@@ -238,27 +238,6 @@ class Buffer:
             self._scales[key] = _column_major((L, M, G // 4 if ue8m0 else G), torch.int32 if ue8m0 else torch.float32,
                                               rs.device)
         return self._scales[key]
-
-    def _fill_layout(self, counts: torch.Tensor, src: torch.Tensor, T: int, src_info: torch.Tensor,
-                     layout_range: torch.Tensor) -> None:
-        """src_info (token index in the source rank) and layout_range ((rows << 32) | first row
-        per expert and source rank) from the receive's counts and sources, without a host sync.
-        An expert's rows come from the source ranks in rank order, so each source's run starts
-        where a binary search for its rank among the rows' source ranks lands (eleven kernels)."""
-        L, M = src.shape
-        W = layout_range.shape[1]
-        key = (L, M, W, src.device)
-        if key not in self._layout_consts:
-            rows = torch.arange(M, device=src.device, dtype=torch.int32).unsqueeze(0)
-            ranks = torch.arange(W, device=src.device, dtype=torch.int32).unsqueeze(0).expand(L, W).contiguous()
-            self._layout_consts[key] = (rows, ranks)
-        rows, ranks = self._layout_consts[key]
-        valid = rows < counts.unsqueeze(1)
-        src_info.copy_(torch.where(valid, src % T, -1))
-        rank_of = torch.where(valid, src // T, W)  # past the counts: after every rank
-        first = torch.searchsorted(rank_of, ranks)
-        end = torch.searchsorted(rank_of, ranks, right=True)
-        torch.bitwise_or((end - first) << 32, first, out=layout_range)
 
     # ---- combine ----
 
