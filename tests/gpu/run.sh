@@ -78,7 +78,7 @@ moe_bench_steps() {
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; fi
   echo "moe-bench mps=$mps sm_partition=none" > "$OUT/moe_bench.txt"
   # MOE_BENCH_RUNS: "ranks node_size provider api num_sms [q|-] [host|device]" entries separated by
-  # ';' (q: BF16 x, quantized inside the timed dispatch, as the DeepEP shim always does; device: the
+  # ';' (q: BF16 x, quantized by the send half inside the timed dispatch, as the DeepEP shim does; device: the
   # regions between nodes in GPU memory, written through the engine's cuda_ipc domain). Every SM
   # per half (num_sms 132) is left out: at 2 ranks on one GPU it can deadlock until the timeout.
   local runs=${MOE_BENCH_RUNS:-"2 2 tcp native 0;4 4 tcp native 0;8 8 tcp native 0;2 1 shm native 0;4 2 shm native 0;8 4 shm native 0;2 2 tcp native 0 q;2 2 tcp deep_ep 0;8 8 tcp native 0 q;8 8 tcp deep_ep 0;2 2 tcp native 32;4 4 tcp native 32;8 8 tcp native 32;2 1 shm native 0 - device;4 2 shm native 0 - device;8 4 shm native 0 - device"}
