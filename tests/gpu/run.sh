@@ -102,10 +102,11 @@ post_steps() {
   # Posting cost against a raw libfabric loop, busy polling, on this machine's cores.
   bench/post_vs_raw.sh $BUILD > "$OUT/post.txt" 2>&1 || status=1
   grep -E "^post [a-z]+ |^raw post" "$OUT/post.txt" || true
-  # A worker of a two-worker engine against the only worker of a one-worker engine, both busy.
+  # A worker of a two-worker engine against the only worker of a one-worker engine, both busy,
+  # then the same lanes on bare libfabric (raw-ratio: what the provider loses by itself).
   for p in shm "tcp;ofi_rxm"; do $BUILD/bench/multi-worker-post --provider "$p" --workers 2; done \
     >> "$OUT/post.txt" 2>&1 || status=1
-  grep -E "^workers=|^ratio workers" "$OUT/post.txt" || true
+  grep -E "^workers=|^ratio workers|^raw lanes|^raw-ratio" "$OUT/post.txt" || true
 }
 cuda_ipc_steps() {
   $BUILD/tests/cuda_ipc_bench --json /tmp/cuda_ipc_bench.json 2>&1 | tee "$OUT/cuda_ipc_bench.txt" || status=1
