@@ -105,6 +105,11 @@ struct DomainCaps {
   // Data moves only while the application polls (libfabric FI_PROGRESS_MANUAL; verbs and cuda_ipc
   // hand held-back work to the hardware at poll()): the worker must poll even when idle.
   bool manual_progress = false;
+  // register_memory / deregister_memory may run on any thread while the worker posts and polls
+  // (verbs: ibv_reg_mr is thread-safe). The engine then pins a region on the caller's thread, so
+  // pinning tens of GB stalls none of the worker's NICs. False for libfabric domains (opened
+  // FI_THREAD_DOMAIN: the worker owns every call) and the local domains.
+  bool concurrent_registration = false;
 };
 
 class Domain {

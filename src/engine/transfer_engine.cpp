@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "engine/engine_impl.h"
 #include "util/log.h"
@@ -182,44 +183,57 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
   const uint32_t w = worker_index(device, "reg_mr");
   Worker& worker = *workers_[w];
   if (device.kind == Device::Kind::kHost) device = Device::host();  // the providers see host memory
-  std::lock_guard lock(control_mu_);
-  return worker.call([&]() -> std::pair<MrHandle, MrDesc> {
-    auto s = mrs_.take_free_slot();
-    if (!s)
-      throw Error(ErrorCode::kResourceExhausted,
-                  fmt::format("reg_mr: all {} region slots are in use; deregister regions or raise "
-                              "EngineConfig::max_regions",
-                              mrs_.capacity()));
-    RegionSlot& slot = mrs_.slot(*s);
-    // Every domain registers the region; GPU memory the NICs cannot reach is writable by
-    // same-host peers only (DomainGroup::register_region).
-    DomainGroup::Registration reg;
-    try {
-      reg = worker.register_region(ptr, len, device);
-    } catch (...) {
-      mrs_.return_slot(*s);
-      throw;
-    }
-    if (!reg.on_nics)
-      log::info("reg_mr: {}; the region is reachable through cuda_ipc only", reg.nic_refusal);
-    slot.per_nic = reg.regions;
-    slot.ptr = static_cast<uint8_t*>(ptr);
-    slot.device = device;
-    // Release: a submitting thread that reads these also sees the slot's last deregistration
-    // (MrTable::view checks the generation again after reading them).
-    slot.len.store(len, std::memory_order_release);
-    slot.on_nics.store(reg.on_nics, std::memory_order_release);
-    slot.worker.store(w, std::memory_order_release);
-    uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // now odd: live
-    std::vector<RemoteKey> keys;
-    if (reg.on_nics)
-      for (size_t i = 0; i < nic_count(); i++) keys.push_back(slot.per_nic[i].remote);
-    std::optional<RemoteKey> local_key;
-    if (worker.has_local() && slot.per_nic[nic_count()].remote_access)
-      local_key = slot.per_nic[nic_count()].remote;
-    return {MrHandle{*s, gen},
-            MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms)};
-  });
+  // The domains that allow it (verbs) pin the region on this thread, before anything else: tens
+  // of GB take seconds, and the worker keeps posting meanwhile. The others register on the
+  // worker, which then publishes the slot.
+  using Part = DomainGroup::Part;
+  DomainGroup::Registration reg;
+  worker.register_region(ptr, len, device, Part::kBesideWorker, reg);
+  try {
+    std::lock_guard lock(control_mu_);
+    return worker.call([&]() -> std::pair<MrHandle, MrDesc> {
+      auto s = mrs_.take_free_slot();
+      if (!s)
+        throw Error(ErrorCode::kResourceExhausted,
+                    fmt::format("reg_mr: all {} region slots are in use; deregister regions or raise "
+                                "EngineConfig::max_regions",
+                                mrs_.capacity()));
+      RegionSlot& slot = mrs_.slot(*s);
+      // Every domain registers the region; GPU memory the NICs cannot reach is writable by
+      // same-host peers only (DomainGroup::register_region). What can throw comes before the
+      // slot is published.
+      std::optional<std::pair<MrHandle, MrDesc>> result;
+      const uint32_t gen = slot.generation.load(std::memory_order_relaxed) + 1;  // odd: live
+      try {
+        worker.register_region(ptr, len, device, Part::kOnWorker, reg);
+        std::vector<RemoteKey> keys;
+        if (reg.on_nics)
+          for (size_t i = 0; i < nic_count(); i++) keys.push_back(reg.regions[i].remote);
+        std::optional<RemoteKey> local_key;
+        if (worker.has_local() && reg.regions[nic_count()].remote_access) local_key = reg.regions[nic_count()].remote;
+        result.emplace(MrHandle{*s, gen}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms));
+      } catch (...) {
+        worker.deregister_region(reg.regions, Part::kOnWorker);
+        mrs_.return_slot(*s);
+        throw;
+      }
+      if (!reg.on_nics)
+        log::info("reg_mr: {}; the region is reachable through cuda_ipc only", reg.nic_refusal);
+      slot.per_nic = reg.regions;
+      slot.ptr = static_cast<uint8_t*>(ptr);
+      slot.device = device;
+      // Release: a submitting thread that reads these also sees the slot's last deregistration
+      // (MrTable::view checks the generation again after reading them).
+      slot.len.store(len, std::memory_order_release);
+      slot.on_nics.store(reg.on_nics, std::memory_order_release);
+      slot.worker.store(w, std::memory_order_release);
+      slot.generation.store(gen, std::memory_order_release);
+      return std::move(*result);
+    });
+  } catch (...) {
+    worker.deregister_region(reg.regions, Part::kBesideWorker);
+    throw;
+  }
 }
 
 void EngineImpl::dereg_mr(MrHandle handle) {
@@ -245,10 +259,15 @@ void EngineImpl::dereg_mr(MrHandle handle) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
     in_flight = worker.call([&] { return worker.fail_transfers_from(slot); });
   }
-  worker.call([&] {
-    worker.deregister_region(slot->per_nic);
-    mrs_.return_slot(handle.slot);
+  // The worker's part first; then this thread unpins what it may (as reg_mr pinned it), and only
+  // then is the slot free for another region.
+  using Part = DomainGroup::Part;
+  std::array<DomainRegion, kMaxDomains> beside = worker.call([&] {
+    worker.deregister_region(slot->per_nic, Part::kOnWorker);
+    return std::exchange(slot->per_nic, {});
   });
+  worker.deregister_region(beside, Part::kBesideWorker);
+  worker.call([&] { mrs_.return_slot(handle.slot); });
 }
 
 SourceView EngineImpl::source(const MrHandle& h) const {

@@ -76,11 +76,12 @@ void DomainGroup::remove_peer(const ResolvedTarget& route) {
   });
 }
 
-DomainGroup::Registration DomainGroup::register_region(void* ptr, size_t len, Device device) {
-  Registration r;
+void DomainGroup::register_region(void* ptr, size_t len, Device device, Part part, Registration& r) {
+  auto in_part = [&](size_t d) { return registers_beside_worker(d) == (part == Part::kBesideWorker); };
   size_t done = 0;
   try {
     for (; done < domain_count(); done++) {
+      if (!in_part(done)) continue;
       try {
         r.regions[done] = domains_[done]->register_memory(ptr, len, device);
       } catch (const Error& e) {
@@ -90,11 +91,16 @@ DomainGroup::Registration DomainGroup::register_region(void* ptr, size_t len, De
       }
     }
   } catch (...) {
-    while (done-- > 0) domains_[done]->deregister_memory(r.regions[done]);
+    while (done-- > 0)
+      if (in_part(done)) domains_[done]->deregister_memory(r.regions[done]);
     throw;
   }
   r.on_nics = r.nic_refusal.empty();
-  return r;
+}
+
+void DomainGroup::deregister_region(std::array<DomainRegion, kMaxDomains>& regions, Part part) {
+  for (size_t d = 0; d < domains_.size(); d++)
+    if (registers_beside_worker(d) == (part == Part::kBesideWorker)) domains_[d]->deregister_memory(regions[d]);
 }
 
 void DomainGroup::deregister_region(std::array<DomainRegion, kMaxDomains>& regions) {

@@ -142,10 +142,18 @@ class DomainGroup {
   // Every domain of the route forgets the peer (and its back-off).
   void remove_peer(const ResolvedTarget& route);
 
-  // Registers a region with every domain. A NIC provider that cannot reach GPU memory
-  // (kUnsupported) is skipped when the local domain can serve it; any other failure throws, the
-  // domains that registered it having deregistered it again.
-  Registration register_region(void* ptr, size_t len, Device device);
+  // A region is registered in two parts: the domains whose registration may run beside the
+  // worker's posting (DomainCaps::concurrent_registration: verbs) on any thread, the others on
+  // the worker thread.
+  enum class Part : uint8_t { kBesideWorker, kOnWorker };
+  bool registers_beside_worker(size_t d) const { return domains_[d]->caps().concurrent_registration; }
+  // Registers a region with the part's domains, into r. A NIC provider that cannot reach GPU
+  // memory (kUnsupported) is skipped when the local domain can serve it (r.nic_refusal says why,
+  // r.on_nics turns false); any other failure throws, the part's domains that registered it
+  // having deregistered it again (the other part's are the caller's to undo).
+  void register_region(void* ptr, size_t len, Device device, Part part, Registration& r);
+  // The part's domains (or every domain) forget the region.
+  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions, Part part);
   void deregister_region(std::array<DomainRegion, kMaxDomains>& regions);
   // One domain only (the message buffers, on kMessageDomain).
   DomainRegion register_on(size_t d, void* ptr, size_t len, Device device) {

@@ -99,15 +99,18 @@ class Worker {
   bool stalled();
   Error stall_error(const char* what) const;
 
+  // A region registered with this worker's domains, one part at a time
+  // (DomainGroup::register_region): Part::kBesideWorker on any thread once the worker is open,
+  // Part::kOnWorker on the worker thread only (through call()); deregistered the same way.
+  void register_region(void* ptr, size_t len, Device device, DomainGroup::Part part,
+                       DomainGroup::Registration& r) {
+    domains_.register_region(ptr, len, device, part, r);
+  }
+  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions, DomainGroup::Part part) {
+    domains_.deregister_region(regions, part);
+  }
+
   // Worker thread only (through call()).
-  // A region registered with every domain of this worker (DomainGroup::register_region), and
-  // deregistered from all of them.
-  DomainGroup::Registration register_region(void* ptr, size_t len, Device device) {
-    return domains_.register_region(ptr, len, device);
-  }
-  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions) {
-    domains_.deregister_region(regions);
-  }
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
   // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);

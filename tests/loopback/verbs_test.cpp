@@ -3,6 +3,7 @@
 // verbs device (Soft-RoCE in the VM of tests/rxe); skips elsewhere.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -11,6 +12,8 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <sys/mman.h>
+#include <thread>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -211,6 +214,69 @@ TEST(Verbs, AnImmediateReceiveQueueThatRunsDryRecoversAndSaysWhatToRaise) {
   const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status << "\n" << err;
   EXPECT_NE(err.find("raise VerbsConfig::imm_receives"), std::string::npos) << err;
+}
+
+// Registering (and deregistering) a large region pins it on the caller's thread
+// (DomainCaps::concurrent_registration): the worker keeps posting meanwhile. A second thread
+// writes 4 KiB to the engine's own region in a loop; some of its WRITEs complete in the middle of
+// the reg_mr and of the dereg_mr calls (with registration on the worker, none can: the worker is
+// inside ibv_reg_mr for the whole call; deregistration is judged where it lasts ten WRITEs or
+// more). The large region then carries a WRITE, every byte checked.
+TEST(Verbs, ARegionIsPinnedOnTheCallersThreadWhileTheWorkerKeepsPosting) {
+  FABRIC_SKIP_WITHOUT_DEVICE(kVerbs);
+  TransferEngine engine(config_for(kVerbs));
+  constexpr uint64_t kSmall = 4096;
+  std::vector<uint8_t> src = random_bytes(kSmall, 5), dst(kSmall, 0);
+  auto [src_h, src_d] = engine.reg_mr(src.data(), kSmall);
+  RemoteMr dst_r = engine.add_remote(engine.reg_mr(dst.data(), kSmall).second);
+  std::atomic<bool> stop{false};
+  std::atomic<size_t> written{0};
+  std::vector<Clock::time_point> completions;  // the writer thread's, read after it joined
+  std::thread writer([&] {
+    while (!stop.load()) {
+      std::atomic<int> done{kDonePending};
+      engine.submit(SingleWrite{.len = kSmall, .src = {src_h, 0}, .dst = {dst_r, 0}}, OnDone::flag(&done));
+      done.wait(kDonePending);
+      if (done.load() != kDoneSucceeded) break;
+      completions.push_back(Clock::now());
+      written.fetch_add(1);
+    }
+  });
+  // Untouched pages: reg_mr faults them in as it pins (the larger window on a fast machine).
+  constexpr uint64_t kLarge = 256ull << 20;
+  void* big = mmap(nullptr, kLarge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(big, MAP_FAILED);
+  ASSERT_TRUE(wait_until([&] { return written.load() > 0; }));
+  const auto reg_start = Clock::now();
+  auto [big_h, big_d] = engine.reg_mr(big, kLarge);
+  const auto reg_end = Clock::now();
+  RemoteMr big_r = engine.add_remote(big_d);
+  std::atomic<int> landed{kDonePending};
+  engine.submit(SingleWrite{.len = kSmall, .src = {src_h, 0}, .dst = {big_r, kLarge - kSmall}}, OnDone::flag(&landed));
+  ASSERT_TRUE(wait_until([&] { return landed.load() != kDonePending; }));
+  EXPECT_EQ(landed.load(), kDoneSucceeded);
+  EXPECT_EQ(std::memcmp(static_cast<uint8_t*>(big) + kLarge - kSmall, src.data(), kSmall), 0);
+  const auto dereg_start = Clock::now();
+  engine.dereg_mr(big_h);
+  const auto dereg_end = Clock::now();
+  stop.store(true);
+  writer.join();
+  munmap(big, kLarge);
+  // WRITEs that completed in the middle half of each call.
+  auto inside = [&](Clock::time_point a, Clock::time_point b) {
+    const auto quarter = (b - a) / 4;
+    return std::count_if(completions.begin(), completions.end(),
+                         [&](Clock::time_point t) { return t > a + quarter && t < b - quarter; });
+  };
+  const auto ms = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  const Clock::duration per_write = (completions.back() - completions.front()) / std::max<size_t>(completions.size(), 2);
+  EXPECT_GT(inside(reg_start, reg_end), 0) << "reg_mr took " << ms(reg_end - reg_start) << " ms, "
+                                           << completions.size() << " WRITEs in all, " << ms(per_write) << " ms each";
+  if (dereg_end - dereg_start > 10 * per_write) {
+    EXPECT_GT(inside(dereg_start, dereg_end), 0) << "dereg_mr took " << ms(dereg_end - dereg_start) << " ms, "
+                                                 << completions.size() << " WRITEs in all";
+  }
+  EXPECT_EQ(dst, src);
 }
 
 TEST(Verbs, APeerThatNeverAnswersFailsAtTheHandshakeTimeout) {

@@ -175,6 +175,9 @@ class VerbsDomain final : public Domain {
     caps_.inject_size = probe_inline();
     caps_.link_gbps = link_gbps(dev_.port_attr);
     caps_.manual_progress = true;  // chained requests and the handshake move at poll()
+    // ibv_reg_mr / ibv_reg_dmabuf_mr / ibv_dereg_mr are thread-safe and register_memory reads
+    // only what the constructor fixed (the PD, the access flags).
+    caps_.concurrent_registration = true;
 
     scratch_ = std::aligned_alloc(64, kScratchLen);
     std::memset(scratch_, 0, kScratchLen);
