@@ -98,6 +98,40 @@ void Worker::submit(Request&& request) {
   submitters_.fetch_sub(1, std::memory_order_seq_cst);
 }
 
+namespace {
+// A caller's thread inside the worker's domains (a registration beside the worker): counted as a
+// submitter, as in submit().
+class BesideWorker {
+ public:
+  BesideWorker(std::atomic<uint32_t>& submitters, const std::atomic<bool>& accepting) : submitters_(submitters) {
+    submitters_.fetch_add(1, std::memory_order_seq_cst);
+    if (!accepting.load(std::memory_order_seq_cst)) {
+      submitters_.fetch_sub(1, std::memory_order_seq_cst);
+      throw Error(ErrorCode::kShutdown, "the engine is shutting down and registers no more regions");
+    }
+  }
+  ~BesideWorker() { submitters_.fetch_sub(1, std::memory_order_seq_cst); }
+  BesideWorker(const BesideWorker&) = delete;
+  BesideWorker& operator=(const BesideWorker&) = delete;
+
+ private:
+  std::atomic<uint32_t>& submitters_;
+};
+}  // namespace
+
+void Worker::register_region(void* ptr, size_t len, Device device, DomainGroup::Part part,
+                             DomainGroup::Registration& r) {
+  if (part == DomainGroup::Part::kOnWorker) return domains_.register_region(ptr, len, device, part, r);
+  BesideWorker inside(submitters_, accepting_);
+  domains_.register_region(ptr, len, device, part, r);
+}
+
+void Worker::deregister_region(std::array<DomainRegion, kMaxDomains>& regions, DomainGroup::Part part) {
+  if (part == DomainGroup::Part::kOnWorker) return domains_.deregister_region(regions, part);
+  BesideWorker inside(submitters_, accepting_);
+  domains_.deregister_region(regions, part);
+}
+
 void Worker::run(std::promise<void> opened) {
   try {
     if (config_.worker_cpu) {

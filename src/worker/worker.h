@@ -100,15 +100,13 @@ class Worker {
   Error stall_error(const char* what) const;
 
   // A region registered with this worker's domains, one part at a time
-  // (DomainGroup::register_region): Part::kBesideWorker on any thread once the worker is open,
-  // Part::kOnWorker on the worker thread only (through call()); deregistered the same way.
+  // (DomainGroup::register_region): Part::kOnWorker on the worker thread only (through call());
+  // Part::kBesideWorker on any thread, counted as a submitter, so that shutdown waits for it
+  // before closing the domains (and once the worker takes no more requests it throws
+  // kShutdown). Deregistered the same way.
   void register_region(void* ptr, size_t len, Device device, DomainGroup::Part part,
-                       DomainGroup::Registration& r) {
-    domains_.register_region(ptr, len, device, part, r);
-  }
-  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions, DomainGroup::Part part) {
-    domains_.deregister_region(regions, part);
-  }
+                       DomainGroup::Registration& r);
+  void deregister_region(std::array<DomainRegion, kMaxDomains>& regions, DomainGroup::Part part);
 
   // Worker thread only (through call()).
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
