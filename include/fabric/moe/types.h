@@ -67,8 +67,8 @@ struct Handle {
 };
 
 // Written to every DispatchOutput::counts entry (and kInvalidRun to every runs entry) by a
-// dispatch receive that failed (timed out, or found the AllToAll failed): never a plausible count. A failed combine receive fills `out` with
-// BF16 NaN (kInvalidBf16).
+// dispatch receive that failed (timed out, or found the AllToAll failed): never a plausible
+// count. A failed combine receive fills `out` with BF16 NaN (kInvalidBf16).
 inline constexpr int32_t kInvalidCount = -1;
 inline constexpr int64_t kInvalidRun = -1;
 inline constexpr uint16_t kInvalidBf16 = 0x7FC0;
