@@ -139,7 +139,7 @@ def stalled(conn, cfg: dict, me: GpuRank) -> dict:
         conn.send(("stalled", {}))
         assert conn.recv() == "release"
         return dict(stalled=True)
-    result = dict(seconds=seconds, counts=recv[2].tolist(),
+    result = dict(seconds=seconds, counts=recv[2].tolist(), runs=a2a.runs(h).flatten().tolist(),
                   nan_fraction=float(out.float().isnan().float().mean()) if out is not None else 0.0)
     for what, call in (("check", a2a.check), ("next dispatch", lambda: a2a.dispatch_send(x, idx))):
         try:

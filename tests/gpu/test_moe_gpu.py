@@ -45,8 +45,12 @@ def _mps_control(*args, stdin=None):
 
 @pytest.fixture(scope="module")
 def mps():
-    """'on' (started here, stopped at the end), 'absent' or 'failed: ...' (the test runs without)."""
-    if shutil.which("nvidia-cuda-mps-control") is None:
+    """'on' (started here, stopped at the end), 'absent', 'off' (FABRIC_GPU_MPS=off: time-sliced,
+    to tell a problem of MPS from one of the kernels) or 'failed: ...' (the test runs without)."""
+    if os.environ.get("FABRIC_GPU_MPS") == "off":
+        state = "off"
+        started = False
+    elif shutil.which("nvidia-cuda-mps-control") is None:
         state = "absent"
         started = False
     else:
@@ -141,6 +145,7 @@ def test_a_stalled_rank_fails_the_others_with_invalid_outputs_and_a_clear_error(
             assert res["seconds"] < timeout_s + 30, f"rank {r} took {res['seconds']:.1f} s to give up"
             if stall_at == "dispatch":
                 assert set(res["counts"]) == {M.MOE_INVALID_COUNT}, f"rank {r}: counts {res['counts']}"
+                assert set(res["runs"]) == {-1}, f"rank {r}: runs {res['runs']}"
             else:
                 assert res["nan_fraction"] == 1.0, f"rank {r}: {res['nan_fraction']:.3f} of the combined values NaN"
             assert f"{stall_at} receive on rank {r}" in res["check"] and "missing" in res["check"], res["check"]
