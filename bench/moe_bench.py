@@ -112,7 +112,7 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
         return _run_deep_ep(args, rank, world, experts, engine, device)
     a2a = M.AllToAll(engine, rank=rank, world_size=world, node_size=args.node_size, num_experts=experts,
                      experts_per_token=args.topk, hidden=args.hidden, max_tokens=args.tokens, dispatch_dtype="fp8",
-                     timeout_s=60.0, device=device, job=f"moe-bench-{experts}-{args.job}",
+                     timeout_s=args.timeout_s, device=device, job=f"moe-bench-{experts}-{args.job}",
                      proxy_busy_poll=args.busy_poll, num_sms=args.num_sms, rdma_buffers=args.rdma_buffers)
     x, idx, w = _inputs(args, rank, experts, device)
     xs = None
@@ -150,7 +150,7 @@ def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> d
 
     from fabric_lib.moe import deep_ep
 
-    buf = deep_ep.Buffer(None, engine=engine, node_size=args.node_size, timeout_s=60.0,
+    buf = deep_ep.Buffer(None, engine=engine, node_size=args.node_size, timeout_s=args.timeout_s,
                          proxy_busy_poll=args.busy_poll, num_sms=args.num_sms, rdma_buffers=args.rdma_buffers)
     x, idx, w = _inputs(args, rank, experts, device)
     y = torch.zeros(experts // world, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
@@ -291,6 +291,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--provider", default="tcp", help="tcp (tcp;ofi_rxm on 127.0.0.1), shm, or a libfabric provider")
     ap.add_argument("--quantize", action="store_true", help="pass BF16 x: the send half quantizes it (timed inside dispatch)")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="the AllToAll's timeout (a stalled step's error)")
     ap.add_argument("--busy-poll", action="store_true", help="proxy threads spin (give each a core)")
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")

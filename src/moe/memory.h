@@ -2,6 +2,7 @@
 // the node region its node-mates map (POSIX shared memory, or a CUDA allocation shared by IPC).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -57,7 +58,8 @@ class DeviceReader {
   // The bytes at `device`, valid until the next read.
   virtual const void* read(const void* device) = 0;
 };
-std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len);
+// A copy not done within `timeout` throws kTimeout (the proxy then fails the AllToAll).
+std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len, std::chrono::nanoseconds timeout);
 
 // This rank's node region and the handle its node-mates open it by.
 class NodeRegion {
