@@ -220,7 +220,7 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
           f"provider={args.provider} rdma_buffers={args.rdma_buffers} num_sms={args.num_sms or 'default'} "
-          f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} "
+          f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} poll={'busy' if args.busy_poll else 'adaptive'} "
           f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
@@ -239,12 +239,6 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         # Read when the CUDA context is made: ranks sharing a GPU under MPS each get this share of
         # its SMs (with all of it, a rank's spinning receive kernel starves another's send).
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_share)
-    if args.rdma_buffers == "device":
-        # Under MPS the ranks share one pool of hardware work queues that streams alias onto: a copy
-        # of the engine's cuda_ipc domain aliased behind this rank's spinning receive kernel would
-        # wait for it to end (the suspected stall of the device-memory boundary, docs/benchmarks.md).
-        # More queues per client make that less likely; read when the CUDA context is made.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     torch.set_num_threads(1)
     if args.device == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -254,6 +248,8 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
     provider, nics = _provider(args.provider)
     # --rdma-buffers device: the proxy's WRITEs go GPU to GPU through the engine's cuda_ipc domain.
     extra = dict(cuda_device=device.index, cuda_ipc=True) if args.rdma_buffers == "device" else {}
+    if args.busy_poll:  # production polling: the engine's worker and callback threads spin too
+        extra.update(poll="busy", callback_poll="busy")
     with fl.TransferEngine(provider=provider, nics=nics, **extra) as engine:
         for experts in args.experts:
             mine = _run_one(args, rank, world, experts, engine, device)
@@ -292,7 +288,7 @@ def main() -> int:
     ap.add_argument("--provider", default="tcp", help="tcp (tcp;ofi_rxm on 127.0.0.1), shm, or a libfabric provider")
     ap.add_argument("--quantize", action="store_true", help="pass BF16 x: the send half quantizes it (timed inside dispatch)")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="the AllToAll's timeout (a stalled step's error)")
-    ap.add_argument("--busy-poll", action="store_true", help="proxy threads spin (give each a core)")
+    ap.add_argument("--busy-poll", action="store_true", help="proxy, worker and callback threads spin (three cores per rank)")
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")
     ap.add_argument("--num-sms", type=int, default=0, help="CUDA: blocks per half (AllToAll num_sms; 0: default)")

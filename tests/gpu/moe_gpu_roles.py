@@ -227,12 +227,6 @@ def rank_main(conn, cfg: dict) -> None:
         if cfg.get("mps_share"):
             # Read when the CUDA context is made (below): this rank's share of the SMs under MPS.
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg["mps_share"])
-        if cfg.get("rdma_buffers", "host") == "device":
-            # Under MPS the ranks share one pool of hardware work queues that streams alias onto: a copy
-            # of the engine's cuda_ipc domain aliased behind this rank's spinning receive kernel would
-            # wait for it to end (the suspected stall of the device-memory boundary, docs/benchmarks.md).
-            # More queues per client make that less likely; read when the CUDA context is made.
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
         torch.cuda.set_device(DEV)
         torch.set_num_threads(2)
         rank = cfg["rank"]
