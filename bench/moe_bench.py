@@ -16,7 +16,8 @@ run (combine sends a fixed BF16 buffer).
 
 Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
 the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
-WRITEs posted per step (proxy_stats(), means over ranks), and what the hardware does with the
+WRITEs posted per step (proxy_stats(), means over ranks), how long each proxy waited per step for
+the other nodes' counts and rows after its own post (host clock), and what the hardware does with the
 same bytes in the same run (copy_us: one contiguous copy of a rank's dispatch rows, all ranks at
 once). Ends with one line per expert count:
 `moe-bench api=.. ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`
@@ -137,8 +138,11 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     a2a.check()
     stats1 = a2a.proxy_stats()
     a2a.close()
-    return dict(times=times, proxy_cpu_ms=(stats1.cpu_ms - stats0.cpu_ms) / args.steps,
-                writes=(stats1.writes - stats0.writes) / args.steps, copy_us=_copy_us(args, device, clock))
+    per_step = {k: (getattr(stats1, k) - getattr(stats0, k)) / args.steps
+                for k in ("cpu_ms", "writes", "routes_wait_ms", "dispatch_wait_ms", "combine_wait_ms")}
+    return dict(times=times, proxy_cpu_ms=per_step["cpu_ms"], writes=per_step["writes"],
+                proxy_wait_us={k[:-8]: 1000 * per_step[k] for k in ("routes_wait_ms", "dispatch_wait_ms", "combine_wait_ms")},
+                copy_us=_copy_us(args, device, clock))
 
 
 def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> dict:
@@ -216,6 +220,12 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     writes = statistics.fmean(r["writes"] for r in per_rank)
     copy = sorted(r["copy_us"] for r in per_rank)[len(per_rank) // 2]
     print(f"proxy per step: {cpu:.3f} CPU ms, {writes:.1f} WRITEs (means over ranks)")
+    waits = {k: statistics.fmean(r["proxy_wait_us"][k] for r in per_rank)
+             for k in ("routes", "dispatch", "combine")} if "proxy_wait_us" in per_rank[0] else None
+    if waits and writes:
+        print(f"proxy waits per step on the other nodes, from its own post (host clock, means over ranks): "
+              f"routes {waits['routes']:.1f} us, dispatch rows {waits['dispatch']:.1f} us, "
+              f"combine rows {waits['combine']:.1f} us")
     print(f"a contiguous copy of one rank's dispatch bytes, same run: {copy:.1f} us (p50 over ranks)")
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
@@ -224,7 +234,9 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
           f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
-          f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f} copy_us_p50={copy:.1f} "
+          f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f} "
+          + (" ".join(f"proxy_{k}_wait_us={v:.1f}" for k, v in waits.items()) + " " if waits and writes else "")
+          + f"copy_us_p50={copy:.1f} "
           f"dispatch_over_copy={line['dispatch'][0] / max(copy, 1e-3):.1f}", flush=True)
 
 

@@ -578,8 +578,9 @@ ProxyStats AllToAll::proxy_stats() const {
   for (const auto& b : impl_->sets) {
     if (!b->proxy) continue;
     const ProxyStats one = b->proxy->stats();
-    sum.steps += one.steps, sum.writes += one.writes, sum.bytes += one.bytes,
-        sum.cpu_ms += one.cpu_ms;
+    sum.steps += one.steps, sum.writes += one.writes, sum.bytes += one.bytes, sum.cpu_ms += one.cpu_ms;
+    sum.routes_wait_ms += one.routes_wait_ms, sum.dispatch_wait_ms += one.dispatch_wait_ms,
+        sum.combine_wait_ms += one.combine_wait_ms;
   }
   return sum;
 }

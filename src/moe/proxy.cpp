@@ -76,6 +76,9 @@ ProxyStats Proxy::stats() const {
   s.writes = writes_.load();
   s.bytes = bytes_.load();
   s.cpu_ms = static_cast<double>(work_ns_.load()) / 1e6;
+  s.routes_wait_ms = static_cast<double>(routes_wait_ns_.load()) / 1e6;
+  s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.load()) / 1e6;
+  s.combine_wait_ms = static_cast<double>(combine_wait_ns_.load()) / 1e6;
   return s;
 }
 
@@ -104,18 +107,23 @@ void Proxy::run() {
 void Proxy::loop() {
   const SignalLayout& sig = cfg_.views.lay.signals;
   uint64_t dispatched = 0, combined = 0, shared_pending = 0;
+  // The step whose rows from the other nodes are still being counted (0: none), and when this
+  // rank's first post of that half went out.
+  uint64_t dispatch_arriving = 0, combine_arriving = 0, dispatch_t0 = 0, combine_t0 = 0;
   uint32_t idle = 0;
   while (!stop_.load(std::memory_order_acquire)) {
     bool worked = false;
     if (const uint64_t step = signal(sig.dispatch_sent).load(std::memory_order_acquire); step > dispatched) {
       const uint64_t t0 = now_ns();
       start_dispatch(step);
-      dispatched = shared_pending = step;
+      dispatched = shared_pending = dispatch_arriving = step;
+      dispatch_t0 = t0;
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       worked = true;
     }
     if (shared_pending != 0 && routes_arrived(shared_pending)) {
       const uint64_t t0 = now_ns();
+      routes_wait_ns_.fetch_add(t0 - dispatch_t0, std::memory_order_relaxed);
       post_shared(shared_pending);
       shared_pending = 0;
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
@@ -124,10 +132,19 @@ void Proxy::loop() {
     if (const uint64_t step = signal(sig.combine_sent).load(std::memory_order_acquire); step > combined) {
       const uint64_t t0 = now_ns();
       start_combine(step);
-      combined = step;
+      combined = combine_arriving = step;
+      combine_t0 = t0;
       steps_.fetch_add(1, std::memory_order_relaxed);
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       worked = true;
+    }
+    if (dispatch_arriving != 0 && remotes_arrived(sig.dispatch_seen, dispatch_arriving)) {
+      dispatch_wait_ns_.fetch_add(now_ns() - dispatch_t0, std::memory_order_relaxed);
+      dispatch_arriving = 0;
+    }
+    if (combine_arriving != 0 && remotes_arrived(sig.combine_seen, combine_arriving)) {
+      combine_wait_ns_.fetch_add(now_ns() - combine_t0, std::memory_order_relaxed);
+      combine_arriving = 0;
     }
     if (worked || cfg_.busy_poll) {
       idle = 0;
@@ -176,6 +193,12 @@ bool Proxy::routes_arrived(uint64_t step) const {
     if (s >= cfg_.views.rank) break;
     if (signal(signal_at(cfg_.views.lay.signals.route_seen, s)).load(std::memory_order_acquire) < step) return false;
   }
+  return true;
+}
+
+bool Proxy::remotes_arrived(uint64_t counter_offset, uint64_t step) const {
+  for (uint32_t s : remotes_)
+    if (signal(signal_at(counter_offset, s)).load(std::memory_order_acquire) < step) return false;
   return true;
 }
 

@@ -348,7 +348,9 @@ def run_steps(conn, cfg: dict, me: Rank) -> None:
             continue
         bad = [] if cfg.get("light") else me.check(step, inputs, recv, out, step in cfg.get("full_oracle_steps", ()))
         stats = me.a2a.proxy_stats()
-        conn.send(("ok", step, dict(dispatch_s=d_s, combine_s=c_s, bad=bad, writes=stats.writes)))
+        conn.send(("ok", step, dict(dispatch_s=d_s, combine_s=c_s, bad=bad, writes=stats.writes,
+                                    steps=stats.steps, dispatch_wait_ms=stats.dispatch_wait_ms,
+                                    combine_wait_ms=stats.combine_wait_ms, routes_wait_ms=stats.routes_wait_ms)))
 
 
 def _refusal(a2a: M.AllToAll) -> str:

@@ -85,7 +85,12 @@ def test_twenty_steps_match_the_oracle_bit_for_bit(peer, store_port, provider, r
             assert info["bad"] == [], f"rank {r}: {info['bad']}"
             dispatch_us.append(info["dispatch_s"] * 1e6)
             combine_us.append(info["combine_s"] * 1e6)
-        assert ok[-1][2]["writes"] > 0, "the proxy posted no writes between the nodes"
+        last = ok[-1][2]
+        assert last["writes"] > 0, "the proxy posted no writes between the nodes"
+        # Every step's rows from the other node were counted by the proxy (its waits are timed from
+        # its own post to the last immediate counted, so each step adds a positive time).
+        assert last["steps"] == 20 and last["dispatch_wait_ms"] > 0 and last["combine_wait_ms"] > 0, last
+        assert last["routes_wait_ms"] >= 0, last
         reps = [m for m in got if m[0] == "repeat"]
         assert len(reps) == repeat and all(m[2] for m in reps), f"rank {r}: repeated steps differ: {reps}"
     # The all-gather's keys are gone once every rank has read them.
