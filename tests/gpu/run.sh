@@ -77,7 +77,7 @@ moe_bench_steps() {
   local mps=0
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; fi
   echo "moe-bench mps=$mps sm_partition=none" > "$OUT/moe_bench.txt"
-  # MOE_BENCH_RUNS: "ranks node_size provider api num_sms [q|-] [host|device] [busy|-]" entries separated by
+  # MOE_BENCH_TIMEOUT: seconds per run (240). MOE_BENCH_RUNS: "ranks node_size provider api num_sms [q|-] [host|device] [busy|-]" entries separated by
   # ';' (q: BF16 x, quantized by the send half inside the timed dispatch, as the DeepEP shim does; device: the
   # regions between nodes in GPU memory, written through the engine's cuda_ipc domain; busy: the
   # proxies and the engines' threads spin, three cores per rank, as in production). Every SM
@@ -89,7 +89,7 @@ moe_bench_steps() {
     read -r ranks node provider api sms quant rdma poll <<< "$run"
     [ "$quant" = - ] && quant=""
     [ "$poll" = busy ] || poll=""
-    timeout 240 python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 --experts 256 \
+    timeout "${MOE_BENCH_TIMEOUT:-240}" python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 --experts 256 \
       --ranks "$ranks" --node-size "$node" --provider "$provider" --api "$api" --num-sms "$sms" --steps 30 \
       ${quant:+--quantize} --rdma-buffers "${rdma:-host}" ${poll:+--busy-poll}
   done >> "$OUT/moe_bench.txt" 2>&1 || status=1
