@@ -461,7 +461,8 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
     if (!remote) continue;
     std::function<const uint32_t*()> routing;
     if (c.rdma_buffers == RdmaBuffers::kDevice) {
-      b.reader = device_reader(c.cuda_device, 4ull * c.ranks * c.experts, hosts[i].timeout_ns * std::chrono::nanoseconds(1));
+      b.reader = device_reader(c.cuda_device, 4ull * c.ranks * c.experts,
+                               std::chrono::nanoseconds(hosts[i].timeout_ns));
       const std::byte* table = b.recv.device() + s.lay.recv.routing;
       routing = [&b, table] { return static_cast<const uint32_t*>(b.reader->read(table)); };
     } else {

@@ -125,8 +125,8 @@ class CudaDeviceReader final : public DeviceReader {
       if (std::chrono::steady_clock::now() > deadline)
         throw Error(ErrorCode::kTimeout,
                     fmt::format("MoE proxy: the copy of the routing table from device memory did not complete in {} ms "
-                                "(the GPU ran no work of this process's stream: is a kernel of this process holding "
-                                "its hardware queue? raise CUDA_DEVICE_MAX_CONNECTIONS)",
+                                "(the GPU ran nothing of the proxy's own stream in that time: a GPU hung or "
+                                "oversubscribed; the AllToAll is failed)",
                                 std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count()));
       if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(5));
     }
