@@ -17,7 +17,7 @@ run (combine sends a fixed BF16 buffer).
 Reported per half and per call (send + receive): (a) the p50 over ranks of each rank's median over
 the steps and (b) the mean time per call over every rank and step; then the proxy's CPU ms and
 WRITEs posted per step (proxy_stats(), means over ranks), how long each proxy waited per step for
-the other nodes' counts and rows after its own post (host clock), and what the hardware does with the
+the other nodes' rows after its own post (host clock), and what the hardware does with the
 same bytes in the same run (copy_us: one contiguous copy of a rank's dispatch rows, all ranks at
 once). Ends with one line per expert count:
 `moe-bench api=.. ranks=.. node_size=.. device=.. experts=.. dispatch_us_p50=.. combine_us_p50=.. ...`
@@ -139,9 +139,9 @@ def _run_one(args, rank: int, world: int, experts: int, engine, device) -> dict:
     stats1 = a2a.proxy_stats()
     a2a.close()
     per_step = {k: (getattr(stats1, k) - getattr(stats0, k)) / args.steps
-                for k in ("cpu_ms", "writes", "routes_wait_ms", "dispatch_wait_ms", "combine_wait_ms")}
+                for k in ("cpu_ms", "writes", "dispatch_wait_ms", "combine_wait_ms")}
     return dict(times=times, proxy_cpu_ms=per_step["cpu_ms"], writes=per_step["writes"],
-                proxy_wait_us={k[:-8]: 1000 * per_step[k] for k in ("routes_wait_ms", "dispatch_wait_ms", "combine_wait_ms")},
+                proxy_wait_us={k[:-8]: 1000 * per_step[k] for k in ("dispatch_wait_ms", "combine_wait_ms")},
                 copy_us=_copy_us(args, device, clock))
 
 
@@ -221,10 +221,10 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     copy = sorted(r["copy_us"] for r in per_rank)[len(per_rank) // 2]
     print(f"proxy per step: {cpu:.3f} CPU ms, {writes:.1f} WRITEs (means over ranks)")
     waits = {k: statistics.fmean(r["proxy_wait_us"][k] for r in per_rank)
-             for k in ("routes", "dispatch", "combine")} if "proxy_wait_us" in per_rank[0] else None
+             for k in ("dispatch", "combine")} if "proxy_wait_us" in per_rank[0] else None
     if waits and writes:
         print(f"proxy waits per step on the other nodes, from its own post (host clock, means over ranks): "
-              f"routes {waits['routes']:.1f} us, dispatch rows {waits['dispatch']:.1f} us, "
+              f"dispatch rows {waits['dispatch']:.1f} us, "
               f"combine rows {waits['combine']:.1f} us")
     print(f"a contiguous copy of one rank's dispatch bytes, same run: {copy:.1f} us (p50 over ranks)")
     halves = " ".join(f"{h}_us_p50={line[h][0]:.1f}" for h in HALVES)

@@ -172,13 +172,12 @@ void bind_moe(nb::module_& m) {
   nb::class_<ProxyStats>(
       m, "MoeProxyStats",
       "What one rank's proxy did: steps, writes posted, bytes, CPU ms of its thread, and host ms "
-      "spent waiting on the other nodes (routes_wait_ms, dispatch_wait_ms, combine_wait_ms: sums "
-      "over steps, from this rank's post to the other nodes' counts or rows counted).")
+      "spent waiting on the other nodes (dispatch_wait_ms, combine_wait_ms: sums over steps, from "
+      "this rank's first post of the half to the other nodes' rows counted).")
       .def_ro("steps", &ProxyStats::steps)
       .def_ro("writes", &ProxyStats::writes)
       .def_ro("bytes", &ProxyStats::bytes)
       .def_ro("cpu_ms", &ProxyStats::cpu_ms)
-      .def_ro("routes_wait_ms", &ProxyStats::routes_wait_ms)
       .def_ro("dispatch_wait_ms", &ProxyStats::dispatch_wait_ms)
       .def_ro("combine_wait_ms", &ProxyStats::combine_wait_ms)
       .def("__repr__", [](const ProxyStats& s) {

@@ -580,8 +580,7 @@ ProxyStats AllToAll::proxy_stats() const {
     if (!b->proxy) continue;
     const ProxyStats one = b->proxy->stats();
     sum.steps += one.steps, sum.writes += one.writes, sum.bytes += one.bytes, sum.cpu_ms += one.cpu_ms;
-    sum.routes_wait_ms += one.routes_wait_ms, sum.dispatch_wait_ms += one.dispatch_wait_ms,
-        sum.combine_wait_ms += one.combine_wait_ms;
+    sum.dispatch_wait_ms += one.dispatch_wait_ms, sum.combine_wait_ms += one.combine_wait_ms;
   }
   return sum;
 }

@@ -543,14 +543,13 @@ struct Sources {
   uint32_t* count;        // c(s, e)
   uint32_t* row_base;     // first row of s's among expert e's output rows (m)
   uint32_t* start;        // E0(e) in s's enumeration: s's rows of this rank's experts below e
-  uint32_t* shared_base;  // base(e, s): e's rows from ranks below s on other nodes
   uint32_t* expert_base;  // [L + 1] first flat row of each expert (rows of the experts below)
   uint32_t* dest_base;    // [W] combine: s's first combine position from this rank (node-mate:
                           // cbase(s, me); remote: s's first row in the combine stage)
 };
 
 __host__ __device__ inline size_t sources_shared_bytes(const Dims& d) {
-  return 4ull * (4ull * d.local_experts * d.ranks + d.local_experts + 1 + d.ranks);
+  return 4ull * (3ull * d.local_experts * d.ranks + d.local_experts + 1 + d.ranks);
 }
 
 // The counts row of source s as this rank sees it (as in host_kernels.cpp).
@@ -578,19 +577,17 @@ __device__ void node_mate_bases(const Ptrs& p, const Sources& t) {
 __device__ Sources build_sources(const Ptrs& p, uint32_t* smem, bool for_combine) {
   const Dims& d = p.lay.dims;
   const uint32_t W = d.ranks, L = d.local_experts, EW = L * W;
-  const Sources t{smem, smem + EW, smem + 2 * EW, smem + 3 * EW, smem + 4 * EW, smem + 4 * EW + L + 1};
+  const Sources t{smem, smem + EW, smem + 2 * EW, smem + 3 * EW, smem + 3 * EW + L + 1};
   for (uint32_t i = threadIdx.x; i < EW; i += kThreads) t.count[i] = counts_of(p, i % W)[p.rank * L + i / W];
   __syncthreads();
   // Threads [0, L) run along the sources of one expert, threads [L, L + W) along the experts of
   // one source (the per-source total lands in dest_base for now).
   for (uint32_t i = threadIdx.x; i < L + W; i += kThreads) {
-    uint32_t run = 0, remote_run = 0;
+    uint32_t run = 0;
     if (i < L) {
       for (uint32_t s = 0; s < W; ++s) {
         t.row_base[i * W + s] = run;
-        t.shared_base[i * W + s] = remote_run;
         run += t.count[i * W + s];
-        if (!d.same_node(s, p.rank)) remote_run += t.count[i * W + s];
       }
     } else {
       const uint32_t s = i - L;
@@ -652,15 +649,13 @@ __device__ __forceinline__ RowAt locate(const Sources& t, const Dims& d, uint32_
 // Dispatch receive.
 
 // Where row j of expert el from source s arrived: the node region for node-mates; for the other
-// nodes the private region (its first pc rows) or the shared region.
+// nodes the private region (the first P rows of s's enumeration) or s's slot of the shared region.
 __device__ __forceinline__ const std::byte* received_row(const Ptrs& p, const Sources& t, const RowAt& a, uint32_t row) {
   const Dims& d = p.lay.dims;
   const uint64_t i = uint64_t{a.el} * d.ranks + a.s;
   if (d.same_node(a.s, p.rank))
     return own_node(p) + p.lay.node.rows + ((uint64_t{a.el} * d.node_size + a.s % d.node_size) * d.max_tokens + a.j) * row;
-  const PrivateSplit split = private_split(d, t.start[i], t.count[i]);
-  if (a.j < split.rows) return p.recv + p.lay.recv.priv + (uint64_t{a.s} * d.private_rows + split.first + a.j) * row;
-  return p.recv + p.lay.recv.shared + (uint64_t{a.el} * d.shared_rows() + t.shared_base[i] + a.j) * row;
+  return p.recv + received_row_offset(d, p.lay.recv, a.s, p.rank, t.start[i] + a.j);
 }
 
 template <uint32_t kHidden, bool kFp8, typename Vec>

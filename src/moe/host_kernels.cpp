@@ -206,22 +206,18 @@ void dispatch_recv(const Views& v, uint64_t step) {
            word(v.signals, signal_at(v.lay.signals.dispatch_seen, s)).load(std::memory_order_acquire) >= step;
   });
   const uint64_t R = d.row_bytes(), pb = d.payload_bytes(), sb = 4 * d.scales_per_row(), M = d.rows_per_expert();
-  const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
   int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
   int64_t* out_runs = at<int64_t>(v.out, v.lay.out.runs);
   for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
     out_runs[uint64_t{el} * d.ranks + s] = static_cast<int64_t>((uint64_t{c} << 32) | m);
-    const PrivateSplit split = private_split(d, expert_start(d, row_s, e), c);
-    const uint64_t base = d.same_node(s, me) ? 0 : shared_base(d, routing, e, s, me);
+    const uint32_t start = d.same_node(s, me) ? 0 : expert_start(d, row_s, e);  // E0(e)
     for (uint32_t j = 0; j < c; ++j) {
       const std::byte* row;
       if (d.same_node(s, me))
         row = node + v.lay.node.rows + ((uint64_t{el} * N + s % N) * d.max_tokens + j) * R;
-      else if (j < split.rows)
-        row = v.recv + v.lay.recv.priv + (uint64_t{s} * d.private_rows + split.first + j) * R;
       else
-        row = v.recv + v.lay.recv.shared + (uint64_t{el} * d.shared_rows() + base + j) * R;
+        row = v.recv + received_row_offset(d, v.lay.recv, s, me, start + j);
       RowTail tail;
       std::memcpy(&tail, row + pb + sb, sizeof tail);
       if (tail.step != static_cast<uint32_t>(step))

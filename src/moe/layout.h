@@ -15,12 +15,14 @@
 //   - same node: s stores row j of expert e at node.rows[e % L][s % N][j], then s's counts row
 //     (all E experts) at node.counts[s % N], then node.dispatch_flag[s % N] = step (release).
 //   - other node: s's proxy writes s's counts row to rdma.routing[s] of every other rank
-//     (ROUTE imm), rows [0, P) of d's enumeration to rdma.priv[s] (DISPATCH imm, one WRITE), and,
-//     once the counts rows of every rank below s have arrived, the rest of each expert e's rows to
-//     rdma.shared[e % L][base(e, s) + j] (DISPATCH imm, one WRITE per expert of d), where
-//     base(e, s) = sum of c(s', e) over ranks s' < s not on d's node. A row j < pc(e) sits in
-//     priv at pidx(e) + j instead (pc, pidx: private_split).
-// d counts ROUTE(s) once and DISPATCH(s) 1 + L times per step from each remote s (its proxy sets
+//     (ROUTE imm), rows [0, P) of d's enumeration to rdma.priv[s] (DISPATCH imm, one WRITE), and
+//     the rest, rows [P, n(s, d)), to the same places of s's slot of d's shared region,
+//     rdma.shared[slot(s, d)][P..] (DISPATCH imm, one WRITE, zero bytes when n <= P). Row (e, j)
+//     is at index i = E0(e) + j of the enumeration: in priv[s][i] when i < P, else in
+//     shared[slot(s, d)][i]. slot(s, d) numbers the ranks not on d's node in rank order; a slot
+//     holds T * min(K, L) rows, the most s can send d. No rank waits for another's counts before
+//     it posts: the receiver places the rows with s's counts row, which it holds by then.
+// d counts ROUTE(s) once and DISPATCH(s) twice per step from each remote s (its proxy sets
 // signals.route_seen[s], dispatch_seen[s] to the step), then copies every source's rows into the
 // expert-major output, expert e's rows from sources in rank order.
 //
@@ -81,12 +83,12 @@ struct Dims {
   FABRIC_HD bool same_node(uint32_t a, uint32_t b) const { return node_of(a) == node_of(b); }
   FABRIC_HD uint32_t remote_ranks() const { return ranks - node_size; }
   FABRIC_HD uint32_t rank_of_expert(uint32_t e) const { return e / local_experts; }
-  // Rows one rank can receive from the other nodes per expert, and send back in a combine.
-  FABRIC_HD uint64_t shared_rows() const { return uint64_t{remote_ranks()} * max_tokens; }
-  FABRIC_HD uint64_t cstage_rows() const {
-    const uint64_t per_src = uint64_t{max_tokens} * (topk < local_experts ? topk : local_experts);
-    return uint64_t{remote_ranks()} * per_src;
+  // Rows one rank can send another (a token reaches at most min(K, L) of its experts): a slot of
+  // the shared region, and what one rank can send back in a combine to all the other nodes.
+  FABRIC_HD uint64_t slot_rows() const {
+    return uint64_t{max_tokens} * (topk < local_experts ? topk : local_experts);
   }
+  FABRIC_HD uint64_t cstage_rows() const { return uint64_t{remote_ranks()} * slot_rows(); }
 };
 
 inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
@@ -106,7 +108,7 @@ struct NodeLayout {
 struct RecvLayout {
   uint64_t routing = 0;  // [W][E] u32
   uint64_t priv = 0;     // [W][P] rows
-  uint64_t shared = 0;   // [L][shared_rows] rows
+  uint64_t shared = 0;   // [W - N][slot_rows] rows: a slot per rank of the other nodes
   uint64_t combine = 0;  // [T * K] combine rows
   uint64_t bytes = 0;
 };
@@ -186,7 +188,7 @@ inline Layout make_layout(const Dims& d) {
   o = 0;
   l.recv.routing = take(4ull * d.ranks * d.experts);
   l.recv.priv = take(R * d.ranks * d.private_rows);
-  l.recv.shared = take(R * d.local_experts * d.shared_rows());
+  l.recv.shared = take(R * d.remote_ranks() * d.slot_rows());
   l.recv.combine = take(B * TK);
   l.recv.bytes = align_up(o, 4096);
 
@@ -270,27 +272,17 @@ FABRIC_HD uint32_t expert_start(const Dims& d, const uint32_t* counts, uint32_t 
   return n;
 }
 
-// How many of expert e's c rows went to the private region, and from which private row on.
-struct PrivateSplit {
-  uint32_t rows = 0;   // pc(e)
-  uint32_t first = 0;  // pidx(e)
-};
-FABRIC_HD PrivateSplit private_split(const Dims& d, uint32_t start, uint32_t count) {
-  const uint32_t P = d.private_rows;
-  PrivateSplit p;
-  p.first = start < P ? start : P;
-  const uint32_t left = P - p.first;
-  p.rows = count < left ? count : left;
-  return p;
+// slot(s, d): source `src`'s slot in `dst`'s shared region (src on another node than dst's).
+FABRIC_HD uint32_t remote_slot(const Dims& d, uint32_t src, uint32_t dst) {
+  const uint32_t first = d.node_of(dst) * d.node_size;  // dst's node: ranks [first, first + N)
+  return src < first ? src : src - d.node_size;
 }
 
-// base(e, s) in destination `dst`'s shared region: the rows of expert e from ranks below `src`
-// on other nodes than dst's. `routing` is the [W][E] table of counts rows.
-FABRIC_HD uint64_t shared_base(const Dims& d, const uint32_t* routing, uint32_t e, uint32_t src, uint32_t dst) {
-  uint64_t b = 0;
-  for (uint32_t s = 0; s < src; ++s)
-    if (!d.same_node(s, dst)) b += routing[uint64_t{s} * d.experts + e];
-  return b;
+// Where row (e, j) of a remote source arrived: `index` = E0(e) + j in the source's enumeration
+// for this rank; `priv` / `slot` are the source's private rows and shared slot.
+FABRIC_HD uint64_t received_row_offset(const Dims& d, const RecvLayout& r, uint32_t src, uint32_t dst, uint32_t index) {
+  if (index < d.private_rows) return r.priv + (uint64_t{src} * d.private_rows + index) * d.row_bytes();
+  return r.shared + (uint64_t{remote_slot(d, src, dst)} * d.slot_rows() + index) * d.row_bytes();
 }
 
 // cbase(s, d): where expert rank d's rows start among s's combine positions.

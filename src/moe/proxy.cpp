@@ -1,6 +1,7 @@
 // The MoE host proxy (proxy.h).
 #include "proxy.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "util/log.h"
@@ -42,10 +43,7 @@ Proxy::Proxy(TransferEngine& engine, ProxyConfig config)
                                                   .src_offset = l.send.route_row,
                                                   .dst_offset = l.recv.routing + uint64_t{me} * dims_.experts * 4});
   remote_slices_.assign(remotes_.size(), GroupSlice{});
-  shared_slices_.reserve(remotes_.size() * dims_.local_experts);
-  for (uint32_t d : remotes_)
-    for (uint32_t el = 0; el < dims_.local_experts; ++el)
-      shared_slices_.push_back(ScatterSlice{.len = 0, .src_offset = 0, .dst = {cfg_.recv[d], 0}});
+  shared_slices_.assign(remotes_.size(), GroupSlice{});
   pending_.reserve(3 * dims_.ranks);
   thread_ = std::thread([this] { run(); });
 }
@@ -76,7 +74,6 @@ ProxyStats Proxy::stats() const {
   s.writes = writes_.load();
   s.bytes = bytes_.load();
   s.cpu_ms = static_cast<double>(work_ns_.load()) / 1e6;
-  s.routes_wait_ms = static_cast<double>(routes_wait_ns_.load()) / 1e6;
   s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.load()) / 1e6;
   s.combine_wait_ms = static_cast<double>(combine_wait_ns_.load()) / 1e6;
   return s;
@@ -106,7 +103,7 @@ void Proxy::run() {
 
 void Proxy::loop() {
   const SignalLayout& sig = cfg_.views.lay.signals;
-  uint64_t dispatched = 0, combined = 0, shared_pending = 0;
+  uint64_t dispatched = 0, combined = 0;
   // The step whose rows from the other nodes are still being counted (0: none), and when this
   // rank's first post of that half went out.
   uint64_t dispatch_arriving = 0, combine_arriving = 0, dispatch_t0 = 0, combine_t0 = 0;
@@ -116,16 +113,8 @@ void Proxy::loop() {
     if (const uint64_t step = signal(sig.dispatch_sent).load(std::memory_order_acquire); step > dispatched) {
       const uint64_t t0 = now_ns();
       start_dispatch(step);
-      dispatched = shared_pending = dispatch_arriving = step;
+      dispatched = dispatch_arriving = step;
       dispatch_t0 = t0;
-      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
-      worked = true;
-    }
-    if (shared_pending != 0 && routes_arrived(shared_pending)) {
-      const uint64_t t0 = now_ns();
-      routes_wait_ns_.fetch_add(t0 - dispatch_t0, std::memory_order_relaxed);
-      post_shared(shared_pending);
-      shared_pending = 0;
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       worked = true;
     }
@@ -158,14 +147,15 @@ void Proxy::loop() {
 }
 
 // Step `step`'s rows are staged: expect the other ranks' immediates of this step, send the counts
-// row to every other rank and the private rows to every remote rank.
+// row to every other rank and, to every remote rank, the rows staged for it: the first P of them
+// to its private rows, the rest to this rank's slot of its shared region (layout.h).
 void Proxy::start_dispatch(uint64_t step) {
   const Layout& l = cfg_.views.lay;
   const uint32_t me = cfg_.views.rank;
   const uint64_t R = dims_.row_bytes();
   pending_.clear();  // the last step's: all met (or failed: the AllToAll is failed then)
   for (uint32_t s : others_) expect(ImmKind::kRoute, step, s, 1, l.signals.route_seen);
-  for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 1 + dims_.local_experts, l.signals.dispatch_seen);
+  for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 2, l.signals.dispatch_seen);
 
   const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
   post(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
@@ -173,60 +163,30 @@ void Proxy::start_dispatch(uint64_t step) {
   uint64_t bytes = route_slices_.size() * 4ull * dims_.experts;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t d = remotes_[i];
-    const uint32_t n = rows_to(dims_, counts, d);
-    const uint32_t priv = n < dims_.private_rows ? n : dims_.private_rows;
+    const uint64_t n = rows_to(dims_, counts, d), priv = std::min<uint64_t>(n, dims_.private_rows);
+    const uint64_t stage = l.send.stage + stage_base(dims_, counts, me, d) * R;
     remote_slices_[i] = GroupSlice{.len = priv * R,
-                                   .src_offset = l.send.stage + stage_base(dims_, counts, me, d) * R,
+                                   .src_offset = stage,
                                    .dst_offset = l.recv.priv + uint64_t{me} * dims_.private_rows * R};
-    bytes += priv * R;
+    shared_slices_[i] = GroupSlice{
+        .len = (n - priv) * R,  // zero bytes still carry the immediate the receiver counts
+        .src_offset = stage + priv * R,
+        .dst_offset = l.recv.shared + (uint64_t{remote_slot(dims_, me, d)} * dims_.slot_rows() + priv) * R};
+    bytes += n * R;
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
        .imm = moe_imm(ImmKind::kDispatch, step, me)});
-  log::debug("MoE proxy of rank {}: step {}: counts and private rows posted", me, step);
-  writes_.fetch_add(route_slices_.size() + remote_slices_.size(), std::memory_order_relaxed);
+  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = shared_slices_,
+       .imm = moe_imm(ImmKind::kDispatch, step, me)});
+  log::debug("MoE proxy of rank {}: step {}: counts, private and shared rows posted", me, step);
+  writes_.fetch_add(route_slices_.size() + 2 * remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
-}
-
-// The shared rows' offsets need the counts of every rank below this one.
-bool Proxy::routes_arrived(uint64_t step) const {
-  for (uint32_t s : others_) {
-    if (s >= cfg_.views.rank) break;
-    if (signal(signal_at(cfg_.views.lay.signals.route_seen, s)).load(std::memory_order_acquire) < step) return false;
-  }
-  return true;
 }
 
 bool Proxy::remotes_arrived(uint64_t counter_offset, uint64_t step) const {
   for (uint32_t s : remotes_)
     if (signal(signal_at(counter_offset, s)).load(std::memory_order_acquire) < step) return false;
   return true;
-}
-
-void Proxy::post_shared(uint64_t step) {
-  const Layout& l = cfg_.views.lay;
-  const uint32_t me = cfg_.views.rank, L = dims_.local_experts;
-  const uint64_t R = dims_.row_bytes();
-  const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
-  log::debug("MoE proxy of rank {}: step {}: routes of the ranks below arrived", me, step);
-  const uint32_t* routing = cfg_.routing();
-  uint64_t bytes = 0;
-  size_t i = 0;
-  for (uint32_t d : remotes_) {
-    const uint64_t stage = stage_base(dims_, counts, me, d);
-    for (uint32_t el = 0; el < L; ++el, ++i) {
-      const uint32_t e = d * L + el, c = counts[e], first = expert_start(dims_, counts, e);
-      const PrivateSplit split = private_split(dims_, first, c);
-      ScatterSlice& s = shared_slices_[i];
-      s.len = uint64_t{c - split.rows} * R;
-      s.src_offset = l.send.stage + (stage + first + split.rows) * R;
-      s.dst.offset = l.recv.shared + (uint64_t{el} * dims_.shared_rows() + shared_base(dims_, routing, e, me, d) + split.rows) * R;
-      bytes += s.len;
-    }
-  }
-  post(Scatter{.src = cfg_.send_mr, .slices = shared_slices_, .imm = moe_imm(ImmKind::kDispatch, step, me)});
-  log::debug("MoE proxy of rank {}: step {}: shared rows posted", me, step);
-  writes_.fetch_add(shared_slices_.size(), std::memory_order_relaxed);
-  bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }
 
 // Step `step`'s combine rows for the other nodes are staged in cstage, by source rank.

@@ -42,10 +42,8 @@ class Proxy {
   void run();
   void loop();
   void start_dispatch(uint64_t step);
-  bool routes_arrived(uint64_t step) const;
   // Every remote rank's counter at `counter_offset` has reached `step` (its rows of the step counted).
   bool remotes_arrived(uint64_t counter_offset, uint64_t step) const;
-  void post_shared(uint64_t step);
   void start_combine(uint64_t step);
   void expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset);
   OnDone on_write();
@@ -58,12 +56,11 @@ class Proxy {
   const Dims dims_;
   std::vector<uint32_t> others_, remotes_;  // ranks other than this one; ranks on other nodes
   PeerGroupHandle others_group_{}, remotes_group_{};
-  std::vector<GroupSlice> route_slices_, remote_slices_;
-  std::vector<ScatterSlice> shared_slices_;
+  std::vector<GroupSlice> route_slices_, remote_slices_, shared_slices_;
   std::vector<ImmExpectation> pending_;  // this step's expectations (cancelled at shutdown)
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> steps_{0}, writes_{0}, bytes_{0}, work_ns_{0};
-  std::atomic<uint64_t> routes_wait_ns_{0}, dispatch_wait_ns_{0}, combine_wait_ns_{0};
+  std::atomic<uint64_t> dispatch_wait_ns_{0}, combine_wait_ns_{0};
   std::atomic<uint64_t> posted_{0};  // scatters submitted (each completes writes_done or failed once)
   std::thread thread_;
 };

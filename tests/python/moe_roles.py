@@ -350,7 +350,7 @@ def run_steps(conn, cfg: dict, me: Rank) -> None:
         stats = me.a2a.proxy_stats()
         conn.send(("ok", step, dict(dispatch_s=d_s, combine_s=c_s, bad=bad, writes=stats.writes,
                                     steps=stats.steps, dispatch_wait_ms=stats.dispatch_wait_ms,
-                                    combine_wait_ms=stats.combine_wait_ms, routes_wait_ms=stats.routes_wait_ms)))
+                                    combine_wait_ms=stats.combine_wait_ms)))
 
 
 def _refusal(a2a: M.AllToAll) -> str:

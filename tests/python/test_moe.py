@@ -91,7 +91,6 @@ def test_twenty_steps_match_the_oracle_bit_for_bit(peer, store_port, provider, r
         # counted). Its count of steps may lag by one: this rank's combine can end before its own
         # proxy has taken the last step's combine_sent.
         assert last["steps"] >= 19 and last["dispatch_wait_ms"] > 0 and last["combine_wait_ms"] > 0, last
-        assert last["routes_wait_ms"] >= 0, last
         reps = [m for m in got if m[0] == "repeat"]
         assert len(reps) == repeat and all(m[2] for m in reps), f"rank {r}: repeated steps differ: {reps}"
     # The all-gather's keys are gone once every rank has read them.

@@ -138,17 +138,14 @@ struct CombineArgs {
 
 // What one rank's proxy did (for the benchmark): steps, WRITEs and bytes posted, and the time its
 // thread spent handling steps (registering expectations, building and submitting scatters; the
-// polling between steps is not counted). The *_wait_ms are sums over steps of host time, taken by
-// the proxy thread's clock, spent waiting on the other nodes: routes_wait_ms from posting this
-// rank's counts to holding the counts of every rank below it (needed to place the shared rows);
-// dispatch_wait_ms / combine_wait_ms from this rank's first post of the half to the last expected
+// polling between steps is not counted). dispatch_wait_ms / combine_wait_ms: sums over steps of
+// the host time, by the proxy thread's clock, from this rank's first post of the half to the last
 // immediate of it from the other nodes counted (their proxies, the transport and the immediates).
 struct ProxyStats {
   uint64_t steps = 0;
   uint64_t writes = 0;
   uint64_t bytes = 0;
   double cpu_ms = 0;
-  double routes_wait_ms = 0;
   double dispatch_wait_ms = 0;
   double combine_wait_ms = 0;
 };
