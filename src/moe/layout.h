@@ -278,8 +278,9 @@ FABRIC_HD uint32_t remote_slot(const Dims& d, uint32_t src, uint32_t dst) {
   return src < first ? src : src - d.node_size;
 }
 
-// Where row (e, j) of a remote source arrived: `index` = E0(e) + j in the source's enumeration
-// for this rank; `priv` / `slot` are the source's private rows and shared slot.
+// Where row (e, j) from remote source `src` sits in `dst`'s receive region: `index` = E0(e) + j in
+// src's enumeration for dst; the first P indices in src's private rows, the rest at the same
+// index of src's slot of the shared region.
 FABRIC_HD uint64_t received_row_offset(const Dims& d, const RecvLayout& r, uint32_t src, uint32_t dst, uint32_t index) {
   if (index < d.private_rows) return r.priv + (uint64_t{src} * d.private_rows + index) * d.row_bytes();
   return r.shared + (uint64_t{remote_slot(d, src, dst)} * d.slot_rows() + index) * d.row_bytes();
