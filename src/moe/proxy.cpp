@@ -168,10 +168,12 @@ void Proxy::start_dispatch(uint64_t step) {
     remote_slices_[i] = GroupSlice{.len = priv * R,
                                    .src_offset = stage,
                                    .dst_offset = l.recv.priv + uint64_t{me} * dims_.private_rows * R};
+    // Rows [priv, n) of d's enumeration, contiguous in this rank's slot of d's shared region from
+    // where index priv lands (empty when n <= P: zero bytes still carry the counted immediate).
     shared_slices_[i] = GroupSlice{
-        .len = (n - priv) * R,  // zero bytes still carry the immediate the receiver counts
+        .len = (n - priv) * R,
         .src_offset = stage + priv * R,
-        .dst_offset = l.recv.shared + (uint64_t{remote_slot(dims_, me, d)} * dims_.slot_rows() + priv) * R};
+        .dst_offset = received_row_offset(dims_, l.recv, me, d, static_cast<uint32_t>(priv))};
     bytes += n * R;
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
