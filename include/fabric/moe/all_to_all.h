@@ -6,8 +6,8 @@
 // kernels) and raises a flag; no proxy is involved. Across nodes, a proxy thread per rank turns the
 // sending side's flags into scatters over the TransferEngine and the immediates it counts into
 // words the receiving side waits on. The first `private_rows` rows for each remote peer go
-// speculatively into a private region of that peer at once; the rest follow into the shared region
-// once every lower rank's routing counts have arrived (they fix the offsets). The RDMA buffers live
+// into a private region of that peer, the rest in the same post into the sender's own slot of the
+// peer's shared region; the receiver places them by the sender's counts row. The RDMA buffers live
 // in host memory (pinned and device-mapped for GPU kernels), which the tcp, shm, EFA and verbs
 // providers all reach. docs/api.md describes the protocol; src/moe/layout.h has every offset.
 //
