@@ -183,7 +183,8 @@ void bind_moe(nb::module_& m) {
       .def("__repr__", [](const ProxyStats& s) {
         return "MoeProxyStats(steps=" + std::to_string(s.steps) +
                ", writes=" + std::to_string(s.writes) + ", bytes=" + std::to_string(s.bytes) +
-               ", cpu_ms=" + std::to_string(s.cpu_ms) + ")";
+               ", cpu_ms=" + std::to_string(s.cpu_ms) + ", dispatch_wait_ms=" + std::to_string(s.dispatch_wait_ms) +
+               ", combine_wait_ms=" + std::to_string(s.combine_wait_ms) + ")";
       });
 
   nb::class_<DispatchOutput>(

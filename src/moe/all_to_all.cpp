@@ -177,8 +177,6 @@ struct BufferSet {
   std::vector<RemoteMr> remotes;  // [W]: interned receive regions of the other nodes' ranks
   Views views;                    // what the kernel side uses
   std::unique_ptr<Proxy> proxy;
-  // RdmaBuffers::kDevice: what fetches the routing table for the proxy.
-  std::unique_ptr<DeviceReader> reader;
   Phase phase = Phase::kIdle;
   uint64_t step = 0;    // this set's dispatches: the protocol's step (host kernels)
   uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
@@ -459,23 +457,12 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
     BufferSet& b = *s.sets[i];
     b.node->seal();
     if (!remote) continue;
-    std::function<const uint32_t*()> routing;
-    if (c.rdma_buffers == RdmaBuffers::kDevice) {
-      b.reader = device_reader(c.cuda_device, 4ull * c.ranks * c.experts,
-                               std::chrono::nanoseconds(hosts[i].timeout_ns));
-      const std::byte* table = b.recv.device() + s.lay.recv.routing;
-      routing = [&b, table] { return static_cast<const uint32_t*>(b.reader->read(table)); };
-    } else {
-      const auto* table = reinterpret_cast<const uint32_t*>(b.recv.host() + s.lay.recv.routing);
-      routing = [table] { return table; };
-    }
     b.proxy = std::make_unique<Proxy>(engine, ProxyConfig{.views = hosts[i],
                                                           .signals = b.signals,
                                                           .send_mr = b.send_mr,
                                                           .imms = &b.imms,
                                                           .recv = b.remotes,
-                                                          .busy_poll = c.proxy_busy_poll,
-                                                          .routing = std::move(routing)});
+                                                          .busy_poll = c.proxy_busy_poll});
   }
 }
 

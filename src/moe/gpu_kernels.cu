@@ -684,6 +684,19 @@ __device__ __forceinline__ bool kernel_failed(const Ptrs& p) {
   return load_acquire_sys(p.signals + p.lay.signals.kernel_error) != 0;
 }
 
+// The other nodes' counts rows into host memory for this rank's proxy, whose combine reads them
+// there (recv.routing may be device memory). Fenced at system scope: the combine send half's flag,
+// raised by a later kernel, must not overtake them.
+__device__ void publish_routing(const Ptrs& p) {
+  const Dims& d = p.lay.dims;
+  if (d.ranks == d.node_size) return;
+  const uint32_t* from = reinterpret_cast<const uint32_t*>(p.recv + p.lay.recv.routing);
+  uint32_t* to = reinterpret_cast<uint32_t*>(p.signals + p.lay.signals.routing);
+  for (uint32_t i = threadIdx.x; i < d.ranks * d.experts; i += kThreads)
+    if (!d.same_node(i / d.experts, p.rank)) to[i] = from[i];
+  __threadfence_system();
+}
+
 // The rows of every source, copied by the blocks whose wait succeeded. The counts and runs are
 // written last, by the last block to finish: the real ones when no block of this rank gave up
 // (and no row was stale), else kInvalidCount / kInvalidRun, so a failed step never leaves
@@ -698,6 +711,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
   Sources t{};
   if (ok) {
     t = build_sources(p, smem, false);
+    if (blockIdx.x == 0) publish_routing(p);
     copy_received_rows<kHidden, kFp8, Vec>(p, t, step);
   }
   if (finish_block(scratch(p, kDispatchRecvDone))) {

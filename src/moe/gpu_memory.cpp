@@ -3,12 +3,8 @@
 // node region as a device allocation its node-mates open by CUDA IPC. All on the current device.
 #include <cuda_runtime_api.h>
 
-#include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "cuda/cuda_check.h"
 #include "memory.h"
@@ -100,50 +96,5 @@ Block device_block(size_t len) {
 }
 
 std::unique_ptr<NodeRegion> cuda_node_region(size_t len) { return std::make_unique<CudaNodeRegion>(len); }
-
-namespace {
-
-class CudaDeviceReader final : public DeviceReader {
- public:
-  CudaDeviceReader(int device, size_t len, std::chrono::nanoseconds timeout)
-      : device_(device), len_(len), timeout_(timeout) {
-    check("cudaSetDevice", cudaSetDevice(device_));
-    check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    host_ = pinned_block(len);
-  }
-  ~CudaDeviceReader() override { (void)cudaStreamDestroy(stream_); }
-  const void* read(const void* device) override {
-    check("cudaSetDevice", cudaSetDevice(device_));  // the calling thread's current device
-    check("cudaMemcpyAsync (MoE routing table)", cudaMemcpyAsync(host_.host(), device, len_, cudaMemcpyDeviceToHost, stream_));
-    // Polled, not cudaStreamSynchronize: a copy that never runs (queued behind a kernel that
-    // waits for this very proxy) must end in an error the receive halves see, not a hang.
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (uint32_t polls = 0;; ++polls) {
-      const cudaError_t rc = cudaStreamQuery(stream_);
-      if (rc == cudaSuccess) return host_.host();
-      if (rc != cudaErrorNotReady) check("cudaStreamQuery (MoE routing table)", rc);
-      if (std::chrono::steady_clock::now() > deadline)
-        throw Error(ErrorCode::kTimeout,
-                    fmt::format("MoE proxy: the copy of the routing table from device memory did not complete in {} ms "
-                                "(the GPU ran nothing of the proxy's own stream in that time: a GPU hung or "
-                                "oversubscribed; the AllToAll is failed)",
-                                std::chrono::duration_cast<std::chrono::milliseconds>(timeout_).count()));
-      if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(5));
-    }
-  }
-
- private:
-  int device_;
-  size_t len_;
-  std::chrono::nanoseconds timeout_;
-  cudaStream_t stream_ = nullptr;
-  Block host_;
-};
-
-}  // namespace
-
-std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len, std::chrono::nanoseconds timeout) {
-  return std::make_unique<CudaDeviceReader>(cuda_device, len, timeout);
-}
 
 }  // namespace fabric::moe::detail

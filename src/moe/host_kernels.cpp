@@ -205,6 +205,10 @@ void dispatch_recv(const Views& v, uint64_t step) {
     return word(v.signals, signal_at(v.lay.signals.route_seen, s)).load(std::memory_order_acquire) >= step &&
            word(v.signals, signal_at(v.lay.signals.dispatch_seen, s)).load(std::memory_order_acquire) >= step;
   });
+  // The other nodes' counts rows for this rank's proxy (its combine), published by combine_sent.
+  for (uint32_t s = 0; s < d.ranks; ++s)
+    if (!d.same_node(s, me))
+      std::memcpy(at<uint32_t>(v.signals, v.lay.signals.routing) + uint64_t{s} * d.experts, counts_of(v, s), 4ull * d.experts);
   const uint64_t R = d.row_bytes(), pb = d.payload_bytes(), sb = 4 * d.scales_per_row(), M = d.rows_per_expert();
   int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);

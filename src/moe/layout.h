@@ -24,7 +24,8 @@
 //     it posts: the receiver places the rows with s's counts row, which it holds by then.
 // d counts ROUTE(s) once and DISPATCH(s) twice per step from each remote s (its proxy sets
 // signals.route_seen[s], dispatch_seen[s] to the step), then copies every source's rows into the
-// expert-major output, expert e's rows from sources in rank order.
+// expert-major output, expert e's rows from sources in rank order, and the remote sources' counts
+// rows to signals.routing, where d's proxy reads them for the combine (host memory always).
 //
 // Combine, from expert rank d back to source s: row j of expert e from s goes to s's combine
 // position cbase(s, d) + E0(e) + j, where cbase(s, d) = sum over d' < d of n(s, d') (n: rows s
@@ -134,6 +135,9 @@ struct SignalLayout {
   uint64_t combine_seen = 0;   // [W] steps whose combine rows from remote rank s arrived
   uint64_t route_row = 0;      // [E] u32: this rank's counts row, for the proxy (a copy of
                                // send.route_row, which may be device memory)
+  uint64_t routing = 0;        // [W][E] u32: the other nodes' counts rows, for the proxy's
+                               // combine (copied from recv.routing, which may be device memory,
+                               // by the dispatch receive half; node-mates' rows unused)
   uint64_t bytes = 0;
 };
 
@@ -208,6 +212,7 @@ inline Layout make_layout(const Dims& d) {
   l.signals.dispatch_seen = take(kLine * d.ranks);
   l.signals.combine_seen = take(kLine * d.ranks);
   l.signals.route_row = take(4ull * d.experts);
+  l.signals.routing = take(4ull * d.ranks * d.experts);
   l.signals.bytes = align_up(o, 4096);
 
   o = 0;

@@ -2,7 +2,6 @@
 // the node region its node-mates map (POSIX shared memory, or a CUDA allocation shared by IPC).
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -47,19 +46,6 @@ Block host_block(size_t len);
 // CUDA builds only (kUnsupported otherwise), on the current device.
 Block pinned_block(size_t len);  // cudaHostAlloc(mapped), zeroed
 Block device_block(size_t len);  // cudaMalloc, zeroed
-
-// Copies `len` bytes of device memory into pinned host memory of its own, on a stream of its
-// own (non-blocking: it never waits for the kernels a receive half has running on the legacy
-// default stream). Pinned, the copy is one DMA on a copy engine: a copy into pageable memory is
-// staged by the driver, which may serialise it behind kernels already running. CUDA builds only.
-class DeviceReader {
- public:
-  virtual ~DeviceReader() = default;
-  // The bytes at `device`, valid until the next read.
-  virtual const void* read(const void* device) = 0;
-};
-// A copy not done within `timeout` throws kTimeout (the proxy then fails the AllToAll).
-std::unique_ptr<DeviceReader> device_reader(int cuda_device, size_t len, std::chrono::nanoseconds timeout);
 
 // This rank's node region and the handle its node-mates open it by.
 class NodeRegion {

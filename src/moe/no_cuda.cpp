@@ -18,7 +18,6 @@ namespace {
 Block pinned_block(size_t) { needs_cuda("pinned host memory"); }
 Block device_block(size_t) { needs_cuda("device memory"); }
 std::unique_ptr<NodeRegion> cuda_node_region(size_t) { needs_cuda("CUDA node region"); }
-std::unique_ptr<DeviceReader> device_reader(int, size_t, std::chrono::nanoseconds) { needs_cuda("device memory between nodes"); }
 
 namespace cuda {
 void dispatch_send(const Views&, const DispatchArgs&) { needs_cuda("KernelSide::kCuda dispatch send"); }

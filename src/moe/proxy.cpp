@@ -197,7 +197,8 @@ void Proxy::start_combine(uint64_t step) {
   const uint32_t me = cfg_.views.rank;
   const uint64_t B = dims_.combine_row_bytes();
   for (uint32_t d : remotes_) expect(ImmKind::kCombine, step, d, 1, l.signals.combine_seen);
-  const uint32_t* routing = cfg_.routing();
+  // The other nodes' counts rows, as this rank's dispatch receive half copied them (layout.h).
+  const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.routing);
   uint64_t bytes = 0;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t s = remotes_[i];

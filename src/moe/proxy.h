@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -25,9 +24,6 @@ struct ProxyConfig {
   ImmReservation* imms = nullptr;  // the receive region's range: incoming immediates are counted there
   std::vector<RemoteMr> recv;      // [W]: every other rank's receive region (self: unused)
   bool busy_poll = false;          // spin without pause (a core of its own) or back off when idle
-  // The [W][E] routing table of the receive region as the host can read it: the region itself
-  // (host memory), or a copy fetched from device memory at the call. Called on the proxy thread.
-  std::function<const uint32_t*()> routing;
 };
 
 class Proxy {

@@ -8,8 +8,10 @@
 // words the receiving side waits on. The first `private_rows` rows for each remote peer go
 // into a private region of that peer, the rest in the same post into the sender's own slot of the
 // peer's shared region; the receiver places them by the sender's counts row. The RDMA buffers live
-// in host memory (pinned and device-mapped for GPU kernels), which the tcp, shm, EFA and verbs
-// providers all reach. docs/api.md describes the protocol; src/moe/layout.h has every offset.
+// in host memory by default (pinned and device-mapped for GPU kernels), which the tcp, shm, EFA
+// and verbs providers all reach; config.rdma_buffers = kDevice puts them in GPU memory, for a
+// domain that reaches it (cuda_ipc, or a NIC with FI_HMEM). docs/api.md describes the protocol;
+// src/moe/layout.h has every offset.
 //
 // Kernel sides: KernelSide::kHost runs the halves on the calling thread over host memory (tests,
 // CI, CPU-only decode); KernelSide::kCuda enqueues CUDA kernels on the caller's stream (every
