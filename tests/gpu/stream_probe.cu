@@ -4,10 +4,15 @@
 // waits for them). One probe: a spinning kernel (--blocks x 512 threads) on the compute stream
 // (the legacy default stream, as torch's, or a stream of its own), then on each of --streams
 // non-blocking streams (--high-priority: of the highest priority) a small kernel, a device-to-host copy into pinned memory and a
-// device-to-device copy, each waited for up to 500 ms. Prints one `probe ...` line per process.
+// device-to-device copy, each waited for up to 500 ms. --queued N: N more kernels queued behind
+// the spinning one on the compute stream, as the MoE receive kernel has the rest of its step (or
+// twenty CUDA-graph replays) behind it: a stream that shares a hardware queue with them waits
+// behind the first (which cannot start), not only behind the spinning kernel. Prints one
+// `probe ...` line per process.
 // Build: nvcc -O2 -arch=sm_90 -o stream_probe tests/gpu/stream_probe.cu
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -64,11 +69,12 @@ double wait_us(cudaEvent_t e) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int blocks = 16, streams = 4;
+  int blocks = 16, streams = 4, queued = 0;
   bool own_compute = false, high_priority = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--blocks") && i + 1 < argc) blocks = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--streams") && i + 1 < argc) streams = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--queued") && i + 1 < argc) queued = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--own-compute-stream")) own_compute = true;
     else if (!std::strcmp(argv[i], "--high-priority")) high_priority = true;
   }
@@ -99,6 +105,8 @@ int main(int argc, char** argv) {
                      (std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") ? std::getenv("CUDA_DEVICE_MAX_CONNECTIONS") : "default") +
                      " compute=" + (own_compute ? "own" : "legacy") + " blocks=" + std::to_string(blocks) +
                      (high_priority ? " streams=high-priority" : "");
+  if (queued > 0) line += " queued=" + std::to_string(queued);
+  streams = std::min(streams, 16);
   cudaStream_t st[16];
   cudaEvent_t ev[16][3];
   for (int s = 0; s < streams; ++s) {
@@ -109,6 +117,7 @@ int main(int argc, char** argv) {
   }
   spin<<<blocks, 512, 0, compute>>>(go_dev, gave_up);
   CHECK(cudaGetLastError());
+  for (int i = 0; i < queued; ++i) small_copy<<<1, 32, 0, compute>>>(a, b, 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the spin kernel is resident
   int blocked = 0;
   for (int s = 0; s < streams; ++s) {
