@@ -231,7 +231,8 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
           f"provider={args.provider} rdma_buffers={args.rdma_buffers} num_sms={args.num_sms or 'default'} "
           f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} poll={'busy' if args.busy_poll else 'adaptive'} "
-          f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
+          + (f"cuda_connections={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'default')} " if device_name == "cuda" else "")
+          + f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
           f"proxy_cpu_ms_per_step={cpu:.3f} writes_per_step={writes:.1f} "
@@ -251,6 +252,10 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         # Read when the CUDA context is made: ranks sharing a GPU under MPS each get this share of
         # its SMs (with all of it, a rank's spinning receive kernel starves another's send).
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_share)
+    if args.device == "cuda" and args.rdma_buffers == "device":
+        # Read when CUDA starts: hardware queues for this process's streams. The engine's cuda_ipc
+        # copies must not share one with the receive kernel's queued work (docs/api.md).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
     torch.set_num_threads(1)
     if args.device == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())

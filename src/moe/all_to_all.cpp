@@ -5,7 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -13,6 +15,7 @@
 #include "kernel_side.h"
 #include "memory.h"
 #include "proxy.h"
+#include "util/log.h"
 
 namespace fabric::moe {
 
@@ -324,6 +327,26 @@ struct AllToAll::Impl {
     return b;
   }
 
+  // RdmaBuffers::kDevice through the cuda_ipc domain: the proxy's WRITEs are GPU copies on the
+  // engine's streams, issued while this rank's receive kernel spins with the rest of its step
+  // queued behind it. CUDA maps a process's streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware
+  // queues (8 by default), and a copy whose stream shares a queue with that queued work waits
+  // behind it: every rank then waits for the timeout (docs/benchmarks.md, "The node boundary in
+  // device memory"). 16 queues ran twenty back-to-back graph replays of 4 ranks exactly where 8
+  // failed every time; say so before a user finds out by a timeout.
+  void warn_if_few_hardware_queues() const {
+    const std::vector<NicStats> nics = engine.nic_stats();
+    if (std::none_of(nics.begin(), nics.end(), [](const NicStats& n) { return n.nic == "cuda_ipc"; })) return;
+    const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const long queues = v ? std::strtol(v, nullptr, 10) : 8;
+    if (queues >= 16) return;
+    log::warn("MoE on rank {}: rdma_buffers kDevice with {} CUDA hardware queues per process "
+              "(CUDA_DEVICE_MAX_CONNECTIONS{}): the engine's cuda_ipc copies can queue behind this rank's "
+              "waiting kernels and fail steps with a timeout; set CUDA_DEVICE_MAX_CONNECTIONS=16 before "
+              "CUDA starts (docs/api.md)",
+              cfg.rank, queues, v ? fmt::format("={}", v) : std::string(" unset"));
+  }
+
   // RdmaBuffers::kDevice: one small WRITE to every remote rank's receive region of every set
   // (zeros into this rank's own counts row there, which only this rank writes), waited for
   // here. The engine maps a peer's GPU memory at its first WRITE (cudaIpcOpenMemHandle for
@@ -451,7 +474,10 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
     b.views = s.cuda() ? device : host;
     hosts.push_back(host);
   }
-  if (remote && c.rdma_buffers == RdmaBuffers::kDevice) s.open_remote_regions();
+  if (remote && c.rdma_buffers == RdmaBuffers::kDevice) {
+    s.warn_if_few_hardware_queues();
+    s.open_remote_regions();
+  }
   all_gather({});  // every node-mate has mapped our node regions: their names can go
   for (uint32_t i = 0; i < c.buffers; ++i) {
     BufferSet& b = *s.sets[i];

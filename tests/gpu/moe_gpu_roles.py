@@ -227,6 +227,9 @@ def rank_main(conn, cfg: dict) -> None:
         if cfg.get("mps_share"):
             # Read when the CUDA context is made (below): this rank's share of the SMs under MPS.
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg["mps_share"])
+        if cfg.get("cuda_connections"):
+            # Also read at context creation: hardware queues for this process's streams.
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(cfg["cuda_connections"])
         torch.cuda.set_device(DEV)
         torch.set_num_threads(2)
         rank = cfg["rank"]

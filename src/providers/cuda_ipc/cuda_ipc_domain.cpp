@@ -69,6 +69,7 @@ struct PendingOp {
 };
 
 struct Batch {
+  uint64_t id = 0;  // debug logs: batches in the order they were handed to the GPU
   cudaEvent_t event = nullptr;
   int desc_block = -1;                   // a batch of single WRITEs: its descriptor block
   std::vector<PendingOp> ops;
@@ -365,6 +366,8 @@ class CudaIpcDomain final : public Domain {
     }
     if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
+    b.id = ++batches_;
+    log::debug("cuda_ipc: batch {} ({} WRITEs of a write batch) handed to the GPU", b.id, ops.size());
     cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
     inflight_.push_back(std::move(b));
     return PostResult::kPosted;
@@ -607,8 +610,14 @@ class CudaIpcDomain final : public Domain {
           b.failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
       }
       b.event = take_event();
+      b.id = ++batches_;
       cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
-      log::debug("cuda_ipc: {} WRITEs handed to the GPU ({} descriptors)", b.ops.size(), descs);
+      if (log::level() >= log::Level::kDebug) {
+        std::string what;
+        for (const PendingOp& op : b.ops) what += fmt::format(" {}B{}", op.len, op.has_imm ? fmt::format("/imm {:#x}", op.imm) : "");
+        log::debug("cuda_ipc: batch {} of {} WRITEs handed to the GPU on stream {} ({} descriptors):{}", b.id, b.ops.size(),
+                   (next_stream_ - 1) % kStreams, descs, what);
+      }
       inflight_.push_back(std::move(b));
     }
     pending_.erase(pending_.begin(), pending_.begin() + static_cast<long>(i));
@@ -647,7 +656,7 @@ class CudaIpcDomain final : public Domain {
       Batch& b = inflight_.front();
       cudaError_t rc = cudaEventQuery(b.event);
       if (rc == cudaErrorNotReady) break;
-      log::debug("cuda_ipc: a batch of {} WRITEs completed on the GPU", b.group ? b.imms.size() : b.ops.size());
+      log::debug("cuda_ipc: batch {} of {} WRITEs completed on the GPU", b.id, b.group ? b.imms.size() : b.ops.size());
       if (rc != cudaSuccess) {
         cudaGetLastError();
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
@@ -721,6 +730,7 @@ class CudaIpcDomain final : public Domain {
   int sm_count_ = 0;
   std::array<cudaStream_t, kStreams> streams_{};
   size_t next_stream_ = 0;
+  uint64_t batches_ = 0;
   cuda::CopyDesc* descs_ = nullptr;
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
