@@ -103,7 +103,8 @@ struct EngineConfig {
   std::vector<NicConfig> nics = {NicConfig{}};  // 1 to 4
   PollMode worker_poll = PollMode::kBusy;
   PollMode callback_poll = PollMode::kAdaptive;
-  // How long an adaptive worker sleeps between polls once it has spun and yielded in vain.
+  // How long an adaptive worker sleeps between polls once it has spun and yielded in vain (its
+  // timer slack is 1 us, so the sleep lasts about this long, not 50 us more).
   std::chrono::microseconds idle_sleep{50};
   std::optional<int> worker_cpu;  // pin the worker to this core (before it allocates NIC state)
 

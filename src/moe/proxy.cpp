@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "util/idle.h"
 #include "util/log.h"
 
 namespace fabric::moe::detail {
@@ -92,6 +93,7 @@ void Proxy::expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, ui
 }
 
 void Proxy::run() {
+  if (!cfg_.busy_poll) util::tighten_timer_slack();  // its 20 us naps, not 70
   try {
     loop();
   } catch (const std::exception& e) {
