@@ -85,6 +85,9 @@ struct FaultConfig {
   // After this many posted operations (0: never) the domain's next poll never returns, as a
   // provider spinning on a lock that a dead peer held: the engine must still not hang its caller.
   uint64_t wedge_after_posts = 0;
+  // How long that poll hangs (0: for ever); then it returns, as shm once the dead peer's lock is
+  // freed. A worker the engine abandoned meanwhile must then leave the provider alone.
+  std::chrono::milliseconds wedge_for{0};
 };
 
 // One worker of a multi-GPU engine: the GPU it serves, its NICs (its rail) and its cores. Built by

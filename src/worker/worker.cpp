@@ -51,6 +51,10 @@ bool Worker::stop() {
       log::error("{}; closing the engine without it: its thread and memory are left behind and "
                  "its pending transfers will not report",
                  stall_error("closing the engine").what());
+      // Set before letting go: once the provider lets it go on, the thread must not call into the
+      // provider again, since this process may be exiting and tearing the provider down
+      // (libfabric's shm frees its endpoint names at exit while our close would still read them).
+      abandoned_.store(true, std::memory_order_release);
       thread_.detach();
       return false;
     }
@@ -151,6 +155,9 @@ void Worker::run(std::promise<void> opened) {
   }
   opened.set_value();
   loop();
+  // Abandoned: its owner has given up on it and left everything behind (stop()); closing the
+  // NICs now would race with a process exit tearing the provider down.
+  if (abandoned()) return;
   shutdown();
   exited_.store(true, std::memory_order_release);
 }
@@ -158,12 +165,15 @@ void Worker::run(std::promise<void> opened) {
 void Worker::loop() {
   util::Idle idle(config_.worker_poll, config_.idle_sleep);
   uint32_t rounds = 0;
-  while (!stopping_) {
+  while (!stopping_ && !abandoned()) {
     heartbeat_.store(rounds, std::memory_order_relaxed);
     bool busy = take_requests();
-    busy |= post_pending();
-    busy |= recv_pools_.post_backlog();
-    busy |= poll_domains();
+    // Any call into the provider may spin past stop()'s patience (shm on a dead peer's lock):
+    // once stop() gave up on this thread it goes no further, reporting nothing to anyone.
+    busy |= !abandoned() && post_pending();
+    busy |= !abandoned() && recv_pools_.post_backlog();
+    busy |= !abandoned() && poll_domains();
+    if (abandoned()) return;
     if (!overflow_.empty()) callbacks_.flush(overflow_);
     // Reading the clock costs as much as a post (7% of a busy worker's time when read every
     // round): look at deadlines every 256 rounds, i.e. every few microseconds to milliseconds.
@@ -244,7 +254,7 @@ void Worker::handle(TransferRequest&& r) {
 bool Worker::post_pending() {
   bool any = false;
   size_t n = pending_.size();
-  for (size_t k = 0; k < n; k++) {
+  for (size_t k = 0; k < n && !abandoned(); k++) {  // a post that spun may have outlived the owner
     Transfer* t = pending_.front();
     pending_.pop_front();
     uint32_t before = t->next_op;
@@ -261,7 +271,9 @@ bool Worker::post_pending() {
 }
 
 bool Worker::poll_domains() {
-  return domains_.poll([this](size_t nic, Completion& c) { on_completion(nic, c); });
+  return domains_.poll([this](size_t nic, Completion& c) {
+    if (!abandoned()) on_completion(nic, c);
+  });
 }
 
 void Worker::on_completion(size_t nic, Completion& c) {

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "fabric/fabric.h"
+#include "providers/fault/fault_domain.h"
 #include "test_support.h"
 
 namespace fabric::testing {
@@ -435,6 +436,36 @@ TEST(Hardening, AWedgedProviderNeverHangsTheCaller) {
   }  // closes: abandons the worker
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(secs, 20.0) << "closing waited for the wedged worker";
+}
+
+// The wedge lifts after the engine gave the worker up (as shm's lock once the dead peer's watcher
+// frees it): the worker wakes and must leave the provider alone, since the process may be exiting
+// and tearing the provider down beneath it (the use-after-free TSan caught with shm).
+TEST(Hardening, AnAbandonedWorkerLeavesItsProviderAloneWhenItWakes) {
+  EngineConfig cfg = config_for(kTcp);
+  cfg.worker_stall_timeout = std::chrono::milliseconds(200);
+  cfg.faults.enabled = true;
+  cfg.faults.wedge_after_posts = 1;
+  // Long beside the stall timeout, so that the close has given up before the wedge lifts even
+  // on a loaded machine.
+  cfg.faults.wedge_for = std::chrono::milliseconds(2500);
+  static std::vector<uint8_t>& buf = *new std::vector<uint8_t>(4096, 1);  // see above
+  uint64_t calls_before = fault_calls_after_wedge();
+  auto start = std::chrono::steady_clock::now();
+  {
+    TransferEngine engine(cfg);
+    auto [h, d] = engine.reg_mr(buf.data(), buf.size());
+    engine.submit(SingleWrite{.len = 64, .src = {h, 0}, .dst = {engine.add_remote(d), 128}},
+                  OnDone::none());
+    // Wait for the wedge (a close that came first would close the NICs before any poll).
+    EXPECT_THROW(for (int i = 0; i < 1000; i++) engine.imm_count(1), Error);
+  }  // closes: abandons the wedged worker
+  auto closed = std::chrono::steady_clock::now();
+  ASSERT_LT(closed - start, cfg.faults.wedge_for) << "the close outlasted the wedge";
+  // Past the lift, with time for the woken worker to have polled, posted or closed its NICs.
+  std::this_thread::sleep_until(start + cfg.faults.wedge_for + std::chrono::milliseconds(700));
+  EXPECT_EQ(fault_calls_after_wedge(), calls_before)
+      << "the abandoned worker called into its provider after the wedge lifted";
 }
 
 }  // namespace

@@ -19,6 +19,8 @@
 namespace fabric {
 namespace {
 
+std::atomic<uint64_t> calls_after_wedge{0};
+
 class FaultDomain final : public ForwardingDomain {
  public:
   FaultDomain(std::unique_ptr<Domain> inner, const FaultConfig& config, size_t nic_index)
@@ -49,9 +51,17 @@ class FaultDomain final : public ForwardingDomain {
     return post(ctx, "SEND", [&] { return inner_->post_send(peer, buf, len, desc, ctx); });
   }
 
+  ~FaultDomain() override { count_if_lifted(); }
+
   size_t poll(std::span<Completion> out) override {
-    if (config_.wedge_after_posts && posts_ >= config_.wedge_after_posts)
-      for (;;) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // never returns
+    if (wedged()) {
+      auto until = std::chrono::steady_clock::now() + config_.wedge_for;
+      while (config_.wedge_for.count() == 0 || std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      wedge_lifted_ = true;
+      return 0;
+    }
+    count_if_lifted();
     Completion fresh[64];
     size_t n = inner_->poll(std::span(fresh, std::min(out.size(), std::size(fresh))));
     for (size_t i = 0; i < n; i++) apply(std::move(fresh[i]));
@@ -67,11 +77,19 @@ class FaultDomain final : public ForwardingDomain {
  private:
   enum class Fate : uint8_t { kError, kStuck };
 
+  bool wedged() const {
+    return config_.wedge_after_posts && posts_ >= config_.wedge_after_posts && !wedge_lifted_;
+  }
+  void count_if_lifted() const {
+    if (wedge_lifted_) calls_after_wedge.fetch_add(1, std::memory_order_relaxed);
+  }
+
   bool roll(double p) { return p > 0 && std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
   void count() { total_.fetch_add(1, std::memory_order_relaxed); }
 
   template <class Post>
   PostResult post(OpContext* ctx, const char* what, Post&& inner_post) {
+    count_if_lifted();
     injected_error_ = false;
     if (roll(config_.post_failure)) {
       count();
@@ -140,12 +158,15 @@ class FaultDomain final : public ForwardingDomain {
   std::deque<Completion> ready_;
   std::vector<Delayed> delayed_;
   bool injected_error_ = false;
+  bool wedge_lifted_ = false;
   uint64_t posts_ = 0;
   std::string error_;
   std::atomic<uint64_t> total_{0}, duplicated_{0};
 };
 
 }  // namespace
+
+uint64_t fault_calls_after_wedge() { return calls_after_wedge.load(std::memory_order_relaxed); }
 
 std::unique_ptr<Domain> wrap_faults(std::unique_ptr<Domain> inner, const FaultConfig& config,
                                     size_t nic_index) {

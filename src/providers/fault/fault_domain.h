@@ -12,4 +12,8 @@ namespace fabric {
 std::unique_ptr<Domain> wrap_faults(std::unique_ptr<Domain> inner, const FaultConfig& config,
                                     size_t nic_index);
 
+// For tests: calls into this process's fault domains (posts, polls, closing) after their wedge
+// lifted (FaultConfig::wedge_for), the poll that was wedged not counted.
+uint64_t fault_calls_after_wedge();
+
 }  // namespace fabric
