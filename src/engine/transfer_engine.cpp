@@ -14,6 +14,24 @@ namespace fabric {
 
 namespace {
 
+// What closing leaves behind when a worker is wedged inside its provider: it may wake up and touch
+// all of it. Held for the process's life and never destroyed, so it stays reachable (a deliberate
+// leak, to leak checkers too) after the woken worker's thread has ended.
+struct LeftBehind {
+  std::unique_ptr<CallbackThread> callbacks;
+  std::unique_ptr<MrTable> mrs;
+  std::unique_ptr<RemoteTable> remotes;
+  std::unique_ptr<RequestBufferPool> buffers;
+  std::vector<std::unique_ptr<Worker>> workers;
+};
+
+void leave_behind(LeftBehind parts) {
+  static auto* mu = new std::mutex;
+  static auto* all = new std::vector<LeftBehind>;
+  std::lock_guard l(*mu);
+  all->push_back(std::move(parts));
+}
+
 bool in_bounds(uint64_t offset, uint64_t len, uint64_t region_len) {
   return offset <= region_len && len <= region_len - offset;
 }
@@ -142,11 +160,8 @@ EngineImpl::~EngineImpl() {
     // One is wedged inside its provider: it may still wake up and touch its own object, the
     // region tables and the callback queue, so all of them are left behind (a leak, not a crash).
     callbacks_->join();
-    (void)callbacks_.release();
-    (void)mrs_owner_.release();
-    (void)remotes_owner_.release();
-    (void)buffers_owner_.release();
-    for (auto& w : workers_) (void)w.release();
+    leave_behind({std::move(callbacks_), std::move(mrs_owner_), std::move(remotes_owner_),
+                  std::move(buffers_owner_), std::move(workers_)});
     return;
   }
   callbacks_.reset();  // runs every queued callback, joins
