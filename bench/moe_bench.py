@@ -254,8 +254,11 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(args.mps_share)
     if args.device == "cuda" and args.rdma_buffers == "device":
         # Read when CUDA starts: hardware queues for this process's streams. The engine's cuda_ipc
-        # copies must not share one with the receive kernel's queued work (docs/api.md).
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16")
+        # copies must not share one with the receive kernel's queued work (docs/api.md). MPS
+        # clients draw them from one pool: 8 processes x 16 failed at context creation on an H100
+        # ("out of memory"), 8 x 12 ran (docs/benchmarks.md).
+        sharing = -(-world // max(1, torch.cuda.device_count()))
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16" if sharing <= 4 else "12")
     torch.set_num_threads(1)
     if args.device == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
