@@ -57,6 +57,13 @@ class DomainGroup {
   size_t domain_count() const { return nic_count_ + (has_local() ? 1 : 0); }
   AtomicNicStats& stats(size_t d) { return stats_[d]; }
   const AtomicNicStats& stats(size_t d) const { return stats_[d]; }
+  // The worker's owner gave up on its thread (Worker::stop, wedged inside a provider): from now
+  // on no post or poll goes into a provider. The thread may wake inside one while the process
+  // exits and libfabric tears the provider down (shm frees its endpoint names at exit while a
+  // close would still read them). Any thread.
+  void abandon() { abandoned_.store(true, std::memory_order_release); }
+  bool abandoned() const { return abandoned_.load(std::memory_order_acquire); }
+
   // The domains live as long as the group (until close()).
   Domain::InjectedFaults injected_faults(size_t d) const { return domains_[d]->injected_faults(); }
   const DomainCaps& caps(size_t d) const { return domains_[d]->caps(); }
@@ -95,18 +102,23 @@ class DomainGroup {
   // Posting: the result is booked before it is returned (kPosted: one more in flight; kRetry:
   // the domain backs off; kRetryPeer: that peer of it does; kFailed: an error counted, the
   // message in last_error(d)). The caller keeps its context on kPosted only.
+  // Once abandoned, nothing is posted (kRetry, not booked).
   PostResult post_write(size_t d, const WriteOp& op, OpContext* ctx) {
+    if (abandoned()) return PostResult::kRetry;
     return booked(d, op.peer, domains_[d]->post_write(op, ctx));
   }
   PostResult post_write_batch(size_t d, std::span<const WriteOp> ops, OpContext* ctx) {
+    if (abandoned()) return PostResult::kRetry;
     return booked(d, ops.front().peer, domains_[d]->post_write_batch(ops, ctx));
   }
   PostResult post_send(size_t d, PeerId peer, const void* buf, size_t len, void* desc,
                        OpContext* ctx) {
+    if (abandoned()) return PostResult::kRetry;
     return booked(d, peer, domains_[d]->post_send(peer, buf, len, desc, ctx));
   }
   // Receive buffers do not count against the limits: the caller offers them again later.
   PostResult post_recv(size_t d, void* buf, size_t len, void* desc, OpContext* ctx) {
+    if (abandoned()) return PostResult::kRetry;
     return domains_[d]->post_recv(buf, len, desc, ctx);
   }
   const std::string& last_error(size_t d) const { return domains_[d]->last_error(); }
@@ -116,14 +128,16 @@ class DomainGroup {
 
   // Polls every domain once, handing each completion to on_completion(domain, Completion&), and
   // advances the back-offs: a domain that completed something may post again at once. True: any
-  // completion.
+  // completion. Once abandoned: nothing polled, nothing handed on.
   template <class F>
   bool poll(F&& on_completion) {
     bool any = false;
     if (!peer_backoff_.empty())
       std::erase_if(peer_backoff_, [](PeerBackoff& b) { return --b.polls == 0; });
     for (size_t d = 0; d < domains_.size(); d++) {
+      if (abandoned()) return false;
       size_t n = domains_[d]->poll(completions_);
+      if (abandoned()) return false;  // it woke inside this poll after its owner gave up
       for (size_t i = 0; i < n; i++) on_completion(d, completions_[i]);
       any |= n > 0;
       if (n > 0) {
@@ -174,6 +188,7 @@ class DomainGroup {
   void book_refusal(size_t d, PeerId peer, PostResult result);
 
   std::vector<std::unique_ptr<Domain>> domains_;
+  std::atomic<bool> abandoned_{false};
   std::vector<std::string> nic_addresses_;
   size_t nic_count_ = 0;
   std::string local_address_;

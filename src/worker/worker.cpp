@@ -51,10 +51,9 @@ bool Worker::stop() {
       log::error("{}; closing the engine without it: its thread and memory are left behind and "
                  "its pending transfers will not report",
                  stall_error("closing the engine").what());
-      // Set before letting go: once the provider lets it go on, the thread must not call into the
-      // provider again, since this process may be exiting and tearing the provider down
-      // (libfabric's shm frees its endpoint names at exit while our close would still read them).
-      abandoned_.store(true, std::memory_order_release);
+      // Before letting go: once the provider lets it go on, the thread must not call into the
+      // provider again, since this process may be exiting and tearing the provider down.
+      domains_.abandon();
       thread_.detach();
       return false;
     }
@@ -188,7 +187,7 @@ void Worker::loop() {
 
 bool Worker::take_requests() {
   bool any = false;
-  for (int i = 0; i < 64 && !stopping_; i++) {
+  for (int i = 0; i < 64 && !stopping_ && !abandoned(); i++) {
     std::optional<Request> r = requests_.try_pop();
     if (!r) break;
     any = true;
@@ -254,7 +253,7 @@ void Worker::handle(TransferRequest&& r) {
 bool Worker::post_pending() {
   bool any = false;
   size_t n = pending_.size();
-  for (size_t k = 0; k < n && !abandoned(); k++) {  // a post that spun may have outlived the owner
+  for (size_t k = 0; k < n; k++) {
     Transfer* t = pending_.front();
     pending_.pop_front();
     uint32_t before = t->next_op;
@@ -271,9 +270,7 @@ bool Worker::post_pending() {
 }
 
 bool Worker::poll_domains() {
-  return domains_.poll([this](size_t nic, Completion& c) {
-    if (!abandoned()) on_completion(nic, c);
-  });
+  return domains_.poll([this](size_t nic, Completion& c) { on_completion(nic, c); });
 }
 
 void Worker::on_completion(size_t nic, Completion& c) {

@@ -201,9 +201,8 @@ class Worker {
   // saw it move (under watch_mu_, off the data path).
   std::atomic<uint64_t> heartbeat_{0};
   std::atomic<bool> exited_{false};
-  // stop() gave up on this thread: it calls into the provider no more once it gets out.
-  std::atomic<bool> abandoned_{false};
-  bool abandoned() const { return abandoned_.load(std::memory_order_acquire); }
+  // stop() gave up on this thread: once it gets out of the provider it touches nothing more.
+  bool abandoned() const { return domains_.abandoned(); }
   std::mutex watch_mu_;
   uint64_t watched_beat_ = 0;
   Clock::time_point watched_since_{};
