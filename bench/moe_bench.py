@@ -231,7 +231,8 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
     print(f"moe-bench api={args.api} ranks={world} node_size={args.node_size} device={device_name} "
           f"provider={args.provider} rdma_buffers={args.rdma_buffers} num_sms={args.num_sms or 'default'} "
           f"sm_partition={f'{args.mps_share}%' if args.mps_share else 'none'} poll={'busy' if args.busy_poll else 'adaptive'} "
-          + (f"cuda_connections={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'default')} " if device_name == "cuda" else "")
+          + (f"cuda_connections={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'default')} "
+             f"host_sync={'blocking' if args.blocking_sync else 'spin'} " if device_name == "cuda" else "")
           + f"tokens={args.tokens} hidden={args.hidden} topk={args.topk} experts={experts} "
           f"dispatch_us_p50={line['dispatch'][0]:.1f} combine_us_p50={line['combine'][0]:.1f} "
           f"dispatch_us_mean={line['dispatch'][1]:.1f} combine_us_mean={line['combine'][1]:.1f} {halves} "
@@ -239,6 +240,23 @@ def _report(args, world: int, experts: int, per_rank: list, device_name: str) ->
           + (" ".join(f"proxy_{k}_wait_us={v:.1f}" for k, v in waits.items()) + " " if waits and writes else "")
           + f"copy_us_p50={copy:.1f} "
           f"dispatch_over_copy={line['dispatch'][0] / max(copy, 1e-3):.1f}", flush=True)
+
+
+def _sleep_in_cuda_waits(ordinal: int) -> None:
+    """The host thread sleeps in CUDA's waits (synchronize, event waits) instead of spinning:
+    set on the device's primary context before it exists. Ranks sharing one host's cores then
+    leave them to the proxies and the engines' workers."""
+    import ctypes
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    set_flags = getattr(cu, "cuDevicePrimaryCtxSetFlags_v2", None) or cu.cuDevicePrimaryCtxSetFlags
+    dev = ctypes.c_int()
+    for what, rc in (("cuInit", lambda: cu.cuInit(0)),
+                     ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), ordinal)),
+                     ("cuDevicePrimaryCtxSetFlags", lambda: set_flags(dev, 4))):  # CU_CTX_SCHED_BLOCKING_SYNC
+        code = rc()
+        if code != 0:
+            raise RuntimeError(f"--blocking-sync: {what} failed with CUDA driver error {code}")
 
 
 def worker(rank: int, world: int, local_rank: int, args) -> None:
@@ -260,6 +278,8 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         sharing = -(-world // max(1, torch.cuda.device_count()))
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16" if sharing <= 4 else "12")
     torch.set_num_threads(1)
+    if args.device == "cuda" and args.blocking_sync:
+        _sleep_in_cuda_waits(local_rank % torch.cuda.device_count())
     if args.device == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -312,6 +332,8 @@ def main() -> int:
     ap.add_argument("--mps-share", type=int, default=0,
                     help="ranks sharing a GPU under MPS: each one's percentage of the SMs (e.g. 100 / ranks)")
     ap.add_argument("--num-sms", type=int, default=0, help="CUDA: blocks per half (AllToAll num_sms; 0: default)")
+    ap.add_argument("--blocking-sync", action="store_true",
+                    help="CUDA: each rank's host thread sleeps in CUDA's waits instead of spinning")
     ap.add_argument("--rdma-buffers", choices=["host", "device"], default="host",
                     help="where the regions between nodes live (device: GPU memory written through cuda_ipc)")
     ap.add_argument("--api", choices=["native", "deep_ep"], default="native",

@@ -77,22 +77,24 @@ moe_bench_steps() {
   local mps=0
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; fi
   echo "moe-bench mps=$mps sm_partition=none" > "$OUT/moe_bench.txt"
-  # MOE_BENCH_TIMEOUT: seconds per run (240). MOE_BENCH_RUNS: "ranks node_size provider api num_sms [q|-] [host|device] [busy|-]" entries separated by
+  # MOE_BENCH_TIMEOUT: seconds per run (240). MOE_BENCH_RUNS: "ranks node_size provider api num_sms [q|-] [host|device] [busy|-] [blocking|-]" entries separated by
   # ';' (q: BF16 x, quantized by the send half inside the timed dispatch, as the DeepEP shim does; device: the
   # regions between nodes in GPU memory, written through the engine's cuda_ipc domain; busy: the
   # proxies and the engines' threads spin, three cores per rank, as in production; at 4 ranks that
-  # is more spinning threads than a 16-core machine has, and dispatch collapses to ms). Every SM
+  # is more spinning threads than a 16-core machine has, and dispatch collapses to ms; blocking: each
+  # rank's host thread sleeps in CUDA's waits instead of spinning). Every SM
   # per half (num_sms 132) is left out: at 2 ranks on one GPU it can deadlock until the timeout.
   local runs=${MOE_BENCH_RUNS:-"2 2 tcp native 0;4 4 tcp native 0;8 8 tcp native 0;2 1 shm native 0;4 2 shm native 0;8 4 shm native 0;2 2 tcp native 0 q;2 2 tcp deep_ep 0;8 8 tcp native 0 q;8 8 tcp deep_ep 0;2 2 tcp native 32;4 4 tcp native 32;8 8 tcp native 32;2 1 shm native 0 - device;4 2 shm native 0 - device;8 4 shm native 0 - device;2 1 shm native 0 - device busy"}
   local run
   IFS=';' read -ra run_list <<< "$runs"
   for run in "${run_list[@]}"; do
-    read -r ranks node provider api sms quant rdma poll <<< "$run"
+    read -r ranks node provider api sms quant rdma poll sync <<< "$run"
     [ "$quant" = - ] && quant=""
     [ "$poll" = busy ] || poll=""
+    [ "$sync" = blocking ] || sync=""
     timeout "${MOE_BENCH_TIMEOUT:-240}" python3 bench/moe_bench.py --device cuda --tokens 128 --hidden 7168 --topk 8 --experts 256 \
       --ranks "$ranks" --node-size "$node" --provider "$provider" --api "$api" --num-sms "$sms" --steps 30 \
-      ${quant:+--quantize} --rdma-buffers "${rdma:-host}" ${poll:+--busy-poll}
+      ${quant:+--quantize} --rdma-buffers "${rdma:-host}" ${poll:+--busy-poll} ${sync:+--blocking-sync}
   done >> "$OUT/moe_bench.txt" 2>&1 || status=1
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   grep -E "^moe-bench" "$OUT/moe_bench.txt" || true
