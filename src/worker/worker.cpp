@@ -164,14 +164,15 @@ void Worker::run(std::promise<void> opened) {
 void Worker::loop() {
   util::Idle idle(config_.worker_poll, config_.idle_sleep);
   uint32_t rounds = 0;
-  while (!stopping_ && !abandoned()) {
+  while (!stopping_) {
     heartbeat_.store(rounds, std::memory_order_relaxed);
     bool busy = take_requests();
-    // Any call into the provider may spin past stop()'s patience (shm on a dead peer's lock):
-    // once stop() gave up on this thread it goes no further, reporting nothing to anyone.
-    busy |= !abandoned() && post_pending();
-    busy |= !abandoned() && recv_pools_.post_backlog();
-    busy |= !abandoned() && poll_domains();
+    busy |= post_pending();
+    busy |= recv_pools_.post_backlog();
+    busy |= poll_domains();
+    // Any call into the provider may spin past stop()'s patience (shm on a dead peer's lock).
+    // Once stop() gave up on this thread, its DomainGroup posts and polls nothing more, and the
+    // thread goes no further, reporting nothing to anyone.
     if (abandoned()) return;
     if (!overflow_.empty()) callbacks_.flush(overflow_);
     // Reading the clock costs as much as a post (7% of a busy worker's time when read every
