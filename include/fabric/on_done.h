@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 
 #include "fabric/error.h"
 
@@ -13,14 +15,39 @@ namespace fabric {
 // Values an OnDone::flag() takes.
 enum DoneState : int { kDonePending = 0, kDoneSucceeded = 1, kDoneFailed = -1 };
 
+// Where a flag or a counter keeps how its operation failed (a flag or a counter alone says only
+// that it did). The first failure is kept; written before the flag or counter changes, so a
+// thread that saw kDoneFailed or a failed count then reads it here.
+class DoneStatus {
+ public:
+  void record(const Status& s) {
+    std::lock_guard l(mu_);
+    if (!first_failure_) first_failure_ = s;
+  }
+  std::optional<Status> first_failure() const {
+    std::lock_guard l(mu_);
+    return first_failure_;
+  }
+  void clear() {
+    std::lock_guard l(mu_);
+    first_failure_.reset();
+  }
+
+ private:
+  mutable std::mutex mu_;  // failures only: never on the success path
+  std::optional<Status> first_failure_;
+};
+
 // Completion of a transfer or an immediate expectation. Fires exactly once.
 //
 // - callback(fn): fn(status) runs on the engine's callback thread (never on a worker).
 // - flag(f): the worker stores kDoneSucceeded or kDoneFailed into *f (release order) and
 //   notifies it, so a thread may poll it or block in f->wait(kDonePending); no callback cost.
-//   The failure message goes to the log.
+//   The failure message goes to the log, and to *status when given. A flag is one-shot: reset
+//   it to kDonePending (and clear its status) before handing it to the next operation.
 // - counter(done, failed): the worker increments *done on success, *failed (if given) on error,
-//   and notifies the counter it changed (std::atomic::wait works on both).
+//   and notifies the counter it changed (std::atomic::wait works on both); the first failure's
+//   status goes to *status when given.
 // - none(): nothing is reported (errors are still logged).
 class OnDone {
  public:
@@ -35,17 +62,20 @@ class OnDone {
     d.callback_ = std::move(fn);
     return d;
   }
-  static OnDone flag(std::atomic<int>* f) {
+  static OnDone flag(std::atomic<int>* f, DoneStatus* status = nullptr) {
     OnDone d;
     d.kind_ = Kind::kFlag;
     d.flag_ = f;
+    d.status_ = status;
     return d;
   }
-  static OnDone counter(std::atomic<uint64_t>* done, std::atomic<uint64_t>* failed = nullptr) {
+  static OnDone counter(std::atomic<uint64_t>* done, std::atomic<uint64_t>* failed = nullptr,
+                        DoneStatus* status = nullptr) {
     OnDone d;
     d.kind_ = Kind::kCounter;
     d.done_ = done;
     d.failed_ = failed;
+    d.status_ = status;
     return d;
   }
 
@@ -59,6 +89,7 @@ class OnDone {
   // Completes it here, on the calling thread (a callback runs right away): for operations built
   // from several engine calls, such as a KV request, that report once when all of theirs ended.
   void fire(const Status& status) {
+    if (!status.ok() && status_) status_->record(status);  // before the flag or counter changes
     switch (kind_) {
       case Kind::kNone: break;
       case Kind::kCallback:
@@ -88,6 +119,7 @@ class OnDone {
     kind_ = Kind::kNone;
     flag_ = nullptr;
     done_ = failed_ = nullptr;
+    status_ = nullptr;
   }
 
   Kind kind() const { return kind_; }
@@ -102,6 +134,7 @@ class OnDone {
   std::atomic<int>* flag_ = nullptr;
   std::atomic<uint64_t>* done_ = nullptr;
   std::atomic<uint64_t>* failed_ = nullptr;
+  DoneStatus* status_ = nullptr;
   std::shared_ptr<void> keep_alive_;
 };
 

@@ -61,6 +61,9 @@ struct NicStats {
   // Immediates dropped because EngineConfig::max_unexpected_imms distinct values were already
   // counted with nobody waiting for them.
   uint64_t imms_dropped = 0;
+  // Messages that reached this NIC and could not be delivered: longer than the receive buffers
+  // (submit_recvs' len), or failed in the provider. Each is also logged (the first at warn).
+  uint64_t messages_dropped = 0;
   // Which NIC: its name as the provider calls it (libfabric domain "rdmap16s27-rdm", verbs device
   // "mlx5_0", "cuda_ipc"), the worker it belongs to, and its link speed (0: the provider does not
   // say, as on loopback).
@@ -74,6 +77,7 @@ struct ImmExpectation {
   uint32_t imm = 0;
   uint64_t id = 0;
   uint32_t worker = 0;
+  uint32_t engine = 0;  // the engine that made it (see MrHandle)
 };
 
 struct ExpectOptions {

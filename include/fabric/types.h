@@ -73,10 +73,13 @@ class NetAddr {
 };
 
 // Local handle of a registered memory region (source of writes). Cheap to copy.
-// A stale handle (after dereg_mr) is detected: its generation no longer matches.
+// A stale handle (after dereg_mr) is detected: its generation no longer matches. A handle names
+// its engine (`engine`, unique in the process, never 0): another engine of the process refuses it
+// instead of reading its own region in the same slot.
 struct MrHandle {
   uint32_t slot = UINT32_MAX;
   uint32_t generation = 0;
+  uint32_t engine = 0;
   bool operator==(const MrHandle&) const = default;
 };
 
@@ -133,10 +136,12 @@ class MrDesc {
 
 // A remote region interned by TransferEngine::add_remote: its owner's addresses are resolved and
 // its keys copied once, so requests name it by this handle instead of carrying the descriptor.
-// Cheap to copy; stale after remove_remote (detected: its generation no longer matches).
+// Cheap to copy; stale after remove_remote (detected: its generation no longer matches). Bound to
+// the engine that interned it, as MrHandle is.
 struct RemoteMr {
   uint32_t slot = UINT32_MAX;
   uint32_t generation = 0;
+  uint32_t engine = 0;
   bool operator==(const RemoteMr&) const = default;
 };
 
@@ -175,10 +180,12 @@ struct GroupSlice {
 };
 
 // A set of destination regions (typically one per peer) whose routes and WRITE templates are
-// built once, by add_peer_group; scatters and barriers to it patch and post them.
+// built once, by add_peer_group; scatters and barriers to it patch and post them. Bound to the
+// engine that made it, as MrHandle is.
 struct PeerGroupHandle {
   uint32_t id = UINT32_MAX;
   uint32_t size = 0;
+  uint32_t engine = 0;
 };
 
 }  // namespace fabric

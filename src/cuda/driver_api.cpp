@@ -40,6 +40,33 @@ AddressRange allocation_of(const void* ptr) {
   return {reinterpret_cast<uint8_t*>(base), size};
 }
 
+void check_device_range(const void* ptr, size_t len, int device) {
+  using RangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  using AttrFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  static RangeFn range_fn = entry_point<RangeFn>("cuMemGetAddressRange");
+  static AttrFn attr_fn = entry_point<AttrFn>("cuPointerGetAttribute");
+  const auto p = reinterpret_cast<CUdeviceptr>(ptr);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  int ordinal = -1;
+  if (range_fn(&base, &size, p) != CUDA_SUCCESS ||
+      attr_fn(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p) != CUDA_SUCCESS)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("reg_mr: {} is not CUDA device memory: register host memory with "
+                            "Device::host(), device memory with the device it was allocated on",
+                            ptr));
+  if (ordinal != device)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("reg_mr: {} is memory of CUDA device {}, not of device {}", ptr, ordinal,
+                            device));
+  const uint64_t end = static_cast<uint64_t>(p - base) + len;
+  if (end > size)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("reg_mr: [{}, +{}) runs {} bytes past the end of its CUDA allocation "
+                            "({} bytes at {:#x}): pass the length of the tensor, not more",
+                            ptr, len, end - size, size, static_cast<uint64_t>(base)));
+}
+
 DmaBuf dmabuf_of(const void* ptr, size_t len) {
   using Fn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
   static Fn fn = entry_point<Fn>("cuMemGetHandleForAddressRange");

@@ -15,6 +15,10 @@ struct AddressRange {
 // The allocation that contains `ptr` (cuMemGetAddressRange). Throws fabric::Error.
 AddressRange allocation_of(const void* ptr);
 
+// Throws fabric::Error(kInvalidArgument) unless [ptr, ptr + len) lies inside one allocation of
+// CUDA device `device` (what reg_mr checks before a NIC or a peer may write there).
+void check_device_range(const void* ptr, size_t len, int device);
+
 // A dma-buf file descriptor for the pages under [ptr, ptr + len) (cuMemGetHandleForAddressRange),
 // for NIC registration without nvidia-peermem. The range is widened to whole pages; `offset` is
 // where ptr lies inside it. The caller closes the descriptor. Throws fabric::Error.

@@ -101,6 +101,7 @@ class EngineImpl {
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_expectation_id_{1};
   std::shared_ptr<ImmRegistry> imm_registry_;
+  const uint32_t engine_id_;  // what this engine's handles carry (MrHandle::engine)
   std::mutex control_mu_;  // registration, interning and peer groups only (control path)
   std::unordered_map<std::string, RemoteMr> remote_index_;  // MrDesc bytes: add_remote is idempotent
   static constexpr size_t kMaxGroups = 1024;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "engine/engine_impl.h"
+#include "engine/mapped_range.h"
 #include "util/log.h"
 #include "worker/sharding.h"
 
@@ -30,6 +31,25 @@ void leave_behind(LeftBehind parts) {
   static auto* all = new std::vector<LeftBehind>;
   std::lock_guard l(*mu);
   all->push_back(std::move(parts));
+}
+
+// Engine ids: unique in the process, never 0 (a default-constructed handle names no engine).
+std::atomic<uint32_t> next_engine_id{1};
+
+// A handle of another engine, or none, is refused before its slot is read: its slot and generation
+// may well name one of this engine's regions. `kind` is the handle's type, `made_by` the call
+// that makes it.
+void check_engine(uint32_t handle_engine, uint32_t ours, const char* what, const char* kind,
+                  const char* made_by) {
+  if (handle_engine == ours) return;
+  if (handle_engine == 0)
+    throw Error(ErrorCode::kNotFound,
+                fmt::format("{}: unknown {} (made by no engine): use the handle that {} returned",
+                            what, kind, made_by));
+  throw Error(ErrorCode::kInvalidArgument,
+              fmt::format("{}: this {} belongs to engine {}, not to this engine ({}): each engine "
+                          "accepts only the handles its own {} returned",
+                          what, kind, handle_engine, ours, made_by));
 }
 
 bool in_bounds(uint64_t offset, uint64_t len, uint64_t region_len) {
@@ -124,7 +144,8 @@ EngineImpl::EngineImpl(EngineConfig config)
       remotes_(*remotes_owner_),
       buffers_owner_(std::make_unique<RequestBufferPool>()),
       buffers_(*buffers_owner_),
-      imm_registry_(std::make_shared<ImmRegistry>(this)) {
+      imm_registry_(std::make_shared<ImmRegistry>(this)),
+      engine_id_(next_engine_id.fetch_add(1, std::memory_order_relaxed)) {
   callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
   try {
     for (size_t w = 0; w < worker_configs_.size(); w++)
@@ -196,6 +217,7 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
   if (!ptr || len == 0)
     throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
   const uint32_t w = worker_index(device, "reg_mr");
+  check_mapped(ptr, len, device);  // a peer's WRITE must never land past the real end
   Worker& worker = *workers_[w];
   if (device.kind == Device::Kind::kHost) device = Device::host();  // the providers see host memory
   // The domains that allow it (verbs) pin the region on this thread, before anything else: tens
@@ -226,7 +248,7 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
           for (size_t i = 0; i < nic_count(); i++) keys.push_back(reg.regions[i].remote);
         std::optional<RemoteKey> local_key;
         if (worker.has_local() && reg.regions[nic_count()].remote_access) local_key = reg.regions[nic_count()].remote;
-        result.emplace(MrHandle{*s, gen}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms));
+        result.emplace(MrHandle{*s, gen, engine_id_}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms));
       } catch (...) {
         worker.deregister_region(reg.regions, Part::kOnWorker);
         mrs_.return_slot(*s);
@@ -286,6 +308,7 @@ void EngineImpl::dereg_mr(MrHandle handle) {
 }
 
 SourceView EngineImpl::source(const MrHandle& h) const {
+  check_engine(h.engine, engine_id_, "MrHandle", "MrHandle", "reg_mr");
   std::optional<SourceView> s = mrs_.view(h);
   if (!s)
     throw Error(ErrorCode::kNotFound,
@@ -308,6 +331,7 @@ void EngineImpl::check_peer(const NetAddr& peer, const char* what) const {
 }
 
 RemoteView EngineImpl::remote(const RemoteMr& r, const char* what) const {
+  check_engine(r.engine, engine_id_, what, "RemoteMr", "add_remote");
   std::optional<RemoteView> v = remotes_.view(r);
   if (!v)
     throw Error(ErrorCode::kNotFound,
@@ -318,6 +342,7 @@ RemoteView EngineImpl::remote(const RemoteMr& r, const char* what) const {
 }
 
 const PeerGroup& EngineImpl::group(const PeerGroupHandle& h, const char* what) const {
+  check_engine(h.engine, engine_id_, what, "peer group", "add_peer_group");
   const PeerGroup* g = h.id < kMaxGroups ? groups_[h.id].load(std::memory_order_acquire) : nullptr;
   if (!g) throw Error(ErrorCode::kNotFound, fmt::format("{}: unknown peer group {}", what, h.id));
   return *g;
@@ -433,13 +458,14 @@ ImmExpectation EngineImpl::expect_reserved(uint32_t imm, uint64_t count, OnDone 
   r.id = next_expectation_id_.fetch_add(1, std::memory_order_relaxed);
   if (opts.timeout) r.deadline = Clock::now() + *opts.timeout;
   r.on_done = std::move(on_done);
-  ImmExpectation handle{imm, r.id, w};
+  ImmExpectation handle{imm, r.id, w, engine_id_};
   workers_[w]->submit(std::move(r));
   return handle;
 }
 
 bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
   check_open();
+  check_engine(e.engine, engine_id_, "cancel_imm_expectation", "ImmExpectation", "expect_imm_count");
   if (e.worker >= workers_.size()) return false;
   Worker& w = *workers_[e.worker];
   return w.call([&] { return w.cancel_expectation(e.imm, e.id); });
@@ -454,8 +480,10 @@ void EngineImpl::remove_peer(const NetAddr& peer) {
   for (size_t g = 0; g < peer.worker_count(); g++) {
     const NetAddr one = peer.worker(g);
     for (auto& w : workers_)
-      for (const RemoteMr& r : w->call([&] { return w->remove_peer(one); }))
+      for (RemoteMr r : w->call([&] { return w->remove_peer(one); })) {
+        r.engine = engine_id_;  // the worker knows slots, not engines
         if (std::find(removed.begin(), removed.end(), r) == removed.end()) removed.push_back(r);
+      }
   }
   // Its interned regions go with it (a process at the same address later is another peer, with
   // other keys). Groups keep their member, which fails with kCancelled from now on.
@@ -550,13 +578,14 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
   slot.local.store(slot.target(0).local, std::memory_order_release);  // every worker shares one host
   slot.imm_bits.store(desc.imms().bits, std::memory_order_release);
   uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
-  RemoteMr r{*s, gen};
+  RemoteMr r{*s, gen, engine_id_};
   remote_index_.emplace(std::move(key), r);
   return r;
 }
 
 void EngineImpl::remove_remote(RemoteMr r) {
   check_open();
+  check_engine(r.engine, engine_id_, "remove_remote", "RemoteMr", "add_remote");
   std::lock_guard lock(control_mu_);
   remove_remote_locked(r);
 }
@@ -739,7 +768,7 @@ PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
   }
   groups_[id].store(g.get(), std::memory_order_release);
   group_storage_.push_back(std::move(g));
-  return PeerGroupHandle{id, static_cast<uint32_t>(members.size())};
+  return PeerGroupHandle{id, static_cast<uint32_t>(members.size()), engine_id_};
 }
 
 std::vector<NicStats> EngineImpl::nic_stats() const {
@@ -753,7 +782,8 @@ std::vector<NicStats> EngineImpl::nic_stats() const {
       const DomainCaps& caps = worker.caps(i);
       out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
                      a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
-                     f.duplicated_imms, a.imms_dropped.load(), caps.nic_name, w, caps.link_gbps});
+                     f.duplicated_imms, a.imms_dropped.load(), a.messages_dropped.load(), caps.nic_name, w,
+                     caps.link_gbps});
     }
   return out;
 }

@@ -23,7 +23,7 @@ namespace fabric {
 // One domain's counters: written by the worker, read by any thread (nic_stats).
 struct AtomicNicStats {
   std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
-      messages_received{0}, errors{0}, imms_dropped{0};
+      messages_received{0}, errors{0}, imms_dropped{0}, messages_dropped{0};
 };
 
 class DomainGroup {

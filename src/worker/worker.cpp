@@ -300,7 +300,17 @@ void Worker::on_completion(size_t nic, Completion& c) {
         return;
       }
       if (c.context->kind == kOpRecv) {  // a failed receive still owns its buffer: post it again
-        log::warn("nic {}: receive failed: {}", nic, c.error);
+        // The message is lost to the application: counted, and said once loudly (a sender that
+        // keeps sending too-long messages would flood the log), then at debug.
+        st.messages_dropped.fetch_add(1, std::memory_order_relaxed);
+        if (!warned_message_drop_)
+          log::warn("nic {}: a message was dropped: {}. A message longer than the receive buffers "
+                    "(submit_recvs' len) cannot be delivered: give the buffers the senders' "
+                    "EngineConfig::max_message_size. NicStats::messages_dropped counts further drops",
+                    nic, c.error);
+        else
+          log::debug("nic {}: a message was dropped: {}", nic, c.error);
+        warned_message_drop_ = true;
         recv_pools_.repost(nic, c.context);
         return;
       }
@@ -356,31 +366,15 @@ void Worker::maybe_finish(Transfer& t) {
 void Worker::report(OnDone& on_done, Status status) {
   if (!status.ok() && on_done.kind() != OnDone::Kind::kCallback)
     log::warn("transfer failed: {}", status.message());
-  switch (on_done.kind()) {
-    case OnDone::Kind::kNone:
-      break;
-    case OnDone::Kind::kFlag:
-      on_done.flag_ptr()->store(status.ok() ? kDoneSucceeded : kDoneFailed,
-                                std::memory_order_release);
-      on_done.flag_ptr()->notify_all();  // callers may block with std::atomic::wait
-      break;
-    case OnDone::Kind::kCounter:
-      if (status.ok()) {
-        on_done.done_counter()->fetch_add(1, std::memory_order_release);
-        on_done.done_counter()->notify_all();
-      } else if (on_done.failed_counter()) {
-        on_done.failed_counter()->fetch_add(1, std::memory_order_release);
-        on_done.failed_counter()->notify_all();
-      }
-      break;
-    case OnDone::Kind::kCallback: {
-      Event e;
-      e.done = std::move(on_done.callback_fn());
-      e.status = std::move(status);
-      callbacks_.push(std::move(e), overflow_);
-      break;
-    }
+  if (on_done.kind() != OnDone::Kind::kCallback) {
+    on_done.fire(status);  // a flag or counter is set here, by the worker: no callback cost
+    return;
   }
+  // Callbacks run on the callback thread, never on a worker.
+  Event e;
+  e.done = std::move(on_done.callback_fn());
+  e.status = std::move(status);
+  callbacks_.push(std::move(e), overflow_);
 }
 
 // Transfers are linked in submission order and share one timeout, so the oldest expires first.

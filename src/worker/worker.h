@@ -185,6 +185,7 @@ class Worker {
   PeerTable peers_;            // peer records, the routes and groups that hold them
   Expectations expectations_;  // immediates counted here and the expectations waiting for them
   bool warned_imm_drop_ = false;
+  bool warned_message_drop_ = false;
   util::ObjectPool<Transfer> transfers_{256};
   Poster poster_;                   // a transfer's operations posted, their contexts, send slots
   util::Ring<Transfer*> pending_;   // transfers with WRITEs left to post, FIFO

@@ -35,7 +35,7 @@ TEST(EngineErrors, BadSubmissionsAreRejectedSynchronouslyAndLoseNothing) {
   expect_error(ErrorCode::kNotFound, "MrHandle", [&] { single(1, {MrHandle{77, 1}, 0}, {rd, 0}); });
   expect_error(ErrorCode::kNotFound, "MrHandle", [&] { single(1, {MrHandle{}, 0}, {rd, 0}); });
   expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {RemoteMr{}, 0}); });
-  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {RemoteMr{rd.slot, rd.generation + 2}, 0}); });
+  expect_error(ErrorCode::kNotFound, "RemoteMr", [&] { single(1, {hs, 0}, {RemoteMr{rd.slot, rd.generation + 2, rd.engine}, 0}); });
   expect_error(ErrorCode::kInvalidArgument, "same number of NICs",
                [&] { a.add_remote(dw); });  // descriptor of a 2-NIC engine
   expect_error(ErrorCode::kInvalidArgument, "nic 1", [&] {
