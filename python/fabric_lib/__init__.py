@@ -23,6 +23,7 @@ from ._fabric_lib import (
     DoneFlag,
     Engine as _Engine,
     FabricError,
+    FabricTimeoutError,
     GpuCounter,
     GroupSlice,
     ImmExpectation,
@@ -49,7 +50,7 @@ from ._fabric_lib import (
 )
 
 __all__ = [
-    "DoneCounter", "DoneFlag", "FabricError", "GpuCounter", "GroupSlice", "ImmExpectation", "ImmReservation",
+    "DoneCounter", "DoneFlag", "FabricError", "FabricTimeoutError", "GpuCounter", "GroupSlice", "ImmExpectation", "ImmReservation",
     "MrDesc",
     "MrHandle", "NetAddr", "NicAffinity", "NicStats", "Pages", "PeerGroupHandle", "RemoteMr",
     "ScatterSlice", "Status", "TopoGpu", "TopoNic", "TopoNumaNode", "Topology", "TransferEngine",
@@ -118,10 +119,14 @@ def _buffer_address(obj: Any) -> tuple[int, int, Optional[int]]:
 class TransferEngine(_Engine):
     """A transfer engine: see docs/api.md for every call's semantics.
 
-    Construction: TransferEngine(provider="tcp;ofi_rxm", nics=["127.0.0.1"], poll="adaptive",
-    callback_poll="adaptive", transfer_timeout_s=30.0, ...). Each entry of `nics` is a source
-    address ("127.0.0.2"), a libfabric domain name with an address ("domain@node"), or "" for the
-    provider's default; 1 to 4 entries (an empty list raises FabricError, as zero NICs is invalid).
+    Construction: TransferEngine(provider=None, nics=None, poll=None, callback_poll=None,
+    transfer_timeout_s=30.0, ...). What is left out comes from the environment as in C++
+    (FABRIC_PROVIDER, FABRIC_NICS, FABRIC_POLL, FABRIC_CUDA_DEVICE, FABRIC_CUDA_IPC,
+    FABRIC_HOST_IPC), else from the provider: "tcp;ofi_rxm" on 127.0.0.1, shm with no address,
+    efa on the NICs detect_topology() gives the GPU, verbs on the first device; poll "adaptive".
+    Each entry of `nics` is a source address ("127.0.0.2"), a libfabric domain name with an
+    address ("domain@node"), a verbs device name, or "" for the provider's default; 1 to 4
+    entries (an empty list raises FabricError, as zero NICs is invalid).
     Usable as a context manager (close() on exit). Same-host peers: cuda_ipc=True (with
     cuda_device) writes GPU memory through CUDA IPC; host_ipc=True writes host memory with one
     kernel copy by the initiator (process_vm_writev): both engines must enable it, and not both
@@ -140,7 +145,13 @@ class TransferEngine(_Engine):
     on_done arguments accept None, a DoneFlag, a DoneCounter, or a callable(status: Status) that
     runs on the engine's callback thread with the GIL held (exceptions go to sys.unraisablehook).
     DoneFlag and DoneCounter are set by the engine's worker without the GIL: they keep counting
-    while Python code holds it.
+    while Python code holds it. A DoneFlag is one-shot (reset() re-arms it) and keeps the Status
+    it ended with (flag.status); a DoneCounter keeps its first failure (counter.error).
+
+    Handles (MrHandle, RemoteMr, PeerGroupHandle, ImmExpectation) belong to the engine that made
+    them: another engine refuses them. Errors raise FabricError with .code ("invalid argument",
+    "not found", "timeout", ...); every timeout raises FabricTimeoutError, which is also a
+    TimeoutError.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -225,7 +236,7 @@ class TransferEngine(_Engine):
             if status.ok:
                 fut.set_result(None)
             else:
-                fut.set_exception(FabricError(status.message))
+                fut.set_exception(_c._error_of(status))
 
         def on_done(status: Status) -> None:  # runs on the engine's callback thread
             loop.call_soon_threadsafe(settle, status)
@@ -283,10 +294,17 @@ class TransferEngine(_Engine):
     async def imm_count_reached(self, imm: int, count: int,
                                 timeout_s: Optional[float] = None) -> None:
         """Awaits until immediate `imm` has been received `count` times (early arrivals count);
-        with timeout_s, raises FabricError (timeout) if that does not happen in time."""
+        with timeout_s, raises FabricTimeoutError if that does not happen in time. Cancelling the
+        await (task.cancel(), asyncio.wait_for) cancels the expectation too: what it had seen
+        stays counted for the next expectation of `imm`, and nothing later is consumed by it."""
         fut, on_done = self._future()
-        self.expect_imm_count(imm, count, on_done, timeout_s=timeout_s)
-        await fut
+        expectation = self.expect_imm_count(imm, count, on_done, timeout_s=timeout_s)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not self.closed:
+                self.cancel_imm_expectation(expectation)
+            raise
 
 
 

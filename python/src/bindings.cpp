@@ -21,6 +21,8 @@
 
 #include "fabric/fabric.h"
 #include "fabric/topology.h"
+#include "arg_check.h"
+#include "engine_defaults.h"
 #include "py_support.h"
 
 namespace nb = nanobind;
@@ -139,6 +141,24 @@ Device gpu_or_host(std::optional<int> cuda_device) {
   return cuda_device ? Device::cuda(*cuda_device) : Device::host();
 }
 
+// Type checks and their descriptions, for the messages of checked bindings (arg_check.h).
+bool is_mr_handle(nb::handle h) { return nb::isinstance<MrHandle>(h); }
+bool is_remote_mr(nb::handle h) { return nb::isinstance<RemoteMr>(h); }
+bool is_mr_desc(nb::handle h) { return nb::isinstance<MrDesc>(h); }
+bool is_dst(nb::handle h) { return is_remote_mr(h) || is_mr_desc(h); }
+bool is_pages(nb::handle h) { return nb::isinstance<PyPages>(h); }
+bool is_group(nb::handle h) { return nb::isinstance<PeerGroupHandle>(h); }
+bool is_net_addr(nb::handle h) { return nb::isinstance<NetAddr>(h); }
+bool is_bytes(nb::handle h) { return PyBytes_Check(h.ptr()); }
+bool is_reservation(nb::handle h) { return nb::isinstance<PyImmReservation>(h); }
+bool is_done_object(nb::handle h) {
+  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
+}
+constexpr const char* kMrHandleText = "an MrHandle (from this engine's reg_mr or register_tensor)";
+constexpr const char* kDstText = "a RemoteMr (from add_remote) or an MrDesc (the peer's descriptor)";
+constexpr const char* kPagesText = "a Pages (fabric_lib.Pages(indices, stride, offset))";
+constexpr const char* kGroupText = "a PeerGroupHandle (from add_peer_group)";
+
 // Parameter types as the generated stubs show them (nb::sig), where the binding takes a handle.
 #define FABRIC_DST "RemoteMr | MrDesc"
 #define FABRIC_ON_DONE \
@@ -149,7 +169,17 @@ Device gpu_or_host(std::optional<int> cuda_device) {
 NB_MODULE(_fabric_lib, m) {
   m.doc() = "fabric-lib: RDMA point-to-point transfers (one-sided WRITEs with immediates)";
 
+  // FabricError carries `.code` (the ErrorCode as Status.code names it: "timeout", "not found",
+  // ...); a timeout is a FabricTimeoutError, which is also a TimeoutError, wherever it is raised.
   nb::exception<Error> fabric_error(m, "FabricError", PyExc_RuntimeError);
+  PyObject_SetAttrString(fabric_error.ptr(), "code", Py_None);  // raised from Python without one
+  nb::object timeout_bases = nb::make_tuple(fabric_error, nb::handle(PyExc_TimeoutError));
+  PyObject* timeout_error =
+      PyErr_NewExceptionWithDoc("fabric_lib._fabric_lib.FabricTimeoutError",
+                                "A FabricError with code 'timeout'; also a TimeoutError.",
+                                timeout_bases.ptr(), nullptr);
+  if (!timeout_error) throw nb::python_error();
+  m.attr("FabricTimeoutError") = nb::steal(timeout_error);
   // Tried before nanobind's own translator (the latest registered goes first): the message is
   // decoded with backslashreplace, so an error is always a FabricError, never a UnicodeDecodeError.
   nb::register_exception_translator(
@@ -157,35 +187,50 @@ NB_MODULE(_fabric_lib, m) {
         try {
           std::rethrow_exception(p);
         } catch (const Error& e) {
-          PyObject* msg = PyUnicode_DecodeUTF8(e.what(), static_cast<Py_ssize_t>(std::strlen(e.what())),
-                                               "backslashreplace");
-          if (msg) {
-            PyErr_SetObject(static_cast<PyObject*>(type), msg);
-            Py_DECREF(msg);
-          }
+          set_fabric_error(static_cast<PyObject*>(type), e.code(), e.what());
         }
       },
       fabric_error.ptr());
+  set_error_types(fabric_error.ptr(), timeout_error);
+  m.def("_error_of", [](const Status& s) { return error_of(s); },
+        "The exception (FabricError or FabricTimeoutError, with .code) for a failed Status.");
 
   nb::class_<Status>(m, "Status")
       .def_prop_ro("ok", &Status::ok)
       .def_prop_ro("code", [](const Status& s) { return std::string(to_string(s.code())); })
       .def_prop_ro("message", [](const Status& s) { return to_py_str(s.message()); })
       .def("__bool__", &Status::ok)
-      .def("__repr__", [](const Status& s) {
-        return to_py_str(s.ok() ? std::string("Status(ok)") : "Status(" + s.message() + ")");
-      });
+      .def("__repr__", [](const Status& s) { return to_py_str("Status(" + status_text(s) + ")"); });
 
-  nb::class_<DoneFlag>(m, "DoneFlag", "Set by the engine itself when the operation ends.")
+  nb::class_<DoneFlag>(m, "DoneFlag",
+                       "Set by the engine itself when the one operation it was given to ends. One-shot: "
+                       "giving a fired flag (or one still in flight) to another operation raises; "
+                       "reset() re-arms it.")
       .def(nb::init<>())
-      .def_prop_ro("done", [](const DoneFlag& f) { return f.state->load() != kDonePending; })
-      .def_prop_ro("ok", [](const DoneFlag& f) { return f.state->load() == kDoneSucceeded; })
+      .def_prop_ro("done", [](const DoneFlag& f) { return f.state->value.load() != kDonePending; })
+      .def_prop_ro("ok", [](const DoneFlag& f) { return f.state->value.load() == kDoneSucceeded; })
+      .def_prop_ro("status", [](const DoneFlag& f) { return flag_status(f); },
+                   "None while pending; then the Status it ended with (its code and message on failure).")
       .def("wait",
            [](DoneFlag& f, std::optional<double> timeout) {
              auto state = f.state;
-             return wait_released([&] { return state->load() != kDonePending; }, timeout);
+             return wait_released([&] { return state->value.load() != kDonePending; }, timeout);
            },
-           "timeout"_a = nb::none(), "Blocks (GIL released) until done; False on timeout.");
+           "timeout"_a = nb::none(), "Blocks (GIL released) until done; False on timeout.")
+      .def("reset",
+           [](DoneFlag& f) {
+             if (f.in_flight())
+               throw Error(ErrorCode::kInvalidArgument,
+                           "DoneFlag.reset(): the operation it was given to has not ended; wait() for it first");
+             f.state->status.clear();
+             f.state->value.store(kDonePending);
+           },
+           "Re-arms a flag whose operation ended (or was refused), for the next operation.")
+      .def("__repr__", [](const DoneFlag& f) {
+        const int v = f.state->value.load();
+        if (v == kDonePending) return to_py_str(f.in_flight() ? "DoneFlag(pending)" : "DoneFlag(unused)");
+        return to_py_str("DoneFlag(" + status_text(*flag_status(f)) + ")");
+      });
 
   nb::class_<DoneCounter>(m, "DoneCounter", "Counts operations that ended, by outcome.")
       .def(nb::init<>())
@@ -197,7 +242,14 @@ NB_MODULE(_fabric_lib, m) {
              return wait_released([&] { return counts->done.load() + counts->failed.load() >= n; },
                                   timeout);
            },
-           "n"_a, "timeout"_a = nb::none(), "Blocks until done + failed >= n; False on timeout.");
+           "n"_a, "timeout"_a = nb::none(), "Blocks until done + failed >= n; False on timeout.")
+      .def_prop_ro("error",
+                   [](const DoneCounter& c) { return c.counts->status.first_failure(); },
+                   "None, or the Status of the first operation that failed (its code and message).")
+      .def("__repr__", [](const DoneCounter& c) {
+        return "DoneCounter(done=" + std::to_string(c.counts->done.load()) +
+               ", failed=" + std::to_string(c.counts->failed.load()) + ")";
+      });
 
   nb::class_<NetAddr>(m, "NetAddr")
       .def_static("from_bytes", [](nb::bytes b) { return NetAddr::from_bytes(as_span(b)); })
@@ -231,23 +283,27 @@ NB_MODULE(_fabric_lib, m) {
            [](MrDesc& d, nb::bytes b) { new (&d) MrDesc(MrDesc::from_bytes(as_span(b))); })
       .def("__repr__", [](const MrDesc& d) { return "MrDesc(" + std::to_string(d.len()) + " bytes)"; });
 
-  nb::class_<MrHandle>(m, "MrHandle")
+  nb::class_<MrHandle>(m, "MrHandle", "A region registered by reg_mr / register_tensor (of that engine only).")
       .def_ro("slot", &MrHandle::slot)
       .def_ro("generation", &MrHandle::generation)
+      .def_ro("engine", &MrHandle::engine, "the engine it belongs to")
       .def("__eq__", [](const MrHandle& a, const MrHandle& b) { return a == b; })
-      .def("__hash__", [](const MrHandle& h) { return (uint64_t{h.slot} << 32) | h.generation; })
+      .def("__hash__", [](const MrHandle& h) { return handle_hash(h.slot, h.generation, h.engine); })
       .def("__repr__", [](const MrHandle& h) {
-        return "MrHandle(slot=" + std::to_string(h.slot) + ", generation=" + std::to_string(h.generation) + ")";
+        return "MrHandle(slot=" + std::to_string(h.slot) + ", generation=" + std::to_string(h.generation) +
+               ", engine=" + std::to_string(h.engine) + ")";
       });
 
   nb::class_<RemoteMr>(m, "RemoteMr",
-                       "A remote region interned by Engine.add_remote (valid until remove_remote).")
+                       "A remote region interned by add_remote of one engine (valid there until remove_remote).")
       .def_ro("slot", &RemoteMr::slot)
       .def_ro("generation", &RemoteMr::generation)
+      .def_ro("engine", &RemoteMr::engine, "the engine that interned it")
       .def("__eq__", [](const RemoteMr& a, const RemoteMr& b) { return a == b; })
-      .def("__hash__", [](const RemoteMr& r) { return (uint64_t{r.slot} << 32) | r.generation; })
+      .def("__hash__", [](const RemoteMr& r) { return handle_hash(r.slot, r.generation, r.engine); })
       .def("__repr__", [](const RemoteMr& r) {
-        return "RemoteMr(slot=" + std::to_string(r.slot) + ", generation=" + std::to_string(r.generation) + ")";
+        return "RemoteMr(slot=" + std::to_string(r.slot) + ", generation=" + std::to_string(r.generation) +
+               ", engine=" + std::to_string(r.engine) + ")";
       });
 
   nb::class_<PyPages>(m, "Pages", "Page i lives at offset + stride * indices[i] (the indices are copied).")
@@ -261,6 +317,13 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("stride", &PyPages::stride)
       .def_ro("offset", &PyPages::offset)
       .def("__len__", [](const PyPages& p) { return p.indices.size(); })
+      .def("__repr__", [](const PyPages& p) {
+        std::string first;
+        for (size_t i = 0; i < p.indices.size() && i < 4; i++) first += (i ? ", " : "") + std::to_string(p.indices[i]);
+        if (p.indices.size() > 4) first += ", ...";
+        return "Pages(" + std::to_string(p.indices.size()) + " pages [" + first + "], stride=" +
+               std::to_string(p.stride) + ", offset=" + std::to_string(p.offset) + ")";
+      })
       .def_prop_ro("indices", [](const PyPages& p) { return p.indices; });
 
   nb::class_<PyScatterSlice>(m, "ScatterSlice",
@@ -298,9 +361,11 @@ NB_MODULE(_fabric_lib, m) {
   nb::class_<PeerGroupHandle>(m, "PeerGroupHandle", "A peer group made by Engine.add_peer_group.")
       .def_ro("id", &PeerGroupHandle::id)
       .def_ro("size", &PeerGroupHandle::size)
+      .def_ro("engine", &PeerGroupHandle::engine, "the engine that made it")
       .def("__len__", [](const PeerGroupHandle& g) { return g.size; })
       .def("__repr__", [](const PeerGroupHandle& g) {
-        return "PeerGroupHandle(id=" + std::to_string(g.id) + ", size=" + std::to_string(g.size) + ")";
+        return "PeerGroupHandle(id=" + std::to_string(g.id) + ", size=" + std::to_string(g.size) +
+               ", engine=" + std::to_string(g.engine) + ")";
       });
 
   nb::class_<NicStats>(m, "NicStats")
@@ -313,13 +378,26 @@ NB_MODULE(_fabric_lib, m) {
       .def_ro("faults_injected", &NicStats::faults_injected)
       .def_ro("imms_duplicated", &NicStats::imms_duplicated)
       .def_ro("imms_dropped", &NicStats::imms_dropped)
+      .def_ro("messages_dropped", &NicStats::messages_dropped,
+              "messages that arrived and could not be delivered (longer than the receive buffers)")
       .def_prop_ro("nic", [](const NicStats& n) { return to_py_str(n.nic); }, "the NIC's name")
       .def_ro("worker", &NicStats::worker, "the worker (GPU) it belongs to")
-      .def_ro("link_gbps", &NicStats::link_gbps, "link speed, 0 where the provider does not say");
+      .def_ro("link_gbps", &NicStats::link_gbps, "link speed in Gbit/s, 0 where the provider does not say")
+      .def("__repr__", [](const NicStats& n) {
+        return to_py_str("NicStats(" + n.nic + ", worker=" + std::to_string(n.worker) + ", writes_posted=" +
+                         std::to_string(n.writes_posted) + ", bytes_written=" + std::to_string(n.bytes_written) +
+                         ", imms_received=" + std::to_string(n.imms_received) + ", messages_received=" +
+                         std::to_string(n.messages_received) + ", errors=" + std::to_string(n.errors) + ")");
+      });
 
   nb::class_<ImmExpectation>(m, "ImmExpectation", "A pending expect_imm_count, to cancel it.")
       .def_ro("imm", &ImmExpectation::imm)
-      .def_ro("id", &ImmExpectation::id);
+      .def_ro("id", &ImmExpectation::id)
+      .def_ro("engine", &ImmExpectation::engine, "the engine that counts it")
+      .def("__repr__", [](const ImmExpectation& x) {
+        return "ImmExpectation(imm=" + std::to_string(x.imm) + ", id=" + std::to_string(x.id) +
+               ", engine=" + std::to_string(x.engine) + ")";
+      });
 
   m.def("single_write_imm_count",
         [](uint64_t len, size_t nic_count, bool pinned, std::optional<uint32_t> num_shards) {
@@ -408,42 +486,31 @@ NB_MODULE(_fabric_lib, m) {
         "Reads the host's GPUs, RDMA NICs and NUMA nodes from sysfs and assigns each GPU its NICs and "
         "cores (include/fabric/topology.h). Raises FabricError when sysfs_root is not a sysfs tree.");
 
-  nb::class_<PyEngine>(m, "Engine")
+  nb::class_<PyEngine> engine(m, "Engine");
+  engine
       .def("__init__",
-           [](PyEngine* self, const std::string& provider, std::vector<std::string> nics,
-              const std::string& poll, const std::string& callback_poll,
+           [](PyEngine* self, std::optional<std::string> provider, std::optional<std::vector<std::string>> nics,
+              std::optional<std::string> poll, std::optional<std::string> callback_poll,
               double transfer_timeout_s, size_t max_in_flight_per_nic, size_t max_message_size,
               std::optional<int> worker_cpu, bool reorder, uint64_t reorder_seed,
-              std::optional<int> cuda_device, bool cuda_ipc, bool host_ipc, const Topology* topology,
-              std::optional<std::vector<int>> gpus) {
-             // An explicit empty list is an error, as in C++ (docs/api.md); leaving `nics` out
-             // gives one NIC.
-             if (nics.empty() || nics.size() > kMaxNics)
+              std::optional<int> cuda_device, std::optional<bool> cuda_ipc, std::optional<bool> host_ipc,
+              const Topology* topology, std::optional<std::vector<int>> gpus) {
+             // What is left out comes from the FABRIC_* environment as in C++ (EngineConfig::from_env),
+             // else from the provider's defaults (engine_defaults.h).
+             EngineConfig c = python_engine_config(provider, nics, cuda_device);
+             if (poll) c.worker_poll = poll_mode(*poll);
+             if (callback_poll) c.callback_poll = poll_mode(*callback_poll);
+             if (!(transfer_timeout_s > 0))
                throw Error(ErrorCode::kInvalidArgument,
-                           "TransferEngine(nics=...) must list 1 to " + std::to_string(kMaxNics) +
-                               " NICs, it lists " + std::to_string(nics.size()) +
-                               " (leave it out for one NIC on 127.0.0.1; [\"\"] picks the "
-                               "provider's default domain)");
-             EngineConfig c;
-             c.provider = provider;
-             c.nics.clear();
-             // "node" or "domain@node" per NIC; "" picks the provider's default.
-             for (auto& n : nics) {
-               auto at = n.find('@');
-               c.nics.push_back(at == std::string::npos ? NicConfig{"", n}
-                                                        : NicConfig{n.substr(0, at), n.substr(at + 1)});
-             }
-             c.worker_poll = poll_mode(poll);
-             c.callback_poll = poll_mode(callback_poll);
+                           "TransferEngine(transfer_timeout_s=...) must be a positive number of seconds");
              c.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(transfer_timeout_s * 1000));
              c.max_in_flight_per_nic = max_in_flight_per_nic;
              c.max_message_size = max_message_size;
              c.worker_cpu = worker_cpu;
              c.reorder.enabled = reorder;
              c.reorder.seed = reorder_seed;
-             c.cuda_device = cuda_device;
-             c.cuda_ipc = cuda_ipc;
-             c.host_ipc = host_ipc;
+             if (cuda_ipc) c.cuda_ipc = *cuda_ipc;
+             if (host_ipc) c.host_ipc = *host_ipc;
              // With a topology: one worker per GPU (all, or `gpus`), their NICs and cores from it;
              // the arguments above are the rest of the configuration (and the NICs where the host
              // has no RDMA NIC).
@@ -451,11 +518,11 @@ NB_MODULE(_fabric_lib, m) {
              else if (gpus) throw Error(ErrorCode::kInvalidArgument, "Engine(gpus=...) needs topology=detect_topology()");
              new (self) PyEngine(std::move(c));
            },
-           "provider"_a = "tcp;ofi_rxm", "nics"_a = std::vector<std::string>{"127.0.0.1"},
-           "poll"_a = "adaptive", "callback_poll"_a = "adaptive", "transfer_timeout_s"_a = 30.0,
+           "provider"_a = nb::none(), "nics"_a = nb::none(),
+           "poll"_a = nb::none(), "callback_poll"_a = nb::none(), "transfer_timeout_s"_a = 30.0,
            "max_in_flight_per_nic"_a = 64, "max_message_size"_a = 16384,
            "worker_cpu"_a = nb::none(), "reorder"_a = false, "reorder_seed"_a = 1,
-           "cuda_device"_a = nb::none(), "cuda_ipc"_a = false, "host_ipc"_a = false, "topology"_a = nb::none(),
+           "cuda_device"_a = nb::none(), "cuda_ipc"_a = nb::none(), "host_ipc"_a = nb::none(), "topology"_a = nb::none(),
            "gpus"_a = nb::none())
       .def("close", &PyEngine::close, "Ends pending work with errors and joins the engine's threads.")
       .def_prop_ro("closed", &PyEngine::closed)
@@ -463,34 +530,6 @@ NB_MODULE(_fabric_lib, m) {
       .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); })
       .def_prop_ro("worker_count", [](PyEngine& e) { return e.get().worker_count(); },
                    "workers (GPUs served): 1 unless built from a topology")
-      .def("reg_mr",
-           [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device, PyImmReservation* imms) {
-             TransferEngine& eng = e.get();
-             ImmReservation* r = imms ? &imms->get() : nullptr;
-             const Device device = cuda_device ? Device::cuda(*cuda_device) : Device::host();
-             nb::gil_scoped_release release;
-             return r ? eng.reg_mr(reinterpret_cast<void*>(ptr), len, device, *r)
-                      : eng.reg_mr(reinterpret_cast<void*>(ptr), len, device);
-           },
-           "ptr"_a, "length"_a, "cuda_device"_a = nb::none(), "imms"_a = nb::none(),
-           "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc). "
-           "imms: the ImmReservation whose range WRITEs into it carry their immediates in.")
-      .def("dereg_mr",
-           [](PyEngine& e, MrHandle h) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             eng.dereg_mr(h);
-           },
-           "handle"_a)
-      .def("submit_send",
-           [](PyEngine& e, const NetAddr& dst, nb::bytes data, nb::handle on_done) {
-             TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
-             auto bytes = std::as_bytes(std::span(data.c_str(), data.size()));
-             nb::gil_scoped_release release;  // `data` stays referenced by the caller's frame
-             eng.submit_send(dst, bytes, std::move(d));
-           },
-           "dst"_a, "data"_a, "on_done"_a = nb::none())
       .def("submit_recvs",
            [](PyEngine& e, size_t len, size_t count, nb::callable on_recv) {
              TransferEngine& eng = e.get();
@@ -507,23 +546,6 @@ NB_MODULE(_fabric_lib, m) {
              });
            },
            "length"_a, "count"_a, "on_recv"_a)
-      .def("expect_imm_count",
-           [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done,
-              std::optional<double> timeout_s, std::optional<int> cuda_device) {
-             TransferEngine& eng = e.get();
-             OnDone d = make_on_done(on_done);
-             ExpectOptions opts;
-             if (timeout_s) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000));
-             if (cuda_device) opts.device = Device::cuda(*cuda_device);
-             nb::gil_scoped_release release;
-             return eng.expect_imm_count(imm, count, std::move(d), opts);
-           },
-           "imm"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(),
-           "cuda_device"_a = nb::none(),
-           "Calls on_done once `imm` arrived `count` times; with timeout_s it ends with a timeout "
-           "error if not met by then. cuda_device: the GPU whose regions the WRITEs land in (a "
-           "multi-GPU engine counts immediates per GPU). Returns an ImmExpectation for "
-           "cancel_imm_expectation.")
       .def("cancel_imm_expectation",
            [](PyEngine& e, const ImmExpectation& x) {
              TransferEngine& eng = e.get();
@@ -544,29 +566,75 @@ NB_MODULE(_fabric_lib, m) {
                      nb::gil_scoped_release release;
                      return eng.peer_count();
                    })
-      .def("imm_count",
+      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); });
+  def_checked(engine, "reg_mr", {uint_arg("ptr", UINTPTR_MAX, true), uint_arg("length", UINT64_MAX, true), uint_arg("cuda_device", INT32_MAX, false, true), object_arg("imms", "an ImmReservation", is_reservation, false, true)}, 4,
+           [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device, PyImmReservation* imms) {
+             TransferEngine& eng = e.get();
+             ImmReservation* r = imms ? &imms->get() : nullptr;
+             const Device device = cuda_device ? Device::cuda(*cuda_device) : Device::host();
+             nb::gil_scoped_release release;
+             return r ? eng.reg_mr(reinterpret_cast<void*>(ptr), len, device, *r)
+                      : eng.reg_mr(reinterpret_cast<void*>(ptr), len, device);
+           },
+           "ptr"_a, "length"_a, "cuda_device"_a = nb::none(), "imms"_a = nb::none(),
+           "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc). "
+           "imms: the ImmReservation whose range WRITEs into it carry their immediates in.");
+  def_checked(engine, "dereg_mr", {object_arg("handle", kMrHandleText, is_mr_handle, true)}, 1,
+           [](PyEngine& e, MrHandle h) {
+             TransferEngine& eng = e.get();
+             nb::gil_scoped_release release;
+             eng.dereg_mr(h);
+           },
+           "handle"_a);
+  def_checked(engine, "submit_send", {object_arg("dst", "a NetAddr (the peer's main_address())", is_net_addr, true), object_arg("data", "bytes", is_bytes, true), on_done_arg(is_done_object)}, 3,
+           [](PyEngine& e, const NetAddr& dst, nb::bytes data, nb::handle on_done) {
+             TransferEngine& eng = e.get();
+             OnDone d = make_on_done(on_done);
+             auto bytes = std::as_bytes(std::span(data.c_str(), data.size()));
+             nb::gil_scoped_release release;  // `data` stays referenced by the caller's frame
+             eng.submit_send(dst, bytes, std::move(d));
+           },
+           "dst"_a, "data"_a, "on_done"_a = nb::none());
+  def_checked(engine, "expect_imm_count", {uint_arg("imm", UINT32_MAX, true), uint_arg("count", UINT64_MAX, true), on_done_arg(is_done_object), timeout_arg(), uint_arg("cuda_device", INT32_MAX, false, true)}, 3,
+           [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done,
+              std::optional<double> timeout_s, std::optional<int> cuda_device) {
+             TransferEngine& eng = e.get();
+             OnDone d = make_on_done(on_done);
+             ExpectOptions opts;
+             if (timeout_s) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000));
+             if (cuda_device) opts.device = Device::cuda(*cuda_device);
+             nb::gil_scoped_release release;
+             return eng.expect_imm_count(imm, count, std::move(d), opts);
+           },
+           "imm"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(),
+           "cuda_device"_a = nb::none(),
+           "Calls on_done once `imm` arrived `count` times; with timeout_s it ends with a timeout "
+           "error if not met by then. cuda_device: the GPU whose regions the WRITEs land in (a "
+           "multi-GPU engine counts immediates per GPU). Returns an ImmExpectation for "
+           "cancel_imm_expectation.");
+  def_checked(engine, "imm_count", {uint_arg("imm", UINT32_MAX, true)}, 1,
            [](PyEngine& e, uint32_t imm) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
              return eng.imm_count(imm);
            },
-           "imm"_a)
-      .def("add_remote",
+           "imm"_a);
+  def_checked(engine, "add_remote", {object_arg("desc", "an MrDesc (the peer's descriptor)", is_mr_desc, true)}, 1,
            [](PyEngine& e, const MrDesc& desc) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
              return eng.add_remote(desc);
            },
            "desc"_a,
-           "Interns a remote region; the same descriptor gives the same RemoteMr until remove_remote.")
-      .def("remove_remote",
+           "Interns a remote region; the same descriptor gives the same RemoteMr until remove_remote.");
+  def_checked(engine, "remove_remote", {object_arg("remote", "a RemoteMr (from add_remote)", is_remote_mr, true)}, 1,
            [](PyEngine& e, RemoteMr r) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
              eng.remove_remote(r);
            },
-           "remote"_a, "Forgets an interned region: later requests naming it fail with 'not found'.")
-      .def("submit_single_write",
+           "remote"_a, "Forgets an interned region: later requests naming it fail with 'not found'.");
+  def_checked(engine, "submit_single_write", {uint_arg("len", UINT64_MAX, true), object_arg("src", kMrHandleText, is_mr_handle, true), object_arg("dst", kDstText, is_dst, true), uint_arg("src_offset", UINT64_MAX, false), uint_arg("dst_offset", UINT64_MAX, false), on_done_arg(is_done_object), uint_arg("imm", UINT32_MAX, false, true), uint_arg("nic", UINT8_MAX, false, true), uint_arg("num_shards", UINT32_MAX, false, true)}, 0,
            [](PyEngine& e, uint64_t len, const MrHandle& src, nb::handle dst, uint64_t src_offset,
               uint64_t dst_offset, nb::handle on_done, std::optional<uint32_t> imm,
               std::optional<uint8_t> nic, std::optional<uint32_t> num_shards) {
@@ -588,8 +656,8 @@ NB_MODULE(_fabric_lib, m) {
                    " -> None"),
            nb::kw_only(), "len"_a, "src"_a, "dst"_a.none(), "src_offset"_a = 0, "dst_offset"_a = 0,
            "on_done"_a = nb::none(), "imm"_a = nb::none(), "nic"_a = nb::none(), "num_shards"_a = nb::none(),
-           "len bytes from src at src_offset to dst (a RemoteMr or an MrDesc) at dst_offset.")
-      .def("submit_paged_writes",
+           "len bytes from src at src_offset to dst (a RemoteMr or an MrDesc) at dst_offset.");
+  def_checked(engine, "submit_paged_writes", {uint_arg("page_len", UINT64_MAX, true), object_arg("src", kMrHandleText, is_mr_handle, true), object_arg("src_pages", kPagesText, is_pages, true), object_arg("dst", kDstText, is_dst, true), object_arg("dst_pages", kPagesText, is_pages, true), on_done_arg(is_done_object), uint_arg("imm", UINT32_MAX, false, true), uint_arg("nic", UINT8_MAX, false, true)}, 0,
            [](PyEngine& e, uint64_t page_len, const MrHandle& src, const PyPages& src_pages,
               nb::handle dst, const PyPages& dst_pages, nb::handle on_done,
               std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
@@ -611,8 +679,8 @@ NB_MODULE(_fabric_lib, m) {
                    ", imm: int | None = None, nic: int | None = None) -> None"),
            nb::kw_only(), "page_len"_a, "src"_a, "src_pages"_a, "dst"_a.none(), "dst_pages"_a,
            "on_done"_a = nb::none(), "imm"_a = nb::none(), "nic"_a = nb::none(),
-           "One WRITE of page_len bytes per page: source page i to destination page i.")
-      .def("submit_scatter",
+           "One WRITE of page_len bytes per page: source page i to destination page i.");
+  def_checked(engine, "submit_scatter", {object_arg("src", kMrHandleText, is_mr_handle, true), iterable_arg("slices", "ScatterSlice or (len, src_offset, dst[, dst_offset])"), on_done_arg(is_done_object), uint_arg("imm", UINT32_MAX, false, true), uint_arg("nic", UINT8_MAX, false, true)}, 0,
            [](PyEngine& e, const MrHandle& src, nb::iterable slices, nb::handle on_done,
               std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
              TransferEngine& eng = e.get();
@@ -634,8 +702,8 @@ NB_MODULE(_fabric_lib, m) {
                    FABRIC_ON_DONE ", imm: int | None = None, nic: int | None = None) -> None"),
            nb::kw_only(), "src"_a, "slices"_a, "on_done"_a = nb::none(), "imm"_a = nb::none(),
            "nic"_a = nb::none(),
-           "One WRITE per ScatterSlice (or (len, src_offset, dst[, dst_offset]) tuple).")
-      .def("add_peer_group",
+           "One WRITE per ScatterSlice (or (len, src_offset, dst[, dst_offset]) tuple).");
+  def_checked(engine, "add_peer_group", {iterable_arg("members", kDstText)}, 1,
            [](PyEngine& e, nb::iterable members) {
              TransferEngine& eng = e.get();
              std::vector<nb::object> keep;
@@ -647,8 +715,8 @@ NB_MODULE(_fabric_lib, m) {
            nb::sig("def add_peer_group(self, members: collections.abc.Iterable[" FABRIC_DST
                    "]) -> PeerGroupHandle"),
            "members"_a,
-           "Prebuilds the WRITEs to each member (RemoteMr or MrDesc) for group scatters and barriers.")
-      .def("submit_group_scatter",
+           "Prebuilds the WRITEs to each member (RemoteMr or MrDesc) for group scatters and barriers.");
+  def_checked(engine, "submit_group_scatter", {object_arg("group", kGroupText, is_group, true), object_arg("src", kMrHandleText, is_mr_handle, true), iterable_arg("slices", "GroupSlice or (len, src_offset, dst_offset)"), on_done_arg(is_done_object), uint_arg("imm", UINT32_MAX, false, true), uint_arg("nic", UINT8_MAX, false, true)}, 0,
            [](PyEngine& e, const PeerGroupHandle& group, const MrHandle& src, nb::iterable slices,
               nb::handle on_done, std::optional<uint32_t> imm, std::optional<uint8_t> nic) {
              TransferEngine& eng = e.get();
@@ -664,8 +732,8 @@ NB_MODULE(_fabric_lib, m) {
                    ", imm: int | None = None, nic: int | None = None) -> None"),
            nb::kw_only(), "group"_a, "src"_a, "slices"_a, "on_done"_a = nb::none(), "imm"_a = nb::none(),
            "nic"_a = nb::none(),
-           "One WRITE per member: slice i (a GroupSlice or (len, src_offset, dst_offset)) to member i.")
-      .def("submit_barrier",
+           "One WRITE per member: slice i (a GroupSlice or (len, src_offset, dst_offset)) to member i.");
+  def_checked(engine, "submit_barrier", {iterable_arg("dsts", kDstText), uint_arg("imm", UINT32_MAX, true), on_done_arg(is_done_object), uint_arg("nic", UINT8_MAX, false, true), uint_arg("cuda_device", INT32_MAX, false, true)}, 0,
            [](PyEngine& e, nb::iterable dsts, uint32_t imm, nb::handle on_done, std::optional<uint8_t> nic,
               std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
@@ -681,8 +749,8 @@ NB_MODULE(_fabric_lib, m) {
                    "], imm: int, on_done: " FABRIC_ON_DONE ", nic: int | None = None, cuda_device: int | None = None) -> None"),
            nb::kw_only(), "dsts"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
            "cuda_device"_a = nb::none(),
-           "One zero-byte WRITE carrying imm to each destination (RemoteMr or MrDesc).")
-      .def("submit_group_barrier",
+           "One zero-byte WRITE carrying imm to each destination (RemoteMr or MrDesc).");
+  def_checked(engine, "submit_group_barrier", {object_arg("group", kGroupText, is_group, true), uint_arg("imm", UINT32_MAX, true), on_done_arg(is_done_object), uint_arg("nic", UINT8_MAX, false, true), uint_arg("cuda_device", INT32_MAX, false, true)}, 0,
            [](PyEngine& e, const PeerGroupHandle& group, uint32_t imm, nb::handle on_done,
               std::optional<uint8_t> nic, std::optional<int> cuda_device) {
              TransferEngine& eng = e.get();
@@ -695,9 +763,8 @@ NB_MODULE(_fabric_lib, m) {
                    FABRIC_ON_DONE ", nic: int | None = None, cuda_device: int | None = None) -> None"),
            nb::kw_only(), "group"_a, "imm"_a, "on_done"_a = nb::none(), "nic"_a = nb::none(),
            "cuda_device"_a = nb::none(),
-           "One zero-byte WRITE carrying imm to every member of the group.")
-      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); })
-      .def("discard_imm_count",
+           "One zero-byte WRITE carrying imm to every member of the group.");
+  def_checked(engine, "discard_imm_count", {uint_arg("imm", UINT32_MAX, true)}, 1,
            [](PyEngine& e, uint32_t imm) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;

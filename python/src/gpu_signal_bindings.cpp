@@ -15,8 +15,8 @@ using namespace nb::literals;
 
 namespace {
 
-// Waits, GIL released, until `read()` >= at_least; returns the value seen. Raises TimeoutError
-// naming what was waited for and what was seen, and FabricError when the engine closes meanwhile.
+// Waits, GIL released, until `read()` >= at_least; returns the value seen. Raises
+// FabricTimeoutError (a TimeoutError) naming what was waited for and what was seen, and FabricError when the engine closes meanwhile.
 template <class Read>
 uint64_t wait_at_least(PyEngine& e, Read read, uint64_t at_least, std::optional<double> timeout_s,
                        const char* what) {
@@ -32,8 +32,7 @@ uint64_t wait_at_least(PyEngine& e, Read read, uint64_t at_least, std::optional<
                   "running?)",
                   what, static_cast<unsigned long long>(seen), static_cast<unsigned long long>(at_least),
                   timeout_s.value_or(0));
-    PyErr_SetString(PyExc_TimeoutError, msg);
-    throw nb::python_error();
+    throw Error(ErrorCode::kTimeout, msg);  // FabricTimeoutError: a FabricError and a TimeoutError
   }
   return seen;
 }

@@ -63,12 +63,30 @@ struct PyRef {
 // release. (Keeping the Python object alive instead, through nanobind's shared_ptr caster, makes
 // the worker take the GIL to drop it: every completion would wait for whichever Python thread
 // holds the GIL, stalling every NIC.)
+// A flag is one-shot: handed to one operation at a time, and refused once it has fired until
+// reset(). While an operation holds it, the engine's OnDone shares `state` (use_count > 1), which
+// is how a flag still in flight is told from one whose submit was refused (no one else holds it).
 struct DoneFlag {
-  std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(kDonePending);
+  struct State {
+    std::atomic<int> value{kDonePending};
+    DoneStatus status;  // how it failed
+  };
+  std::shared_ptr<State> state = std::make_shared<State>();
+  bool in_flight() const { return state.use_count() > 1 && state->value.load() == kDonePending; }
 };
+// None while pending; the Status it ended with (the failure's code and message) after.
+inline std::optional<Status> flag_status(const DoneFlag& f) {
+  const int v = f.state->value.load(std::memory_order_acquire);
+  if (v == kDonePending) return std::nullopt;
+  if (v == kDoneSucceeded) return Status::ok_status();
+  if (auto failed = f.state->status.first_failure()) return failed;
+  return Status(ErrorCode::kProvider, "failed (no message recorded)");
+}
+
 struct DoneCounter {
   struct Counts {
     std::atomic<uint64_t> done{0}, failed{0};
+    DoneStatus status;  // the first failure
   };
   std::shared_ptr<Counts> counts = std::make_shared<Counts>();
 };
@@ -81,22 +99,94 @@ inline nb::str to_py_str(std::string_view s) {
   return nb::steal<nb::str>(o);
 }
 
+// The exception types for fabric::Error, set once by the module (bindings.cpp): FabricError, and
+// FabricTimeoutError for code kTimeout (a subclass of FabricError and of TimeoutError).
+inline PyObject*& fabric_error_type() {
+  static PyObject* t = nullptr;
+  return t;
+}
+inline PyObject*& fabric_timeout_type() {
+  static PyObject* t = nullptr;
+  return t;
+}
+inline void set_error_types(PyObject* error, PyObject* timeout) {
+  fabric_error_type() = error;
+  fabric_timeout_type() = timeout;
+}
+
+// The exception object for an error: its message (undecodable bytes escaped) and `.code`.
+inline PyObject* make_fabric_error(ErrorCode code, std::string_view message) {
+  PyObject* type = code == ErrorCode::kTimeout && fabric_timeout_type() ? fabric_timeout_type()
+                                                                        : fabric_error_type();
+  PyObject* msg = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
+  if (!msg) return nullptr;
+  PyObject* exc = PyObject_CallOneArg(type, msg);
+  Py_DECREF(msg);
+  if (!exc) return nullptr;
+  const std::string_view name = to_string(code);
+  PyObject* code_str = PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
+  if (!code_str || PyObject_SetAttrString(exc, "code", code_str) != 0) {
+    Py_XDECREF(code_str);
+    Py_DECREF(exc);
+    return nullptr;
+  }
+  Py_DECREF(code_str);
+  return exc;
+}
+
+// Raises it (the exception translator's half; `fallback` is the type nanobind registered).
+inline void set_fabric_error(PyObject* fallback, ErrorCode code, std::string_view message) {
+  if (!fabric_error_type()) fabric_error_type() = fallback;
+  PyObject* exc = make_fabric_error(code, message);
+  if (!exc) return;  // a Python error is set already
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+  Py_DECREF(exc);
+}
+
+// The exception a failed Status stands for (for awaitables and waits that raise it later).
+inline nb::object error_of(const Status& s) {
+  PyObject* exc = make_fabric_error(s.code(), s.message());
+  if (!exc) throw nb::python_error();
+  return nb::steal(exc);
+}
+
+// "ok", or "<code>: <message>" (the message of a thrown Error already starts with its code).
+inline std::string status_text(const Status& s) {
+  if (s.ok()) return "ok";
+  const std::string code(to_string(s.code()));
+  return s.message().rfind(code, 0) == 0 ? s.message() : code + ": " + s.message();
+}
+
+// Handles hash by all their fields: the same slot of two engines are different handles.
+inline uint64_t handle_hash(uint32_t slot, uint32_t generation, uint32_t engine) {
+  return ((uint64_t{slot} << 32) | generation) ^ (uint64_t{engine} * 0x9E3779B97F4A7C15ull);
+}
+
 // None, a DoneFlag, a DoneCounter, a GpuCounter (counts successes), or a callable taking a Status.
 inline OnDone make_on_done(nb::handle on_done) {
   if (on_done.is_none()) return OnDone::none();
   if (nb::isinstance<DoneFlag>(on_done)) {
-    std::shared_ptr<std::atomic<int>> state = nb::cast<DoneFlag&>(on_done).state;
-    OnDone d = OnDone::flag(state.get());
+    DoneFlag& flag = nb::cast<DoneFlag&>(on_done);
+    if (flag.in_flight())
+      throw Error(ErrorCode::kInvalidArgument,
+                  "on_done: this DoneFlag is still waiting for the operation it was given to; a "
+                  "flag serves one operation at a time (use a DoneCounter to count several)");
+    if (flag.state->value.load() != kDonePending)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "on_done: this DoneFlag already fired (a flag is one-shot): call flag.reset() "
+                  "before giving it to another operation, or use a new DoneFlag");
+    std::shared_ptr<DoneFlag::State> state = flag.state;
+    OnDone d = OnDone::flag(&state->value, &state->status);
     return std::move(d).keep_alive(std::move(state));
   }
   if (nb::isinstance<DoneCounter>(on_done)) {
     std::shared_ptr<DoneCounter::Counts> c = nb::cast<DoneCounter&>(on_done).counts;
-    OnDone d = OnDone::counter(&c->done, &c->failed);
+    OnDone d = OnDone::counter(&c->done, &c->failed, &c->status);
     return std::move(d).keep_alive(std::move(c));
   }
   if (nb::isinstance<GpuCounter>(on_done)) return OnDone::counter(nb::cast<const GpuCounter&>(on_done).host);
   if (!PyCallable_Check(on_done.ptr()))
-    throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter or a callable(status)");
+    throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter, a GpuCounter or a callable(status)");
   auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
   return OnDone::callback([ref](const Status& status) {
     with_python([&] {
