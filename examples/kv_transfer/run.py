@@ -45,15 +45,14 @@ def engine(provider: str) -> fl.TransferEngine:
     return fl.TransferEngine(provider=provider, nics=[""] if provider == "shm" else ["127.0.0.1"])
 
 
-def prefill(args: argparse.Namespace, ready) -> None:
+def prefill(args: argparse.Namespace) -> None:
     lay = layout(args.layers)
     k = [np.zeros(lay.tensor_bytes, np.uint8) for _ in range(args.layers)]
     v = [np.zeros(lay.tensor_bytes, np.uint8) for _ in range(args.layers)]
     with engine(args.provider) as e, EtcdDirectory(args.etcd, ttl_s=3) as d:
         tx = kv.KvSender(e, lay, k, v, group=1, total_heads=HEADS)
         pf = kv.Prefiller(e, tx, d, cluster="example")
-        pf.watch(0.2)
-        ready.set()
+        pf.watch(0.2)  # decode groups that join are added here, or at their first request
         for _ in range(args.requests):
             req = pf.next_request(timeout=60)
             if req is None:
@@ -76,7 +75,7 @@ def prefill(args: argparse.Namespace, ready) -> None:
         pf.close()
 
 
-def decode(args: argparse.Namespace, prefill_ready) -> None:
+def decode(args: argparse.Namespace) -> None:
     lay = layout(args.layers)
     k = [np.zeros(lay.tensor_bytes, np.uint8) for _ in range(args.layers)]
     v = [np.zeros(lay.tensor_bytes, np.uint8) for _ in range(args.layers)]
@@ -84,11 +83,7 @@ def decode(args: argparse.Namespace, prefill_ready) -> None:
     with engine(args.provider) as e, EtcdDirectory(args.etcd, ttl_s=3) as d:
         rx = kv.KvReceiver(e, lay, k, v, group=11, total_heads=HEADS)
         dec = kv.Decoder(e, rx, d, cluster="example")
-        prefill_ready.wait(60)
-        deadline = time.monotonic() + 30
-        while 1 not in dec.prefill_groups() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # the prefiller's next refresh adds this decode rank
+        dec.wait_paired(1, timeout_s=60)  # prefill group 1 is up: requests for it can be admitted
         total, failures = 0, 0
         for request in range(1, args.requests + 1):
             n = int(rng.integers(4, 17))
@@ -156,8 +151,7 @@ def main() -> int:
         proc, args.etcd, data = start_etcd()
     try:
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        roles = [ctx.Process(target=prefill, args=(args, ready)), ctx.Process(target=decode, args=(args, ready))]
+        roles = [ctx.Process(target=prefill, args=(args,)), ctx.Process(target=decode, args=(args,))]
         for p in roles:
             p.start()
         for p in roles:

@@ -12,6 +12,8 @@ tensors and membership:
   leases, or a torch TCPStore), finds the other side there, and carries the one admit message per
   request over engine messages. Instances come and go: Prefiller.refresh() adds decode groups that
   appeared and removes those whose entries expired (their peers and regions go with them).
+  Decoder.wait_paired() returns once an admit can be begun; a request the prefill side refuses
+  anyway (Prefiller.begin) is told to the decode ranks, whose request ends at once with the cause.
 
 Ids: a request id is unique among the decode rank's requests in flight (24 bits are used). A
 request that failed retires its id for late_writes_s; retry it under a new id.
@@ -19,10 +21,13 @@ request that failed retires its id for late_writes_s; retry it under a new id.
 
 from __future__ import annotations
 
+import logging
 import queue
 import struct
 import threading
-from dataclasses import dataclass
+import time
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from . import _fabric_lib as _c
@@ -33,11 +38,57 @@ __all__ = [
     "Prefiller", "PrefillRequest", "make_layout", "kv_layer_imm",
 ]
 
-# Engine messages between the roles: a request's admit message, or the decode side's word that a
-# request failed (the prefill ranks stop sending it).
-_ADMIT = b"Q"
-_CANCEL = b"C"
-_MESSAGE_BYTES = 16384  # an admit message is 35 bytes + 4 per page: up to ~4,000 pages
+log = logging.getLogger(__name__)
+
+# Engine messages between the roles, a kind byte first:
+_ADMIT = b"Q"   # decode rank 0 -> prefill ranks: u16 n, its address (n bytes), the admit message
+_CANCEL = b"C"  # decode rank 0 -> prefill ranks: u64 request: the decode side failed it, stop sending
+_REFUSE = b"R"  # prefill rank -> decode ranks: u64 decode group, u64 request, the cause (UTF-8)
+_MESSAGE_BYTES = 16384  # an admit message is ~35 bytes + 4 per page + an address: up to ~4,000 pages
+_REASON_BYTES = 2048  # a refusal's cause is cut there
+
+
+class _Inbox:
+    """The KV roles' messages on one engine: one set of receive buffers, each message handed to
+    the handlers of its kind. Shared, because an engine gives a message to any of its receive
+    buffers: a Prefiller and a Decoder on one engine must not take each other's messages."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handlers: dict[bytes, list[Callable[[bytes], Any]]] = {}
+        self.buffers = 0
+
+    def on_message(self, msg: bytes) -> None:  # the engine's callback thread
+        with self._lock:
+            handlers = list(self._handlers.get(msg[:1], ()))
+        for handler in handlers:
+            try:
+                handler(msg[1:])
+            except Exception:  # noqa: BLE001 - a malformed message must not stop the others
+                log.exception("fabric_lib.kv: a %r message could not be handled", msg[:1])
+
+    def add(self, kind: bytes, handler: Callable[[bytes], Any]) -> None:
+        with self._lock:
+            self._handlers.setdefault(kind, []).append(handler)
+
+    def remove(self, kind: bytes, handler: Callable[[bytes], Any]) -> None:
+        with self._lock:
+            if handler in self._handlers.get(kind, []):
+                self._handlers[kind].remove(handler)
+
+
+_inboxes: "weakref.WeakKeyDictionary[Any, _Inbox]" = weakref.WeakKeyDictionary()
+_inboxes_lock = threading.Lock()
+
+
+def _inbox(engine: Any, buffers: int) -> _Inbox:
+    """The engine's inbox, with at least `buffers` receive buffers posted."""
+    with _inboxes_lock:
+        box = _inboxes.setdefault(engine, _Inbox())
+        if box.buffers < buffers:  # a second pool with the same handler: any buffer will do
+            engine.submit_recvs(_MESSAGE_BYTES, buffers - box.buffers, box.on_message)
+            box.buffers = buffers
+        return box
 
 
 def make_layout(*, num_layers: int, num_pages: int, page_tokens: int, kv_heads: int, head_dim: int,
@@ -106,6 +157,7 @@ class KvReceiver(_Endpoint):
                          total_heads=total_heads, extras=extras, extra_slots=extra_slots)
         self._rx = _c.KvReceiver(engine, layout, self._k, self._v, late_writes_s=late_writes_s,
                                  imm_base=imm_base, **self._args)
+        self.late_writes_s = late_writes_s
 
     def descriptor(self) -> bytes:
         return self._rx.descriptor()
@@ -119,6 +171,11 @@ class KvReceiver(_Endpoint):
         return self._rx.admit(request=request, pages=list(pages), prefill_size=prefill_size,
                               extra_slot=extra_slot, timeout_s=timeout_s, on_layer=on_layer,
                               landed=landed, on_done=on_done)
+
+    def fail(self, request: int, reason: str) -> bool:
+        """Ends a request in flight now: its on_done gets a cancelled status with `reason` (its
+        prefill side refused it: nothing will land). False when unknown or already ended."""
+        return self._rx.fail(request, reason)
 
     @property
     def in_flight(self) -> int:
@@ -212,16 +269,66 @@ def _complete(ranks: dict[int, tuple[int, bytes, bytes]]) -> bool:
     return len(sizes) == 1 and sorted(ranks) == list(range(sizes.pop()))
 
 
+def _describe(what: str, group: int, ranks: dict[int, tuple[int, bytes, bytes]]) -> str:
+    """What the directory holds of a group, for an error: 'decode group 11 has ranks [0] of 2 in
+    the directory'."""
+    if not ranks:
+        return f"{what} group {group} is not in the directory"
+    sizes = sorted({v[0] for v in ranks.values()})
+    if len(sizes) > 1:
+        return f"{what} group {group}'s ranks in the directory disagree on its TP size ({sizes})"
+    return f"{what} group {group} has ranks {sorted(ranks)} of {sizes[0]} in the directory"
+
+
+def _wait(ready: Callable[[], Optional[str]], timeout_s: float, what: str) -> None:
+    """Polls ready() (None once ready, else what is missing) until timeout_s; then TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        missing = ready()
+        if missing is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: not paired after {timeout_s:g} s: {missing}")
+        time.sleep(min(delay, left))  # membership changes in ms to s: back off to 0.1 s polls
+        delay = min(2 * delay, 0.1)
+
+
 class Decoder:
     """A decode rank in a directory. Rank 0 of the decode group sends each request's admit
-    message to the prefill group it picks; every rank admits the same requests."""
+    message to the prefill group it picks; every rank admits the same requests. A prefill rank
+    that refuses a request says so, and the request ends at once with its cause."""
 
     def __init__(self, engine: Any, receiver: KvReceiver, directory: Any, *,
-                 cluster: str = "default") -> None:
+                 cluster: str = "default", recv_buffers: int = 16) -> None:
         self.engine, self.receiver, self.directory, self.cluster = engine, receiver, directory, cluster
         self._key = _decode_key(cluster, receiver.group, receiver.tp_rank)
-        directory.register(self._key, _pack(receiver.tp_size, engine.main_address().to_bytes(),
-                                            receiver.descriptor()))
+        self._address = engine.main_address().to_bytes()
+        # Refusals of requests this rank has not admitted yet (rank 0 admits first and the prefill
+        # side may answer before the other ranks admit): request -> (expiry, cause).
+        self._early: dict[int, tuple[float, str]] = {}
+        self._lock = threading.Lock()
+        self._inbox = _inbox(engine, recv_buffers)
+        self._inbox.add(_REFUSE, self._on_refuse)  # before the entry: a prefill rank may answer at once
+        directory.register(self._key, _pack(receiver.tp_size, self._address, receiver.descriptor()))
+
+    def _on_refuse(self, body: bytes) -> None:  # the engine's callback thread
+        group, request = struct.unpack_from("<QQ", body)
+        if group != self.receiver.group:
+            return  # another decode group's rank on this engine
+        cause = body[16:].decode(errors="replace")
+        if self.receiver.fail(request, cause):
+            return
+        # Not admitted here yet (or ended already): the next admit of it ends at once. Kept for
+        # late_writes_s, the time a failed id stays retired on rank 0.
+        now = time.monotonic()
+        with self._lock:
+            self._early = {r: e for r, e in self._early.items() if e[0] > now}
+            self._early[request] = (now + self.receiver.late_writes_s, cause)
+        if self.receiver.fail(request, cause):  # it was admitted between the two calls
+            with self._lock:
+                self._early.pop(request, None)
 
     def prefill_groups(self) -> dict[int, list[Any]]:
         """Prefill groups with every rank present: {group: [NetAddr of rank 0, 1, ...]}."""
@@ -229,14 +336,32 @@ class Decoder:
         return {g: [_c.NetAddr.from_bytes(r[i][1]) for i in range(len(r))]
                 for g, r in groups.items() if _complete(r)}
 
+    def wait_paired(self, prefill_group: int, *, timeout_s: float = 30.0) -> None:
+        """Returns once requests can be admitted for `prefill_group`: every rank of it and of
+        this rank's own decode group is in the directory (a prefill rank adds a decode group it
+        has not added yet when that group's first request comes, see Prefiller.begin). Raises
+        TimeoutError naming what is missing after timeout_s."""
+        def missing() -> Optional[str]:
+            prefill = _groups(self.directory.list(f"kv/{self.cluster}/prefill/")).get(prefill_group, {})
+            if not _complete(prefill):
+                return _describe("prefill", prefill_group, prefill)
+            own = _groups(self.directory.list(f"kv/{self.cluster}/decode/")).get(self.receiver.group, {})
+            if not _complete(own):
+                return _describe("this rank's decode", self.receiver.group, own)
+            return None
+
+        _wait(missing, timeout_s, f"Decoder.wait_paired(prefill_group={prefill_group}), cluster "
+                                  f"{self.cluster!r}")
+
     def admit(self, request: int, pages: Sequence[int], *, prefill_group: int,
               extra_slot: Optional[int] = None, timeout_s: float = 30.0,
               on_layer: Optional[Callable[[int], Any]] = None, landed: Any = None,
               on_done: Optional[Callable[[Any], Any]] = None) -> None:
         """Admits a request into `pages` for prefill group `prefill_group` (from prefill_groups).
         on_done(status) (a callable, on the callback thread) fires once every layer and the extras
-        landed, or on the first error (a timeout names the layer): the pages are the caller's
-        again either way. On an error rank 0 also tells the prefill ranks to stop sending it."""
+        landed, or on the first error: a timeout names the layer, a prefill rank's refusal its
+        cause (at once). The pages are the caller's again either way. On an error rank 0 also
+        tells the prefill ranks to stop sending it."""
         ranks = self.prefill_groups().get(prefill_group)
         if ranks is None:
             raise KeyError(f"prefill group {prefill_group} is not (completely) in the directory")
@@ -253,11 +378,18 @@ class Decoder:
         msg = self.receiver.admit(request, pages, prefill_size=len(ranks), extra_slot=extra_slot,
                                   timeout_s=timeout_s, on_layer=on_layer, landed=landed,
                                   on_done=done)
+        with self._lock:
+            early = self._early.pop(request, None)
+        if early is not None and early[0] > time.monotonic():
+            self.receiver.fail(request, early[1])  # refused before this rank admitted it
+            return
         if self.receiver.tp_rank == 0:
+            envelope = _ADMIT + struct.pack("<H", len(self._address)) + self._address
             for addr in ranks:
-                self.engine.submit_send(addr, _ADMIT + msg, None)
+                self.engine.submit_send(addr, envelope + msg, None)
 
     def close(self) -> None:
+        self._inbox.remove(_REFUSE, self._on_refuse)
         self.directory.unregister(self._key)
 
 
@@ -269,6 +401,7 @@ class PrefillRequest:
     pages: int
     extra_slot: Optional[int]
     admit: bytes
+    reply: bytes = field(default=b"", repr=False)  # the admitting decode rank's address: refusals go there
 
 
 class Prefiller:
@@ -279,40 +412,65 @@ class Prefiller:
         self.engine, self.sender, self.directory, self.cluster = engine, sender, directory, cluster
         self._requests: "queue.Queue[PrefillRequest]" = queue.Queue()
         self._decoders: dict[int, dict[int, bytes]] = {}  # group -> rank -> descriptor added
-        self._lock = threading.Lock()
+        # The last directory view (group -> rank -> entry), and the groups that could not be added
+        # (group -> (their descriptors, why)): not tried again until an entry changes.
+        self._seen: dict[int, dict[int, tuple[int, bytes, bytes]]] = {}
+        self._unusable: dict[int, tuple[dict[int, bytes], str]] = {}
+        # The three above; reentrant: remove_decoder fires on_sent callbacks on this thread, and
+        # one may call begin.
+        self._lock = threading.RLock()
+        # One refresh at a time: a view listed earlier must not undo what a later one added.
+        self._refreshing = threading.Lock()
         self._watch: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        engine.submit_recvs(_MESSAGE_BYTES, recv_buffers, self._on_message)
+        self._inbox = _inbox(engine, recv_buffers)
+        self._inbox.add(_ADMIT, self._on_admit)
+        self._inbox.add(_CANCEL, self._on_cancel)
         self._key = _prefill_key(cluster, sender.group, sender.tp_rank)
         directory.register(self._key, _pack(sender.tp_size, engine.main_address().to_bytes()))
 
-    def _on_message(self, msg: bytes) -> None:  # the engine's callback thread
-        kind, body = msg[:1], msg[1:]
-        if kind == _ADMIT:
-            group, request, _, extra_slot, pages = kv_read_admit(body)
-            self._requests.put(PrefillRequest(request, group, len(pages), extra_slot, body))
-        elif kind == _CANCEL and len(body) == 8:
+    def _on_admit(self, body: bytes) -> None:  # the engine's callback thread
+        (n,) = struct.unpack_from("<H", body)
+        reply, admit = body[2:2 + n], body[2 + n:]
+        group, request, _, extra_slot, pages = kv_read_admit(admit)
+        self._requests.put(PrefillRequest(request, group, len(pages), extra_slot, admit, reply))
+
+    def _on_cancel(self, body: bytes) -> None:
+        if len(body) == 8:
             self.sender.cancel(struct.unpack("<Q", body)[0])
 
     def refresh(self) -> tuple[list[int], list[int]]:
         """Adds decode groups that are complete in the directory and removes those with a rank
-        gone (their requests in flight end cancelled). Returns (added, removed) group ids."""
-        groups = _groups(self.directory.list(f"kv/{self.cluster}/decode/"))
-        added, removed = [], []
-        with self._lock:
-            for g in list(self._decoders):
-                seen = groups.get(g, {})
-                if any(seen.get(r, (0, b"", b""))[2] != d for r, d in self._decoders[g].items()):
-                    self.sender.remove_decoder(g)  # a rank left or restarted
-                    del self._decoders[g]
-                    removed.append(g)
-            for g, ranks in groups.items():
-                if g in self._decoders or not _complete(ranks):
-                    continue
-                for r in sorted(ranks):
-                    self.sender.add_decoder(ranks[r][2])
-                self._decoders[g] = {r: v[2] for r, v in ranks.items()}
-                added.append(g)
+        gone (their requests in flight end cancelled). Returns (added, removed) group ids. A
+        group that cannot be added (its layout does not match this rank's, say) is skipped, and
+        named by begin's refusal of its requests."""
+        with self._refreshing:
+            groups = _groups(self.directory.list(f"kv/{self.cluster}/decode/"))
+            added, removed = [], []
+            with self._lock:
+                self._seen = groups
+                for g in list(self._decoders):
+                    seen = groups.get(g, {})
+                    if any(seen.get(r, (0, b"", b""))[2] != d for r, d in self._decoders[g].items()):
+                        self.sender.remove_decoder(g)  # a rank left or restarted
+                        del self._decoders[g]
+                        removed.append(g)
+                for g, ranks in groups.items():
+                    descriptors = {r: v[2] for r, v in ranks.items()}
+                    if g in self._decoders or not _complete(ranks):
+                        continue
+                    if g in self._unusable and self._unusable[g][0] == descriptors:
+                        continue
+                    try:
+                        for r in sorted(ranks):
+                            self.sender.add_decoder(ranks[r][2])
+                    except Exception as e:  # noqa: BLE001 - this group only; the others are added
+                        self.sender.remove_decoder(g)  # the ranks added before the one refused
+                        self._unusable[g] = (descriptors, f"decode group {g} could not be added: {e}")
+                        continue
+                    self._unusable.pop(g, None)
+                    self._decoders[g] = descriptors
+                    added.append(g)
         return added, removed
 
     def watch(self, interval_s: float = 0.5) -> None:
@@ -328,6 +486,21 @@ class Prefiller:
         self._watch = threading.Thread(target=loop, name="kv-prefiller-watch", daemon=True)
         self._watch.start()
 
+    def wait_paired(self, decode_group: Optional[int] = None, *, timeout_s: float = 30.0) -> list[int]:
+        """Refreshes until decode group `decode_group` (None: any decode group) is added; returns
+        the decode groups added. Raises TimeoutError naming what is missing after timeout_s."""
+        def missing() -> Optional[str]:
+            self.refresh()
+            with self._lock:
+                if decode_group is None:
+                    return None if self._decoders else "no decode group is complete in the directory"
+                return None if decode_group in self._decoders else self._why_not(decode_group)
+
+        _wait(missing, timeout_s, f"Prefiller.wait_paired(decode_group={decode_group}), cluster "
+                                  f"{self.cluster!r}")
+        with self._lock:
+            return sorted(self._decoders)
+
     def next_request(self, timeout: Optional[float] = None) -> Optional[PrefillRequest]:
         """The next admitted request, or None after timeout seconds."""
         try:
@@ -337,10 +510,57 @@ class Prefiller:
 
     def begin(self, req: PrefillRequest, src_pages: Sequence[int], *,
               extra_slot: Optional[int] = None, on_sent: Any = None) -> None:
-        self.sender.begin(req.admit, src_pages, extra_slot=extra_slot, on_sent=on_sent)
+        """KvSender.begin for an admitted request. A decode group not added yet (its rank admitted
+        before this rank's watch saw it) is looked up in the directory once more first. A request
+        refused all the same (its group incomplete or unusable, or begin's own error) is told to
+        its decode ranks, whose request ends at once with the cause, and raised here."""
+        looking_up = False
+        try:
+            with self._lock:
+                looking_up = req.decode_group not in self._decoders
+            if looking_up:
+                self.refresh()
+                looking_up = False
+            self.sender.begin(req.admit, src_pages, extra_slot=extra_slot, on_sent=on_sent)
+        except Exception as e:
+            with self._lock:
+                if looking_up:
+                    cause = f"decode group {req.decode_group} could not be looked up: {e}"
+                elif req.decode_group not in self._decoders:  # what the directory shows, then begin's words
+                    cause = f"{self._why_not(req.decode_group)} ({e})"
+                else:
+                    cause = str(e)
+            reason = f"prefill group {self.sender.group} rank {self.sender.tp_rank} refused it: {cause}"
+            self._refuse(req, reason)
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(reason)
+            raise
+
+    def _why_not(self, group: int) -> str:
+        """Why decode group `group` is not added (caller holds _lock)."""
+        if group in self._unusable:
+            return self._unusable[group][1]
+        return _describe("decode", group, self._seen.get(group, {}))
+
+    def _refuse(self, req: PrefillRequest, reason: str) -> None:
+        """Tells the decode ranks of `req` that this rank refused it (best effort: the admitting
+        rank, and every rank of its group in the directory)."""
+        with self._lock:
+            ranks = self._seen.get(req.decode_group, {})
+            targets = {req.reply} | {v[1] for v in ranks.values()}
+        msg = (_REFUSE + struct.pack("<QQ", req.decode_group, req.request)
+               + reason.encode()[:_REASON_BYTES])
+        for addr in targets - {b""}:
+            try:
+                self.engine.submit_send(_c.NetAddr.from_bytes(addr), msg, None)
+            except Exception:  # noqa: BLE001 - a decode rank gone has nobody to tell
+                log.warning("fabric_lib.kv: could not tell a decode rank of group %d that request %d "
+                            "was refused", req.decode_group, req.request, exc_info=True)
 
     def close(self) -> None:
         self._stop.set()
         if self._watch:
             self._watch.join(timeout=5)
+        self._inbox.remove(_ADMIT, self._on_admit)
+        self._inbox.remove(_CANCEL, self._on_cancel)
         self.directory.unregister(self._key)

@@ -141,6 +141,15 @@ void bind_kv(nb::module_& m) {
            nb::kw_only(), "request"_a, "pages"_a, "prefill_size"_a = 1, "extra_slot"_a = nb::none(),
            "timeout_s"_a = 30.0, "on_layer"_a = nb::none(), "landed"_a = nb::none(), "on_done"_a = nb::none(),
            "Arms the request's layers (and extras) and returns its admit message for the prefill ranks.")
+      .def("fail",
+           [](PyKvReceiver& r, uint64_t request, std::string reason) {
+             KvReceiver& rx = r.get();
+             nb::gil_scoped_release release;  // on_done runs now, and takes the GIL itself
+             return rx.fail(request, reason);
+           },
+           "request"_a, "reason"_a,
+           "Ends a request in flight with kCancelled and `reason` (its prefill side refused it); "
+           "False when unknown or ended.")
       .def_prop_ro("in_flight", [](PyKvReceiver& r) { return r.get().in_flight(); })
       .def("close", [](PyKvReceiver& r) { r.h->close(); }, "Deregisters the cache (also done when the engine closes).");
 

@@ -22,6 +22,8 @@ struct KvReceiver::State : Endpoint {
   std::set<uint64_t> in_flight;                // request tags
   std::map<uint64_t, Clock::time_point> retired;  // failed tags, until their late WRITEs can no longer land
   std::set<uint64_t> discarding;                  // expired retired tags whose counts are being dropped
+  // How each request in flight ends (by tag, with its id): fail() ends one from outside.
+  std::map<uint64_t, std::pair<uint64_t, std::function<bool(const Status&)>>> finishers;
 
   // Takes `tag` for a new request, or throws. Retired tags whose window has passed (this one or
   // any other) have their late immediates discarded first, so none counts toward a later request
@@ -77,6 +79,20 @@ uint64_t KvReceiver::imm_count(uint64_t request, uint32_t layer) const {
   return state_->imms.count(layer_imm(request, layer));
 }
 
+bool KvReceiver::fail(uint64_t request, const std::string& reason) {
+  State& s = *state_;
+  std::function<bool(const Status&)> finish;
+  {
+    std::lock_guard l(s.mu);
+    auto it = s.finishers.find(request & kKvTagMask);
+    if (it == s.finishers.end() || it->second.first != request) return false;
+    finish = it->second.second;  // a copy: finish erases the entry
+  }
+  // Without the lock: finish takes it, cancels the expectations and fires on_done (or does
+  // nothing when an expectation ended the request meanwhile).
+  return finish(Status(ErrorCode::kCancelled, fmt::format("KV request {}: {}", request, reason)));
+}
+
 size_t KvReceiver::in_flight() const {
   std::lock_guard l(state_->mu);
   return state_->in_flight.size();
@@ -123,8 +139,9 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
   req->on_done = std::move(a.on_done);
   std::weak_ptr<State> weak = state_;
   const auto late_writes = s.options.late_writes;
+  // False when the request had ended already.
   auto finish = [weak, req, tag, late_writes](const Status& status) {
-    if (req->ended.exchange(true)) return;
+    if (req->ended.exchange(true)) return false;
     if (auto st = weak.lock()) {
       if (!status.ok()) {
         std::lock_guard l(req->mu);
@@ -132,9 +149,11 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
       }
       std::lock_guard l(st->mu);
       st->in_flight.erase(tag);
+      st->finishers.erase(tag);
       if (!status.ok()) st->retired[tag] = Clock::now() + late_writes;
     }
     req->on_done.fire(status);
+    return true;
   };
   auto step_landed = [req, finish](uint32_t layer) {
     return OnDone::callback([req, finish, layer](const Status& st) {
@@ -149,6 +168,10 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
       if (req->left.fetch_sub(1) == 1) finish(Status{});
     });
   };
+  {
+    std::lock_guard l(s.mu);
+    s.finishers[tag] = {a.request, finish};  // before arming: an expectation may end at once
+  }
   const ExpectOptions opts{.timeout = a.timeout, .device = s.tensors.device};
   try {
     std::lock_guard armed(req->mu);
@@ -163,6 +186,7 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
     for (const ImmExpectation& e : req->expectations) s.engine.cancel_imm_expectation(e);
     std::lock_guard l(s.mu);
     s.in_flight.erase(tag);
+    s.finishers.erase(tag);
     throw;
   }
   return wire::encode(wire::Admit{.group = s.rank.group,

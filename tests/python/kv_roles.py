@@ -135,17 +135,13 @@ def prefill_main(conn, cfg: dict) -> None:
                         counts["sent" if status.ok else "failed"] += 1
                         free.extend(src)  # the pages are ours again
 
-                try:
+                try:  # a decode group that joined after the watch's last refresh is looked up here
                     pf.begin(req, src, extra_slot=slot, on_sent=on_sent)
-                except fl.FabricError:  # its decode group joined after our last refresh
-                    pf.refresh()
-                    try:
-                        pf.begin(req, src, extra_slot=slot, on_sent=on_sent)
-                    except fl.FabricError:
-                        with lock:
-                            counts["refused"] = counts.get("refused", 0) + 1
-                            free.extend(src)
-                        continue
+                except fl.FabricError:  # refused: its decode ranks were told
+                    with lock:
+                        counts["refused"] = counts.get("refused", 0) + 1
+                        free.extend(src)
+                    continue
                 counts["begun"] += 1
                 try:
                     for layer in range(LAYERS):
@@ -163,7 +159,8 @@ def prefill_main(conn, cfg: dict) -> None:
 
 def decode_main(conn, cfg: dict) -> None:
     """A decode rank: admits what the test says ("admit", id, pages, prefill_group, extras),
-    checks every byte of a request that landed ("wait", id), answers "groups", "stats", "stop"."""
+    checks every byte of a request that landed ("wait", id), waits until it can admit for a
+    prefill group ("paired", group, timeout_s), answers "groups", "stats", "stop"."""
     try:
         tp_size, tp_rank = cfg["tp_size"], cfg["tp_rank"]
         heads = TOTAL_HEADS // tp_size
@@ -183,6 +180,12 @@ def decode_main(conn, cfg: dict) -> None:
                     break
                 if cmd == "groups":
                     conn.send(sorted(dec.prefill_groups()))
+                elif cmd[0] == "paired":
+                    try:
+                        dec.wait_paired(cmd[1], timeout_s=cmd[2])
+                        conn.send("paired")
+                    except TimeoutError as e:
+                        conn.send(f"timeout: {e}")
                 elif cmd == "stats":
                     conn.send(dict(in_flight=rx.in_flight, peers=engine.peer_count, rss_kib=rss_kib()))
                 elif cmd[0] == "admit":

@@ -72,8 +72,13 @@ class _Decode:
         self.free.extend(pages)
         return results
 
-    def sees(self, groups):
-        return _wait_for(lambda: set(groups) <= set(_ask(self.ranks[0][0], "groups")))
+    def paired(self, groups, timeout_s=30.0):
+        """Every rank can admit for every prefill group in `groups` (Decoder.wait_paired)."""
+        for group in groups:
+            for conn, _ in self.ranks:
+                reply = _ask(conn, ("paired", group, timeout_s), timeout_s + 30)
+                assert reply == "paired", reply
+        return True
 
 
 def _cfg(etcd, provider, **kw):
@@ -100,7 +105,7 @@ def test_two_prefill_and_two_decode_groups_move_every_byte_whatever_their_tp(pee
     prefill.append(_start(peer, R.prefill_main, **base, group=2, tp_size=1, tp_rank=0))
     x = _Decode([_start(peer, R.decode_main, **base, group=11, tp_size=1, tp_rank=0)], seed=1)
     y = _Decode([_start(peer, R.decode_main, **base, group=12, tp_size=2, tp_rank=r) for r in range(2)], seed=2)
-    assert x.sees({1, 2}) and y.sees({1, 2})
+    assert x.paired({1, 2}) and y.paired({1, 2})
     rng = np.random.default_rng(7)
     request = 100
     for _ in range(6):  # rounds of four requests in flight at once, one per (decode, prefill) pair
@@ -123,7 +128,7 @@ def test_a_decode_rank_killed_mid_request_fails_the_prefill_side_and_leaves_noth
     base = _cfg(etcd_endpoint, "tcp;ofi_rxm")
     prefill = _start(peer, R.prefill_main, **dict(base, layer_sleep_s=0.4), group=1, tp_size=1, tp_rank=0)
     doomed = _Decode([_start(peer, R.decode_main, **base, group=11, tp_size=1, tp_rank=0)], seed=3)
-    assert doomed.sees({1})
+    assert doomed.paired({1})
     assert _wait_for(lambda: _ask(prefill[0], "stats")["peers"] == 0 or True)
     doomed.admit(1, 4, 1, extras=True)
     time.sleep(0.6)  # layer 0 is out, layers 1..3 are not
@@ -136,8 +141,7 @@ def test_a_decode_rank_killed_mid_request_fails_the_prefill_side_and_leaves_noth
     assert s["free"] == R.PAGES
     # A new decode rank of the same group joins and is served.
     fresh = _Decode([_start(peer, R.decode_main, **base, group=11, tp_size=1, tp_rank=0)], seed=4)
-    assert fresh.sees({1})
-    time.sleep(0.5)  # the prefiller's next refresh adds it
+    assert fresh.paired({1})
     pages = fresh.admit(2, 3, 1, extras=True)
     assert fresh.wait(2, pages) == [("ok", "")]
     _stop([prefill] + fresh.ranks)
@@ -147,8 +151,7 @@ def test_a_prefill_rank_killed_mid_request_fails_the_request_at_its_timeout(peer
     base = _cfg(etcd_endpoint, "tcp;ofi_rxm")
     doomed = _start(peer, R.prefill_main, **dict(base, layer_sleep_s=0.5), group=1, tp_size=1, tp_rank=0)
     dec = _Decode([_start(peer, R.decode_main, **base, group=11, tp_size=1, tp_rank=0)], seed=5)
-    assert dec.sees({1})
-    time.sleep(0.5)
+    assert dec.paired({1})
     pages = dec.admit(1, 5, 1, extras=False, timeout_s=3.0)
     time.sleep(0.8)
     os.kill(doomed[1].pid, signal.SIGKILL)
@@ -159,7 +162,7 @@ def test_a_prefill_rank_killed_mid_request_fails_the_request_at_its_timeout(peer
     # Its entry expires; a new prefill group joins and serves the next request.
     fresh = _start(peer, R.prefill_main, **base, group=2, tp_size=1, tp_rank=0)
     assert _wait_for(lambda: _ask(dec.ranks[0][0], "groups") == [2], timeout=30)
-    time.sleep(0.5)
+    assert dec.paired({2})
     pages = dec.admit(2, 5, 2, extras=True)
     assert dec.wait(2, pages) == [("ok", "")]
     _stop([fresh] + dec.ranks)
@@ -169,8 +172,7 @@ def test_five_hundred_requests_keep_memory_flat(peer, etcd_endpoint):
     base = _cfg(etcd_endpoint, "tcp;ofi_rxm")
     prefill = _start(peer, R.prefill_main, **base, group=1, tp_size=1, tp_rank=0)
     dec = _Decode([_start(peer, R.decode_main, **base, group=11, tp_size=1, tp_rank=0)], seed=6)
-    assert dec.sees({1})
-    time.sleep(0.5)
+    assert dec.paired({1})
     rng = np.random.default_rng(9)
     rss = {}
     for round_ in range(50):

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "fabric/kv/layout.h"
@@ -107,6 +108,10 @@ class KvReceiver {
   // Arms one expectation per layer (and one for the extras) and returns the admit message for
   // every prefill rank of the writing group (send it from any one decode rank: they are identical).
   std::vector<uint8_t> admit(KvAdmit request);
+  // Ends a request in flight on this side with kCancelled and `reason` (its prefill side refused
+  // it, so nothing will land): its expectations are cancelled, its on_done fires now, and its tag
+  // is retired as for any failure (late_writes). False when the request is unknown or has ended.
+  bool fail(uint64_t request, const std::string& reason);
   // Requests admitted and not ended.
   size_t in_flight() const;
   // This rank's immediate range, and the immediates of one layer of a request counted there and
