@@ -145,7 +145,8 @@ example-kv: deps
 
 # Four training processes write a small MoE transformer into two inference processes (FSDP2 shards
 # to fused, FP8 block-quantized TP/EP buffers), 20 steps, every byte checked; ends with a
-# `weights steps=... update_ms_p50=... exact=yes` line.
+# `weights steps=... update_ms_p50=... gb_per_s=... exact=yes` line (the slowest training rank's
+# update per step, p50 over the steps; GB/s).
 .PHONY: example-weights
 example-weights: deps
 	python3 -m pip install --quiet ".[test]"

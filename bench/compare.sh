@@ -12,6 +12,7 @@
 #            peers paged64k nixl_tcp=<ours/theirs> nixl_sm=<ours/theirs> mooncake_tcp=<ours/theirs>
 #            peers single16m nixl_tcp=... nixl_sm=... mooncake_tcp=...   ("failed" where a peer failed)
 #            host_ipc: paged64k nixl_sm=<ours/theirs> single16m nixl_sm=<ours/theirs> (...)
+# Every figure is GB/s (1e9 bytes per second), in the tables and in the JSON (`gb_per_s`).
 # Usage: bench/compare.sh [BUILD_DIR] [TRIALS] [JSON_OUT]  (JSON: the medians, for bench/plot.py)
 set -euo pipefail
 build=${1:-build}
@@ -22,7 +23,7 @@ demo=$build/tools/demo/fabric-demo
 raw=$build/bench/raw-paged-loop
 
 # One trial; prints GB/s. A failed or unverified run aborts with its output.
-gbps() {
+gb_per_s() {
   local out
   if ! out=$("$@" 2>&1) || ! grep -q 'bytes: OK$' <<<"$out"; then
     printf '%s\nFAILED: %s\n' "$out" "$*" >&2
@@ -33,8 +34,9 @@ gbps() {
 median() { printf '%s\n' "$@" | sort -g | sed -n "$(((${#} + 1) / 2))p"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
 
-# ucx_perftest put bandwidth, one-sided like our WRITEs; prints GB/s ("overall" MB/s / 1000).
-ucx_gbps() {
+# ucx_perftest put bandwidth, one-sided like our WRITEs; prints GB/s. Its "overall" column says MB/s
+# but counts 2^20 bytes (perftest.c divides by 1024 * 1024): x 1048576 / 1e9.
+ucx_gb_per_s() {
   local size=$1 iters=$2 port=$((20000 + RANDOM % 20000)) out
   UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 120 ucx_perftest -p "$port" >/dev/null 2>&1 &
   local server=$!
@@ -42,12 +44,12 @@ ucx_gbps() {
   out=$(UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 120 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw \
         -s "$size" -n "$iters" -w 4 2>&1) || { echo "$out" >&2; kill $server 2>/dev/null; exit 1; }
   wait $server || true
-  awk '/^Final:/ { printf "%.3f", $7 / 1000 }' <<<"$out"
+  awk '/^Final:/ { printf "%.3f", $7 * 1048576 / 1e9 }' <<<"$out"
 }
 
 # The peers (bench/peers/*.py): each driver runs an initiator and a target process, moves the
 # workload through the peer's own API, verifies every byte on the target and prints a `moved ...
-# GB/s, bytes: OK` line for gbps(). Their trials alternate with the engine's on the provider they
+# GB/s, bytes: OK` line for gb_per_s(). Their trials alternate with the engine's on the provider they
 # are compared with (peer_ours). A peer that cannot be installed or fails prints why and reads
 # "failed"; it never stops the comparison.
 venv=$build/peers-venv py=$build/peers-venv/bin/python peers_ok=1
@@ -71,7 +73,7 @@ declare -A pt  # peer.workload -> its trials
 peer_trial() {  # name workload trial: prints GB/s, or "failed" (and why, on stderr)
   local v
   # shellcheck disable=SC2086  # the command and the workload arguments are word lists
-  if ((peers_ok)) && v=$(gbps timeout 600 ${peer_cmd[$1]} ${args[$2]} 2>"$peer_log"); then
+  if ((peers_ok)) && v=$(gb_per_s timeout 600 ${peer_cmd[$1]} ${args[$2]} 2>"$peer_log"); then
     echo "$v"
   else
     ((peers_ok)) && { echo "peers: $1 $2 trial $3 FAILED:"; tail -n 4 "$peer_log" | sed 's/^/  /'; } >&2
@@ -96,14 +98,14 @@ for provider in "tcp;ofi_rxm" shm; do
     e=() r=() h=()
     for ((i = 0; i < trials; i++)); do  # alternate so drift in the machine hits both alike
       # shellcheck disable=SC2086
-      e+=("$(gbps "$demo" --provider "$provider" ${engine_poll[$provider]} ${args[$w]})")
+      e+=("$(gb_per_s "$demo" --provider "$provider" ${engine_poll[$provider]} ${args[$w]})")
       # On shm, also the bytes through host_ipc (the initiator's process_vm_writev into the target's
       # pages). Adaptive polling: the target has no copy to make, and a spinning target would take
       # one of the two cores from the initiator's copies.
       # shellcheck disable=SC2086
-      if [[ $provider == shm ]]; then h+=("$(gbps "$demo" --provider shm --host-ipc ${args[$w]})"); fi
+      if [[ $provider == shm ]]; then h+=("$(gb_per_s "$demo" --provider shm --host-ipc ${args[$w]})"); fi
       # shellcheck disable=SC2086
-      r+=("$(gbps "$raw" --provider "$provider" ${args[$w]})")
+      r+=("$(gb_per_s "$raw" --provider "$provider" ${args[$w]})")
       for p in "${peers[@]}"; do  # the peers compared with this provider, in the same rotation
         if [[ ${peer_ours[$p]} == "$provider" ]]; then pt[$p.$w]+="$(peer_trial "$p" "$w" "$i") "; fi
       done
@@ -111,29 +113,29 @@ for provider in "tcp;ofi_rxm" shm; do
     em=$(median "${e[@]}") rm=$(median "${r[@]}")
     result[$provider.$w]=$em
     bytes=$([[ $w == paged64k ]] && echo 65536 || echo 16777216)
-    points+=("{\"what\": \"engine $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$em" 'BEGIN { print g * 8 }'), \"marker\": \"^\"}")
-    points+=("{\"what\": \"raw libfabric $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$rm" 'BEGIN { print g * 8 }'), \"marker\": \"s\"}")
+    points+=("{\"what\": \"engine $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gb_per_s\": $(awk -v g="$em" 'BEGIN { print g + 0 }'), \"marker\": \"^\"}")
+    points+=("{\"what\": \"raw libfabric $w\", \"provider\": \"$provider\", \"bytes\": $bytes, \"gb_per_s\": $(awk -v g="$rm" 'BEGIN { print g + 0 }'), \"marker\": \"s\"}")
     result[$provider.$w.ratio]=$(ratio "$em" "$rm")
     printf '%-12s %-10s %-34s %-34s %s\n' "$provider" "$w" "$em (${e[*]})" "$rm (${r[*]})" \
       "${result[$provider.$w.ratio]}"
     if ((${#h[@]})); then
       hm=$(median "${h[@]}")
       result[host_ipc.$w]=$hm
-      points+=("{\"what\": \"engine host_ipc $w\", \"provider\": \"shm+host_ipc\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$hm" 'BEGIN { print g * 8 }'), \"marker\": \"P\"}")
+      points+=("{\"what\": \"engine host_ipc $w\", \"provider\": \"shm+host_ipc\", \"bytes\": $bytes, \"gb_per_s\": $(awk -v g="$hm" 'BEGIN { print g + 0 }'), \"marker\": \"P\"}")
       printf '%-12s %-10s %-34s %-34s %s\n' "host_ipc" "$w" "$hm (${h[*]})" "$rm (shm raw, above)" "$(ratio "$hm" "$rm")"
     fi
   done
 done
 
 u=()
-for ((i = 0; i < trials; i++)); do u+=("$(ucx_gbps 65536 20000)"); done
+for ((i = 0; i < trials; i++)); do u+=("$(ucx_gb_per_s 65536 20000)"); done
 um=$(median "${u[@]}")
-u16=$(ucx_gbps 16777216 128)
+u16=$(ucx_gb_per_s 16777216 128)
 printf 'ucx_perftest ucp_put_bw (UCX_TLS=tcp): 64 KiB %s GB/s (%s), 16 MiB %s GB/s\n' "$um" "${u[*]}" "$u16"
 printf 'engine/ucx on tcp: paged64k %s, single16m %s\n' "$(ratio "${result[tcp;ofi_rxm.paged64k]}" "$um")" \
   "$(ratio "${result[tcp;ofi_rxm.single16m]}" "$u16")"
-points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 65536, \"gbps\": $(awk -v g="$um" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
-points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 16777216, \"gbps\": $(awk -v g="$u16" 'BEGIN { print g * 8 }'), \"marker\": \"D\"}")
+points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 65536, \"gb_per_s\": $(awk -v g="$um" 'BEGIN { print g + 0 }'), \"marker\": \"D\"}")
+points+=("{\"what\": \"ucx_perftest put\", \"provider\": \"ucx tcp\", \"bytes\": 16777216, \"gb_per_s\": $(awk -v g="$u16" 'BEGIN { print g + 0 }'), \"marker\": \"D\"}")
 
 # NIXL's LIBFABRIC backend is not among the peers: say whether it starts here, and why not.
 if ((peers_ok)); then
@@ -152,7 +154,7 @@ for w in paged64k single16m; do
     if ((${#ok[@]})); then
       pm=$(median "${ok[@]}") peer_ratio[$p.$w]=$(ratio "$ours" "$pm")
       bytes=$([[ $w == paged64k ]] && echo 65536 || echo 16777216)
-      points+=("{\"what\": \"$p $w\", \"provider\": \"peer\", \"bytes\": $bytes, \"gbps\": $(awk -v g="$pm" 'BEGIN { print g * 8 }'), \"marker\": \"v\"}")
+      points+=("{\"what\": \"$p $w\", \"provider\": \"peer\", \"bytes\": $bytes, \"gb_per_s\": $(awk -v g="$pm" 'BEGIN { print g + 0 }'), \"marker\": \"v\"}")
     else
       pm=failed peer_ratio[$p.$w]=failed
     fi

@@ -61,7 +61,7 @@ double median(std::vector<double> v) {
 
 struct Result {
   double post_p50_us = 0;
-  double paged_gbps_per_worker = 0;  // the slowest worker's
+  double paged_gb_per_s_per_worker = 0;  // the slowest worker's
   bool verified = true;
 };
 
@@ -102,7 +102,7 @@ Result run(const Options& o, size_t workers) {
   r.post_p50_us = median(post_us);
 
   // Paged rounds: imm = 1000 * worker + round; two rounds in flight, into alternating halves.
-  std::vector<double> gbps(workers);
+  std::vector<double> gb_per_s(workers);
   std::vector<uint32_t> idx(o.pages);
   for (uint32_t i = 0; i < o.pages; i++) idx[i] = i;
   auto paged_lane = [&](size_t w) {
@@ -125,18 +125,18 @@ Result run(const Options& o, size_t workers) {
     }
     for (auto& f : landed) f->wait(kDonePending);
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    gbps[w] = static_cast<double>(half) * o.rounds / secs / 1e9;
+    gb_per_s[w] = static_cast<double>(half) * o.rounds / secs / 1e9;
     for (auto& f : landed) r.verified &= f->load() == kDoneSucceeded;
   };
   for (size_t w = 0; w < workers; w++) threads.emplace_back(paged_lane, w);
   for (auto& t : threads) t.join();
   for (auto& l : lanes) r.verified &= std::memcmp(l.dst.data(), l.src.data(), half) == 0 &&
                                       std::memcmp(l.dst.data() + half, l.src.data(), half) == 0;
-  r.paged_gbps_per_worker = *std::min_element(gbps.begin(), gbps.end());
+  r.paged_gb_per_s_per_worker = *std::min_element(gb_per_s.begin(), gb_per_s.end());
   fmt::print("workers={} post single 64B first post p50 {:.2f} us; paged {} x {} KiB x {} rounds: "
              "per worker {:.2f} GB/s; verified {}\n",
              workers, r.post_p50_us, o.pages, o.page_kib, o.rounds,
-             fmt::join(gbps.begin(), gbps.end(), " / "), r.verified ? "OK" : "FAILED");
+             fmt::join(gb_per_s.begin(), gb_per_s.end(), " / "), r.verified ? "OK" : "FAILED");
   return r;
 }
 
@@ -154,7 +154,7 @@ double raw_paged(const Options& o, size_t lanes, bool& verified) {
     fi_addr_t peer = FI_ADDR_UNSPEC;
     std::vector<std::atomic<uint32_t>> landed;  // immediates counted per round
     std::atomic<bool> failed{false};
-    double gbps = 0;
+    double gb_per_s = 0;
   };
   std::vector<Lane> ls(lanes);
   for (size_t w = 0; w < lanes; w++) {
@@ -225,7 +225,7 @@ double raw_paged(const Options& o, size_t lanes, bool& verified) {
       while (l.landed[o.rounds - 1].load(std::memory_order_acquire) < o.pages && !l.failed.load()) progress();
       while (free_slots.size() < slots.size()) progress();
       const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-      l.gbps = static_cast<double>(half) * o.rounds / secs / 1e9;
+      l.gb_per_s = static_cast<double>(half) * o.rounds / secs / 1e9;
     } catch (const std::exception& e) {
       fmt::print(stderr, "raw sender: {}\n", e.what());
       l.failed.store(true);
@@ -235,15 +235,15 @@ double raw_paged(const Options& o, size_t lanes, bool& verified) {
   for (Lane& l : ls) threads.emplace_back(receiver, std::ref(l));
   for (Lane& l : ls) threads.emplace_back(sender, std::ref(l));
   for (auto& t : threads) t.join();
-  std::vector<double> gbps;
+  std::vector<double> gb_per_s;
   for (Lane& l : ls) {
     verified &= !l.failed && std::memcmp(l.dst.data(), l.src.data(), half) == 0 &&
                 std::memcmp(l.dst.data() + half, l.src.data(), half) == 0;
-    gbps.push_back(l.gbps);
+    gb_per_s.push_back(l.gb_per_s);
   }
   fmt::print("raw lanes={} paged {} x {} KiB x {} rounds: per lane {:.2f} GB/s; verified {}\n", lanes, o.pages,
-             o.page_kib, o.rounds, fmt::join(gbps.begin(), gbps.end(), " / "), verified ? "OK" : "FAILED");
-  return *std::min_element(gbps.begin(), gbps.end());
+             o.page_kib, o.rounds, fmt::join(gb_per_s.begin(), gb_per_s.end(), " / "), verified ? "OK" : "FAILED");
+  return *std::min_element(gb_per_s.begin(), gb_per_s.end());
 }
 
 }  // namespace
@@ -261,7 +261,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     Result one = run(o, 1), many = run(o, o.workers);
-    const double paged_ratio = many.paged_gbps_per_worker / one.paged_gbps_per_worker;
+    const double paged_ratio = many.paged_gb_per_s_per_worker / one.paged_gb_per_s_per_worker;
     fmt::print("ratio workers={} post_p50_vs_one={:.2f} paged_per_worker_vs_one={:.2f}\n", o.workers,
                many.post_p50_us / one.post_p50_us, paged_ratio);
     bool raw_ok = true;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make bench-multinic: two network namespaces ("hosts") joined by 1, 2 and 4 veth pairs ("NICs"),
 # each pair rate-limited with tc (tbf, RATE_MBIT each way), the engine with one libfabric domain per
-# veth on each side. Reports single (sharded) and paged WRITE rates against the sum of the limits.
+# veth on each side. Reports single (sharded) and paged WRITE rates (GB/s, 1e9 bytes/s) against the
+# sum of the limits (RATE_MBIT is megabits per second, as tc takes it; shown converted to GB/s).
 # Ends with: aggregate nics=2 ratio=<x> nics=4 ratio=<y>  (the lower of single and paged)
 # Usage: bench/multinic.sh [BUILD_DIR]; env RATE_MBIT (default 1000), TARGET_MIB (default 256).
 set -euo pipefail
@@ -39,7 +40,8 @@ setup() {  # $1 = number of veth pairs
   done
 }
 
-# Runs the client against a fresh server over $1 NICs; prints "single_gbps paged_gbps".
+# Runs the client against a fresh server over $1 NICs; prints "single_gb_per_s paged_gb_per_s"
+# (fabric-bench's GB/s column; --link-gbps takes the limit in Gbit/s, as NICs report link speed).
 measure() {
   local n=$1 a_nics=() b_nics=()
   for ((k = 1; k <= n; k++)); do a_nics+=("10.77.$k.1"); b_nics+=("10.77.$k.2"); done
@@ -60,13 +62,13 @@ measure() {
   awk '$1 == "single" { s = $8 } $1 == "paged" { p = $10 } END { print s, p }' "$work/client$n.log"
 }
 
-printf '%-5s %-12s %-12s %-12s %-10s %-10s\n' nics "limit Gbps" "single Gbps" "paged Gbps" \
+printf '%-5s %-12s %-12s %-12s %-10s %-10s\n' nics "limit GB/s" "single GB/s" "paged GB/s" \
   "single/lim" "paged/lim" >"$work/table"
 summary=aggregate
 for n in 1 2 4; do
   setup "$n"
   read -r s p < <(measure "$n")
-  limit=$(awk -v r="$rate" -v n="$n" 'BEGIN { printf "%.3f", r * n / 1000 }')
+  limit=$(awk -v r="$rate" -v n="$n" 'BEGIN { printf "%.4f", r * n / 8000 }')  # Mbit/s -> GB/s
   rs=$(awk -v a="$s" -v b="$limit" 'BEGIN { printf "%.2f", a / b }')
   rp=$(awk -v a="$p" -v b="$limit" 'BEGIN { printf "%.2f", a / b }')
   printf '%-5s %-12s %-12s %-12s %-10s %-10s\n' "$n" "$limit" "$s" "$p" "$rs" "$rp" >>"$work/table"

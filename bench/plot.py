@@ -1,5 +1,7 @@
 """Plots fabric-bench JSON results: bandwidth and latency against transfer size, one line per
 file (provider), with the raw-loop and ucx_perftest figures of `make bench-compare` as markers.
+Bandwidth in GB/s (1e9 bytes per second): each row's `gb_per_s`; files written before that field
+carry `gbps`, gigabits per second, divided by 8 here.
 
 Usage: python3 bench/plot.py OUT_DIR RESULT.json [RESULT.json ...] [--compare COMPARE.json]
 """
@@ -17,6 +19,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 def load(path):
     with open(path) as f:
         return json.load(f)
+
+
+def gb_per_s(row):
+    """A row's or point's bandwidth in GB/s (older files: `gbps`, in Gbit/s)."""
+    return row["gb_per_s"] if "gb_per_s" in row else row["gbps"] / 8
 
 
 def series(result, prefix):
@@ -37,15 +44,15 @@ def main():
     for res in results:
         single = series(res, "single")
         label = f"engine, {res['provider']}, {res['nics']} NIC"
-        bw.plot([r["bytes"] for r in single], [r["gbps"] for r in single], "o-", label=label)
+        bw.plot([r["bytes"] for r in single], [gb_per_s(r) for r in single], "o-", label=label)
         lat.plot([r["bytes"] for r in single], [r["p50_us"] for r in single], "o-", label=label + " p50")
         lat.plot([r["bytes"] for r in single], [r["p99_us"] for r in single], "x:", label=label + " p99")
     if args.compare:
         cmp = load(args.compare)
         for p in cmp["points"]:
-            bw.plot([p["bytes"]], [p["gbps"]], p.get("marker", "s"), markersize=9,
+            bw.plot([p["bytes"]], [gb_per_s(p)], p.get("marker", "s"), markersize=9,
                     label=f"{p['what']}, {p['provider']}")
-    for ax, ylabel, title in ((bw, "Gbps", "Single WRITE bandwidth"),
+    for ax, ylabel, title in ((bw, "GB/s", "Single WRITE bandwidth"),
                               (lat, "us (submit to local completion)", "Single WRITE latency")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bytes per transfer")
@@ -61,11 +68,11 @@ def main():
     for res in results:
         for count in sorted({r["writes"] for r in series(res, "paged")}):
             rows = [r for r in series(res, "paged") if r["writes"] == count]
-            ax.plot([r["bytes"] // count for r in rows], [r["gbps"] for r in rows], "o-",
+            ax.plot([r["bytes"] // count for r in rows], [gb_per_s(r) for r in rows], "o-",
                     label=f"{res['provider']}, x{count} pages")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("page size (bytes)")
-    ax.set_ylabel("Gbps")
+    ax.set_ylabel("GB/s")
     ax.set_title("Paged WRITEs (random pages, stride > page)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -27,7 +27,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 struct Options {
-  double gbps = 400;          // per GPU, all its NICs
+  double gbps = 400;          // link speed per GPU, all its NICs, Gbit/s (as NICs report it)
   double quantize_gbs = 1500;  // GB/s of BF16 a GPU quantizes (memory-bound: read 2 B, write 1 B)
   uint64_t owner_rows = 0;
   std::string provider = "shm";
@@ -88,7 +88,8 @@ PostingTimes time_posting(const std::vector<weights::Write>& writes, const std::
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"fabric-weights-plan: the Kimi-K2 weight-update plan at full scale"};
-  app.add_option("--gbps", o.gbps, "network bandwidth per GPU (all its NICs), Gb/s");
+  app.add_option("--link-gbps,--gbps", o.gbps,
+                 "link speed per GPU (all its NICs) in Gbit/s, as NICs report it (400: 400 Gbit/s = 50 GB/s)");
   app.add_option("--quantize-gbs", o.quantize_gbs, "BF16 GB/s one GPU quantizes");
   app.add_option("--owner-rows", o.owner_rows, "rows a rank quantizes as a unit (128 multiples; 0: whole tensors)");
   app.add_option("--provider", o.provider, "provider for the posting measurement");
@@ -159,9 +160,9 @@ int main(int argc, char** argv) {
   fmt::print("training staging: every unit resident {:.2f} GB max; the executor's window of {} units {:.2f} GB max\n",
              *std::max_element(up.staging_bytes.begin(), up.staging_bytes.end()) / 1e9, o.window,
              *std::max_element(windowed.begin(), windowed.end()) / 1e9);
-  fmt::print("time at {:.0f} Gb/s per GPU: lower bound {:.1f} ms, predicted {:.1f} ms (busiest NIC {:.1f} ms + fill "
+  fmt::print("time at {:.0f} Gbit/s links per GPU ({:.0f} GB/s): lower bound {:.1f} ms, predicted {:.1f} ms (busiest NIC {:.1f} ms + fill "
              "{:.1f} ms)\n",
-             o.gbps, lower_bound_ms, predicted_ms, busiest / bw * 1e3, fill_ms);
+             o.gbps, o.gbps / 8, lower_bound_ms, predicted_ms, busiest / bw * 1e3, fill_ms);
 
   double post_ms = 0;
   if (!o.skip_post) {

@@ -11,8 +11,9 @@ pieces and arena in a torch TCPStore this script serves, all build the same plan
 training ranks gather, quantize and write while the inference ranks wait for their immediate counts
 and check every byte against the block quantization of the full weights. Prints each step's time
 and where it went, and ends with
-`weights steps=<n> train=4 infer=2 bytes_per_step=<n> update_ms_p50=<x> update_ms_max=<x> gbps=<x> exact=<yes|no>`
-(gbps: bytes_per_step over the p50 update time, in GB/s).
+`weights steps=<n> train=4 infer=2 bytes_per_step=<n> update_ms_p50=<x> update_ms_max=<x> gb_per_s=<x> exact=<yes|no>`
+(update_ms: the slowest training rank's update per step, as the table shows; gb_per_s:
+bytes_per_step over update_ms_p50, in GB/s, 1e9 bytes per second).
 --gpu: CUDA arenas on GPU 0, every process sharing it through cuda_ipc.
 The model's size: --hidden, --inter, --vocab, --layers, --experts, --q-rows, --kv-rows (widths must
 be multiples of 256), or --scale N to multiply the default's widths by N.
@@ -130,13 +131,13 @@ def main() -> int:
         print_trace(per_step[steps[-1]])
     total_bytes = sum(x["bytes"] for x in per_step[steps[0]])
     p50 = statistics.median(totals)
-    gbps = total_bytes / p50 / 1e6
+    gb_per_s = total_bytes / p50 / 1e6  # bytes per ms / 1e6 = GB/s
     print(f"weights steps={len(steps)} train={moe.TRAIN} infer={moe.INFER} bytes_per_step={total_bytes} "
-          f"update_ms_p50={p50:.2f} update_ms_max={max(totals):.2f} gbps={gbps:.2f} "
+          f"update_ms_p50={p50:.2f} update_ms_max={max(totals):.2f} gb_per_s={gb_per_s:.2f} "
           f"exact={'yes' if exact else 'no'}")
     if machine and predicted:
         print(f"weights-gpu params={model.param_count()} bytes_per_step={total_bytes} update_ms_p50={p50:.2f} "
-              f"gbps={gbps:.2f} predicted_ms={predicted['predicted_ms']:.2f} "
+              f"gb_per_s={gb_per_s:.2f} predicted_ms={predicted['predicted_ms']:.2f} "
               f"measured_over_predicted={p50 / predicted['predicted_ms']:.2f}")
         print(f"  the model: chain {predicted['chain_ms']:.2f} ms (the slowest rank's units), link "
               f"{predicted['link_ms']:.2f} + quantize {predicted['quantize_ms']:.2f} + fill {predicted['fill_ms']:.2f} ms, "

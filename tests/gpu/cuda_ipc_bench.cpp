@@ -181,9 +181,9 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
               median(ep), median(rp), median(ep) / median(rp), median(rc), median(ep) / median(rc));
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "  \"single_16m\": {\"engine_gbps\": %.2f, \"raw_gbps\": %.2f, \"ratio\": %.4f},\n"
-                "  \"paged_64k_x10000\": {\"engine_gbps\": %.2f, \"raw_per_page_gbps\": %.2f, "
-                "\"raw_contiguous_gbps\": %.2f, \"ratio_per_page\": %.3f, \"ratio_contiguous\": %.4f},\n",
+                "  \"single_16m\": {\"engine_gb_per_s\": %.2f, \"raw_gb_per_s\": %.2f, \"ratio\": %.4f},\n"
+                "  \"paged_64k_x10000\": {\"engine_gb_per_s\": %.2f, \"raw_per_page_gb_per_s\": %.2f, "
+                "\"raw_contiguous_gb_per_s\": %.2f, \"ratio_per_page\": %.3f, \"ratio_contiguous\": %.4f},\n",
                 median(e16), median(r16), single_ratio, median(ep), median(rp), median(rc),
                 median(ep) / median(rp), median(ep) / median(rc));
   json += buf;
@@ -195,7 +195,7 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
     s.engine_single(len, std::min(count, 50));
     double e = s.engine_single(len, count), r = s.raw_single(len, count);
     std::printf("%10llu %12.2f %12.2f %8.3f\n", static_cast<unsigned long long>(len), e, r, e / r);
-    std::snprintf(buf, sizeof buf, "%s{\"bytes\": %llu, \"count\": %d, \"engine_gbps\": %.3f, \"raw_gbps\": %.3f}",
+    std::snprintf(buf, sizeof buf, "%s{\"bytes\": %llu, \"count\": %d, \"engine_gb_per_s\": %.3f, \"raw_gb_per_s\": %.3f}",
                   len == 4096 ? "" : ", ", static_cast<unsigned long long>(len), count, e, r);
     json += buf;
   }
@@ -236,8 +236,8 @@ int run_sender(tools::Channel& ch, const std::string& json_path) {
               "side (WriteOps, checks, descriptors) ended at %.0f%% of its time\n",
               kPages, median(gk1), median(gk1) / median(rc), 100 * median(host_share));
   std::snprintf(buf, sizeof buf,
-                "  \"paged_64k_x10000_batch\": {\"batch\": %zu, \"batch_gbps\": %.2f, \"batch_imm_gbps\": %.2f, "
-                "\"single_posts_gbps\": %.2f, \"gather_kernel_gbps\": %.2f, \"raw_contiguous_gbps\": %.2f, "
+                "  \"paged_64k_x10000_batch\": {\"batch\": %zu, \"batch_gb_per_s\": %.2f, \"batch_imm_gb_per_s\": %.2f, "
+                "\"single_posts_gb_per_s\": %.2f, \"gather_kernel_gb_per_s\": %.2f, \"raw_contiguous_gb_per_s\": %.2f, "
                 "\"ratio_contiguous\": %.4f, \"ratio_contiguous_imm\": %.4f},\n",
                 batch_size, median(bp), median(bpi), median(bs), median(gk), median(rc), batch_ratio,
                 median(bpi) / median(rc));

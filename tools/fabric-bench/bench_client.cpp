@@ -24,7 +24,7 @@ struct Row {
   uint64_t writes = 0;     // WRITEs per transfer
   uint64_t iters = 0;      // transfers in the bandwidth pass
   double avg_us = 0, p50_us = 0, p99_us = 0;
-  double gbps = 0, mops = 0;
+  double gb_per_s = 0, mops = 0;  // GB/s: 1e9 bytes per second
   std::string verified = "-";
 };
 
@@ -40,7 +40,8 @@ class Client {
  public:
   Client(const Options& o, const std::string& server_hex)
       : o_(o), engine_(o.engine_config()), ctl_(engine_) {
-    // Without --link-gbps, the % column uses the link speed the NICs report (0 on loopback).
+    // Without --link-gbps, the % column uses the link speed the NICs report (Gbit/s, as NICs
+    // report it; 0 on loopback).
     link_gbps_ = o.link_gbps;
     if (link_gbps_ <= 0) {
       std::vector<NicStats> nics = engine_.nic_stats();
@@ -59,7 +60,7 @@ class Client {
     pong_desc_ = engine_.reg_mr(pong_buf_.data(), pong_buf_.size()).second;
     group_ = engine_.add_peer_group(remotes_);
     fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10} {:>10} {:>10} {:>9} {:>7} {:>9} {}\n", "test",
-               "bytes", "writes", "iters", "avg us", "p50 us", "p99 us", "Gbps", "% link",
+               "bytes", "writes", "iters", "avg us", "p50 us", "p99 us", "GB/s", "% link",
                "M ops/s", "verify");
   }
 
@@ -149,7 +150,7 @@ class Client {
     double secs = (now_us() - t0) / 1e6;
     wait_done_while([&](uint64_t d) { return d < r.iters; });
     if (failed.load() || reached.find(" ok") == std::string::npos) fail_pass(reached);
-    r.gbps = r.iters * r.bytes * 8 / secs / 1e9;
+    r.gb_per_s = r.iters * r.bytes / secs / 1e9;
     r.mops = r.iters * r.writes / secs / 1e6;
     if (o_.verify && !verify_cmd.empty())
       r.verified = ctl_.call("verify " + verify_cmd, "verified") == "verified ok" ? "ok" : "BAD";
@@ -265,9 +266,11 @@ class Client {
   }
 
   void print(const Row& r) {
-    std::string link = link_gbps_ > 0 && r.gbps > 0 ? fmt::format("{:.1f}", 100 * r.gbps / link_gbps_) : "-";
-    fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.3f} {:>7} {:>9.4f} {}\n", r.test,
-               r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gbps, link, r.mops, r.verified);
+    // The link speed is in Gbit/s (as NICs report it), the figure in GB/s: 8 bits a byte.
+    std::string link =
+        link_gbps_ > 0 && r.gb_per_s > 0 ? fmt::format("{:.1f}", 100 * r.gb_per_s * 8 / link_gbps_) : "-";
+    fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.4f} {:>7} {:>9.4f} {}\n", r.test,
+               r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gb_per_s, link, r.mops, r.verified);
     std::fflush(stdout);
     rows_.push_back(r);
     if (r.verified == "BAD") failed_verify_ = true;
@@ -281,8 +284,8 @@ class Client {
       const Row& r = rows_[i];
       out << fmt::format(
           "    {{\"test\": \"{}\", \"bytes\": {}, \"writes\": {}, \"iters\": {}, \"avg_us\": {:.3f}, "
-          "\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"gbps\": {:.4f}, \"mops\": {:.5f}, \"verified\": \"{}\"}}{}\n",
-          r.test, r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gbps, r.mops, r.verified,
+          "\"p50_us\": {:.3f}, \"p99_us\": {:.3f}, \"gb_per_s\": {:.4f}, \"mops\": {:.5f}, \"verified\": \"{}\"}}{}\n",
+          r.test, r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gb_per_s, r.mops, r.verified,
           i + 1 < rows_.size() ? "," : "");
     }
     out << "  ]\n}\n";
@@ -294,7 +297,7 @@ class Client {
  private:
   const Options& o_;
   TransferEngine engine_;
-  double link_gbps_ = 0;  // --link-gbps, else the sum of the NICs' reported speeds
+  double link_gbps_ = 0;  // Gbit/s: --link-gbps, else the sum of the NICs' reported speeds
   Control ctl_;
   std::vector<MrDesc> descs_;
   std::vector<RemoteMr> remotes_;  // descs_, interned

@@ -20,7 +20,7 @@ struct Options {
   size_t peers = 8;               // server engines for scatter and barrier
   uint64_t buffer_mib = 1024;     // destination region of the first server engine
   uint64_t peer_buffer_mib = 16;  // of the other server engines
-  double link_gbps = 0;           // for "% of link" (0: not shown)
+  double link_gbps = 0;           // Gbit/s, for "% of link" (0: what the NICs report)
   uint64_t target_mib = 512;      // bytes per bandwidth measurement
   uint64_t min_iters = 2, max_iters = 20000;
   uint64_t warmup = 2;

@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
     c->add_option("--peers", o.peers, "server engines (scatter and barrier destinations)");
     c->add_option("--buffer-mib", o.buffer_mib, "destination region of the first server engine");
     c->add_option("--peer-buffer-mib", o.peer_buffer_mib, "destination region of the other server engines");
-    c->add_option("--link-gbps", o.link_gbps, "link speed for the % column (default: what the NICs report)");
+    c->add_option("--link-gbps", o.link_gbps, "link speed in Gbit/s (as NICs report it) for the % column, which compares the GB/s column "
+                  "with it x 8 (default: the sum of what the NICs report)");
     c->add_option("--target-mib", o.target_mib, "bytes moved per bandwidth measurement");
     c->add_option("--min-iters", o.min_iters);
     c->add_option("--max-iters", o.max_iters);
