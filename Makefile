@@ -155,7 +155,8 @@ example-weights: deps
 # Four rank processes (2 nodes of 2, tcp between them) run 20 decode steps of a toy MoE layer
 # through fabric_lib.moe's dispatch/combine on the CPU, every combined value checked against the
 # oracle; prints a per-step table and ends with a
-# `moe steps=20 ranks=4 dispatch_us_p50=... combine_us_p50=... exact=yes` line.
+# `moe steps=20 ranks=4 dispatch_us_p50_slowest=... combine_us_p50_slowest=... exact=yes` line
+# (the p50 over the steps of the table's columns: each step's slowest rank).
 .PHONY: example-moe
 example-moe: deps
 	python3 -m pip install --quiet ".[test]"

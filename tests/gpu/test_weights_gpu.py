@@ -4,6 +4,7 @@ quantize on the GPU (the torch unit hook), 20 steps of changing weights land bit
 
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import uuid
 
@@ -36,7 +37,7 @@ def test_twenty_steps_between_gpu_processes_land_bit_for_bit():
             assert conn.poll(180), f"{side}{r} did not start"
             msg = conn.recv()
             assert msg == "ready", msg
-        totals = []
+        slowest = {}  # step -> the slowest training rank's update, as examples/rl_weights/run.py reports
         for side, r, conn, _ in ranks:
             for _ in steps:
                 assert conn.poll(180), f"{side}{r}: no result"
@@ -46,10 +47,10 @@ def test_twenty_steps_between_gpu_processes_land_bit_for_bit():
                 if side == "i":
                     assert msg[2] == [], f"inference rank {r} step {msg[1]}: {msg[2]} differ"
                 else:
-                    totals.append(msg[2]["total_ms"])
-        totals.sort()
-        print(f"weights-gpu steps={len(steps)} update_ms_p50={totals[len(totals) // 2]:.2f} "
-              f"update_ms_max={totals[-1]:.2f}")
+                    slowest[msg[1]] = max(slowest.get(msg[1], 0.0), msg[2]["total_ms"])
+        totals = list(slowest.values())
+        print(f"weights-gpu steps={len(steps)} update_ms_p50={statistics.median(totals):.2f} "
+              f"update_ms_max={max(totals):.2f} (the slowest training rank's, per step)")
     finally:
         for _, _, _, p in ranks:
             p.join(timeout=60)
