@@ -281,7 +281,8 @@ def _describe(what: str, group: int, ranks: dict[int, tuple[int, bytes, bytes]])
 
 
 def _wait(ready: Callable[[], Optional[str]], timeout_s: float, what: str) -> None:
-    """Polls ready() (None once ready, else what is missing) until timeout_s; then TimeoutError."""
+    """Polls ready() (None once ready, else what is missing) until timeout_s; then
+    FabricTimeoutError (a TimeoutError, as every timeout of the library)."""
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     while True:
@@ -290,7 +291,9 @@ def _wait(ready: Callable[[], Optional[str]], timeout_s: float, what: str) -> No
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"{what}: not paired after {timeout_s:g} s: {missing}")
+            err = _c.FabricTimeoutError(f"timeout: {what}: not paired after {timeout_s:g} s: {missing}")
+            err.code = "timeout"
+            raise err
         time.sleep(min(delay, left))  # membership changes in ms to s: back off to 0.1 s polls
         delay = min(2 * delay, 0.1)
 
@@ -340,7 +343,7 @@ class Decoder:
         """Returns once requests can be admitted for `prefill_group`: every rank of it and of
         this rank's own decode group is in the directory (a prefill rank adds a decode group it
         has not added yet when that group's first request comes, see Prefiller.begin). Raises
-        TimeoutError naming what is missing after timeout_s."""
+        FabricTimeoutError (a TimeoutError) naming what is missing after timeout_s."""
         def missing() -> Optional[str]:
             prefill = _groups(self.directory.list(f"kv/{self.cluster}/prefill/")).get(prefill_group, {})
             if not _complete(prefill):
@@ -488,7 +491,8 @@ class Prefiller:
 
     def wait_paired(self, decode_group: Optional[int] = None, *, timeout_s: float = 30.0) -> list[int]:
         """Refreshes until decode group `decode_group` (None: any decode group) is added; returns
-        the decode groups added. Raises TimeoutError naming what is missing after timeout_s."""
+        the decode groups added. Raises FabricTimeoutError (a TimeoutError) naming what is
+        missing after timeout_s."""
         def missing() -> Optional[str]:
             self.refresh()
             with self._lock:

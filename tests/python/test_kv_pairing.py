@@ -196,8 +196,9 @@ def test_wait_paired_returns_once_the_other_side_is_there(cluster):
 def test_wait_paired_times_out_with_a_clear_error_when_nobody_comes(cluster):
     make_decoder, make_prefiller = cluster
     dec, _ = make_decoder(group=15, tp_size=2, tp_rank=0)
-    with pytest.raises(TimeoutError, match=r"prefill group 4 is not in the directory"):
+    with pytest.raises(TimeoutError, match=r"prefill group 4 is not in the directory") as nobody:
         dec.wait_paired(4, timeout_s=0.3)
+    assert isinstance(nobody.value, fl.FabricTimeoutError) and nobody.value.code == "timeout"
     pf, _ = make_prefiller(group=4)
     with pytest.raises(TimeoutError, match=r"this rank's decode group 15 has ranks \[0\] of 2"):
         dec.wait_paired(4, timeout_s=0.3)  # the prefill group is there, this group's rank 1 is not
