@@ -88,22 +88,40 @@ bench-python: build
 	python3 -m pip install --quiet .
 	python3 bench/python_submit_overhead.py $(BUILD)
 
+# Where the bench targets write what they keep (tables, JSON, plots): an untracked folder in the
+# build dir, so that no bench run changes the tree. The copies committed in docs/bench/ are
+# refreshed on purpose, by naming that folder:
+#   make bench-compare bench-sweep bench-plot BENCH_OUT=docs/bench
+# Every figure they print is in GB/s (1e9 bytes per second); link speeds are in Gbit/s, as NICs
+# report them.
+BENCH_OUT ?= $(BUILD)/bench-out
+# The recipes below that pipe into tee fail when the command before the pipe does.
+bench-compare bench-sweep: private SHELL := /bin/bash
+bench-compare bench-sweep: private .SHELLFLAGS := -o pipefail -c
+
+# Ends with the `ratio ...` line; the table goes to $(BENCH_OUT)/compare.txt, the medians (for
+# bench-plot) to $(BENCH_OUT)/compare.json.
 .PHONY: bench-compare
 bench-compare: build
 	@dpkg -s ucx-utils python3-venv >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ucx-utils python3-venv
-	bench/compare.sh $(BUILD) 5 docs/bench/compare.json
+	mkdir -p $(BENCH_OUT)
+	bench/compare.sh $(BUILD) 5 $(BENCH_OUT)/compare.json | tee $(BENCH_OUT)/compare.txt
 
 .PHONY: bench-sweep bench-plot bench-post
-# Full fabric-bench sweeps on both loopback providers; JSON and tables go to docs/bench/.
+# Full fabric-bench sweeps on both loopback providers; JSON and tables go to $(BENCH_OUT).
 bench-sweep: build
+	mkdir -p $(BENCH_OUT)
 	for p in tcp shm; do \
 	  $(BUILD)/tools/fabric-bench/fabric-bench local --provider $$p --verify \
-	    --json docs/bench/fabric-bench-$$p.json | tee docs/bench/fabric-bench-$$p.txt; done
+	    --json $(BENCH_OUT)/fabric-bench-$$p.json | tee $(BENCH_OUT)/fabric-bench-$$p.txt || exit 1; done
 
+# Plots the sweeps of $(BENCH_OUT) (and bench-compare's medians there, if any) into $(BENCH_OUT).
 bench-plot:
+	@for p in tcp shm; do [ -f $(BENCH_OUT)/fabric-bench-$$p.json ] || \
+	  { echo "bench-plot: no $(BENCH_OUT)/fabric-bench-$$p.json: run make bench-sweep first (same BENCH_OUT)"; exit 1; }; done
 	python3 -m pip install --quiet matplotlib
-	python3 bench/plot.py docs/bench docs/bench/fabric-bench-tcp.json docs/bench/fabric-bench-shm.json \
-	  --compare docs/bench/compare.json
+	python3 bench/plot.py $(BENCH_OUT) $(BENCH_OUT)/fabric-bench-tcp.json $(BENCH_OUT)/fabric-bench-shm.json \
+	  $(if $(wildcard $(BENCH_OUT)/compare.json),--compare $(BENCH_OUT)/compare.json)
 
 # Posting cost: wall-clock submit-to-post on both providers against a raw libfabric loop (`post ...`
 # lines), then callgrind instructions per WRITE
