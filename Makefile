@@ -180,6 +180,16 @@ example-moe: deps
 	python3 -m pip install --quiet ".[test]"
 	python3 examples/moe/run.py
 
+# examples/cpp/quickstart.cpp (the README's C++ snippet as a whole program: two engines, paged
+# WRITEs with an immediate, every byte checked), built against an install of $(BUILD) the way an
+# application builds it (find_package(fabric_lib), fabric::fabric); ends with `quickstart: ... OK`.
+.PHONY: example-cpp
+example-cpp: build
+	cmake --install $(BUILD) --prefix $(abspath $(BUILD))/example-cpp-prefix >/dev/null
+	cmake -S examples/cpp -B $(BUILD)/example-cpp -G Ninja -DCMAKE_PREFIX_PATH=$(abspath $(BUILD))/example-cpp-prefix
+	cmake --build $(BUILD)/example-cpp
+	$(BUILD)/example-cpp/quickstart
+
 .PHONY: bench-multinic
 bench-multinic: build
 	bench/multinic.sh $(BUILD)
