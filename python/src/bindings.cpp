@@ -180,6 +180,7 @@ NB_MODULE(_fabric_lib, m) {
                                 timeout_bases.ptr(), nullptr);
   if (!timeout_error) throw nb::python_error();
   m.attr("FabricTimeoutError") = nb::steal(timeout_error);
+  PyObject_SetAttrString(timeout_error, "code", nb::str("timeout").ptr());
   // Tried before nanobind's own translator (the latest registered goes first): the message is
   // decoded with backslashreplace, so an error is always a FabricError, never a UnicodeDecodeError.
   nb::register_exception_translator(
@@ -498,8 +499,11 @@ NB_MODULE(_fabric_lib, m) {
              // What is left out comes from the FABRIC_* environment as in C++ (EngineConfig::from_env),
              // else from the provider's defaults (engine_defaults.h).
              EngineConfig c = python_engine_config(provider, nics, cuda_device);
-             if (poll) c.worker_poll = poll_mode(*poll);
-             if (callback_poll) c.callback_poll = poll_mode(*callback_poll);
+             // Python's engines poll adaptively unless told (FABRIC_POLL or poll=): C++'s default,
+             // busy polling, would take a core per engine from every notebook and test run.
+             const bool env_poll = std::getenv("FABRIC_POLL") != nullptr;
+             c.worker_poll = poll ? poll_mode(*poll) : env_poll ? c.worker_poll : PollMode::kAdaptive;
+             c.callback_poll = callback_poll ? poll_mode(*callback_poll) : env_poll ? c.callback_poll : PollMode::kAdaptive;
              if (!(transfer_timeout_s > 0))
                throw Error(ErrorCode::kInvalidArgument,
                            "TransferEngine(transfer_timeout_s=...) must be a positive number of seconds");
@@ -606,7 +610,7 @@ NB_MODULE(_fabric_lib, m) {
              nb::gil_scoped_release release;
              return eng.expect_imm_count(imm, count, std::move(d), opts);
            },
-           "imm"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(),
+           "imm"_a, "count"_a, "on_done"_a = nb::none(), nb::kw_only(), "timeout_s"_a = nb::none(),
            "cuda_device"_a = nb::none(),
            "Calls on_done once `imm` arrived `count` times; with timeout_s it ends with a timeout "
            "error if not met by then. cuda_device: the GPU whose regions the WRITEs land in (a "

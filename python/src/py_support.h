@@ -64,15 +64,26 @@ struct PyRef {
 // the worker take the GIL to drop it: every completion would wait for whichever Python thread
 // holds the GIL, stalling every NIC.)
 // A flag is one-shot: handed to one operation at a time, and refused once it has fired until
-// reset(). While an operation holds it, the engine's OnDone shares `state` (use_count > 1), which
-// is how a flag still in flight is told from one whose submit was refused (no one else holds it).
+// reset(). `armed` is true while an operation's OnDone holds the flag (an Arm, its keep-alive): it
+// turns false when the OnDone lets go, fired or not (a submit that was refused), so a flag still
+// in flight is told from one nobody holds.
 struct DoneFlag {
   struct State {
     std::atomic<int> value{kDonePending};
+    std::atomic<bool> armed{false};
     DoneStatus status;  // how it failed
   };
+  struct Arm {
+    std::shared_ptr<State> state;
+    Arm() = default;
+    Arm(const Arm&) = delete;
+    Arm& operator=(const Arm&) = delete;
+    ~Arm() {
+      if (state) state->armed.store(false);
+    }
+  };
   std::shared_ptr<State> state = std::make_shared<State>();
-  bool in_flight() const { return state.use_count() > 1 && state->value.load() == kDonePending; }
+  bool in_flight() const { return state->armed.load() && state->value.load() == kDonePending; }
 };
 // None while pending; the Status it ended with (the failure's code and message) after.
 inline std::optional<Status> flag_status(const DoneFlag& f) {
@@ -175,9 +186,11 @@ inline OnDone make_on_done(nb::handle on_done) {
       throw Error(ErrorCode::kInvalidArgument,
                   "on_done: this DoneFlag already fired (a flag is one-shot): call flag.reset() "
                   "before giving it to another operation, or use a new DoneFlag");
-    std::shared_ptr<DoneFlag::State> state = flag.state;
-    OnDone d = OnDone::flag(&state->value, &state->status);
-    return std::move(d).keep_alive(std::move(state));
+    auto arm = std::make_shared<DoneFlag::Arm>();  // built in place: a temporary Arm would disarm
+    arm->state = flag.state;
+    flag.state->armed.store(true);
+    OnDone d = OnDone::flag(&flag.state->value, &flag.state->status);
+    return std::move(d).keep_alive(std::move(arm));
   }
   if (nb::isinstance<DoneCounter>(on_done)) {
     std::shared_ptr<DoneCounter::Counts> c = nb::cast<DoneCounter&>(on_done).counts;

@@ -29,7 +29,8 @@ def test_add_remote_is_idempotent(pair):
     assert len({r1, a.add_remote(d1)}) == 1
     r2 = a.add_remote(d2)
     assert r2 != r1 and len({r1, r2}) == 2
-    assert repr(r1) == f"RemoteMr(slot={r1.slot}, generation={r1.generation})"
+    assert repr(r1) == f"RemoteMr(slot={r1.slot}, generation={r1.generation}, engine={r1.engine})"
+    assert r1.engine == a.register_tensor(np.zeros(16, np.uint8))[0].engine  # a's, not b's
 
 
 def test_removed_remote_is_not_found_and_can_be_interned_again(pair):

@@ -173,7 +173,7 @@ class _StoreAllGather:
             self.store.wait(keys, self.timeout)
         except Exception as e:  # noqa: BLE001 - a store timeout's type differs between stores
             missing = [r for r in range(self.world) if not self.store.check([keys[r]])]
-            raise TimeoutError(f"MoE AllToAll job {self.job!r}: ranks {missing} did not publish round {rnd} "
+            raise _c.FabricTimeoutError(f"MoE AllToAll job {self.job!r}: ranks {missing} did not publish round {rnd} "
                                f"within {self.timeout.total_seconds():.0f} s ({e})") from None
         got = [self.store.get(k) for k in keys]
         if rnd > 0:
