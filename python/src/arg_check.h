@@ -26,6 +26,7 @@ enum class ArgKind {
   kOnDone,    // None, DoneFlag, DoneCounter, GpuCounter or a callable
   kIterable,  // any iterable
   kNumber,    // a float or int >= 0 (seconds)
+  kBool,      // True or False
 };
 
 struct ArgSpec {
@@ -48,6 +49,7 @@ inline ArgSpec object_arg(const char* name, const char* what, bool (*is)(nb::han
 inline ArgSpec on_done_arg(bool (*is)(nb::handle) = nullptr) {
   return {"on_done", ArgKind::kOnDone, false, true, 0, "", is};
 }
+inline ArgSpec bool_arg(const char* name) { return {name, ArgKind::kBool, false, false, 0, "", nullptr}; }
 inline ArgSpec timeout_arg() { return {"timeout_s", ArgKind::kNumber, false, true, 0, "", nullptr}; }
 inline ArgSpec iterable_arg(const char* name, const char* what) {
   return {name, ArgKind::kIterable, true, false, 0, what, nullptr};
@@ -108,6 +110,8 @@ inline Problem check_value(const ArgSpec& a, nb::handle v) {
     }
     case ArgKind::kObject:
       return {a.is(v) ? "" : name + " must be " + a.what + ", got " + type_of(v), false};
+    case ArgKind::kBool:
+      return {PyBool_Check(v.ptr()) ? "" : name + " must be True or False, got " + type_of(v), false};
     case ArgKind::kOnDone:
       if (PyCallable_Check(v.ptr()) || a.is == nullptr || a.is(v)) return {};
       return {name + " must be None, a DoneFlag, a DoneCounter, a GpuCounter or a callable(status), got " +

@@ -623,14 +623,30 @@ NB_MODULE(_fabric_lib, m) {
              return eng.imm_count(imm);
            },
            "imm"_a);
-  def_checked(engine, "add_remote", {object_arg("desc", "an MrDesc (the peer's descriptor)", is_mr_desc, true)}, 1,
-           [](PyEngine& e, const MrDesc& desc) {
+  def_checked(engine, "add_remote",
+              {object_arg("desc", "an MrDesc (the peer's descriptor)", is_mr_desc, true), bool_arg("connect")}, 1,
+           [](PyEngine& e, const MrDesc& desc, bool connect) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
-             return eng.add_remote(desc);
+             RemoteMr r = eng.add_remote(desc);
+             if (connect) eng.connect(r);
+             return r;
            },
-           "desc"_a,
-           "Interns a remote region; the same descriptor gives the same RemoteMr until remove_remote.");
+           "desc"_a, nb::kw_only(), "connect"_a = false,
+           "Interns a remote region; the same descriptor gives the same RemoteMr until remove_remote. "
+           "connect=True: also connect(), so the first transfer pays no connection set-up.");
+  def_checked(engine, "connect", {object_arg("dst", kDstText, is_dst, true)}, 1,
+           [](PyEngine& e, nb::handle dst) {
+             TransferEngine& eng = e.get();
+             DstRef d = dst_ref(dst, "dst");  // `dst` stays referenced by the caller's frame
+             nb::gil_scoped_release release;
+             eng.connect(resolve(eng, d));
+           },
+           nb::sig("def connect(self, dst: " FABRIC_DST ") -> None"), "dst"_a,
+           "Connects to the owner of dst (a RemoteMr, or an MrDesc it interns) through every NIC now: "
+           "one zero-byte WRITE without an immediate each (nothing written, nothing counted), waited "
+           "for with the GIL released. The first transfer then costs what the tenth does. Raises "
+           "FabricError (a gone peer) or FabricTimeoutError (after transfer_timeout_s).");
   def_checked(engine, "remove_remote", {object_arg("remote", "a RemoteMr (from add_remote)", is_remote_mr, true)}, 1,
            [](PyEngine& e, RemoteMr r) {
              TransferEngine& eng = e.get();

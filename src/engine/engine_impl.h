@@ -55,6 +55,7 @@ class EngineImpl {
   uint64_t discard_imm_count(uint32_t imm);
   RemoteMr add_remote(const MrDesc& desc);
   void remove_remote(RemoteMr remote);
+  void connect(RemoteMr remote);
   void submit(const SingleWrite& w, OnDone on_done);
   void submit(const PagedWrites& w, OnDone on_done);
   void submit(const Scatter& w, OnDone on_done);

@@ -590,6 +590,39 @@ void EngineImpl::remove_remote(RemoteMr r) {
   remove_remote_locked(r);
 }
 
+void EngineImpl::connect(RemoteMr r) {
+  constexpr const char* what = "connect";
+  check_open();
+  remote(r, what);  // this engine's, and live
+  // Counted by the WRITEs' OnDones, which keep it alive: a wait that gives up leaves it to them.
+  struct Progress {
+    std::atomic<uint64_t> done{0}, failed{0};
+    DoneStatus status;
+  };
+  auto p = std::make_shared<Progress>();
+  uint64_t posted = 0;
+  for (auto& w : workers_)
+    for (size_t k = 0; k < nic_count(); k++) {
+      OnDone d = OnDone::counter(&p->done, &p->failed, &p->status).keep_alive(p);
+      TransferRequest q = make_request(TransferKind::kBarrier, std::move(d), std::nullopt,
+                                       static_cast<uint8_t>(k), what);
+      q.count = 1;
+      q.buf = buffers_.take(q.kind);
+      q.buf->remotes.assign(1, r);
+      submit_request(*w, std::move(q));
+      posted++;
+    }
+  // Every WRITE ends by its deadline (transfer_timeout); the margin covers a worker's last poll.
+  const auto deadline = Clock::now() + config_.transfer_timeout + std::chrono::seconds(5);
+  while (p->done.load(std::memory_order_acquire) + p->failed.load(std::memory_order_acquire) < posted) {
+    if (Clock::now() > deadline)
+      throw Error(ErrorCode::kTimeout, "connect: the peer's WRITEs did not complete within transfer_timeout");
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (auto failure = p->status.first_failure())
+    throw Error(failure->code(), fmt::format("connect: {}", failure->message()));
+}
+
 void EngineImpl::remove_remote_locked(RemoteMr r) {
   RemoteSlot* slot = remotes_.live(r);
   if (!slot) throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
@@ -850,6 +883,7 @@ uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm);
 uint64_t TransferEngine::discard_imm_count(uint32_t imm) { return impl_->discard_imm_count(imm); }
 RemoteMr TransferEngine::add_remote(const MrDesc& desc) { return impl_->add_remote(desc); }
 void TransferEngine::remove_remote(RemoteMr remote) { impl_->remove_remote(remote); }
+void TransferEngine::connect(RemoteMr remote) { impl_->connect(remote); }
 void TransferEngine::submit(const SingleWrite& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
 void TransferEngine::submit(const PagedWrites& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
 void TransferEngine::submit(const Scatter& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }

@@ -95,6 +95,67 @@ TEST(ApiEdges, FlagsAndCountersKeepHowTheyFailed) {
   EXPECT_EQ(counter_status.first_failure()->code(), ErrorCode::kTimeout);
 }
 
+class Connect : public ::testing::TestWithParam<ProviderCase> {};
+
+// connect() sets up every NIC's connection with zero-byte WRITEs that write nothing and deliver
+// no immediate; a transfer after it lands as usual.
+TEST_P(Connect, ConnectsEveryNicWithoutWritingOrCounting) {
+  TransferEngine tx(config_for(GetParam())), rx(config_for(GetParam()));
+  std::vector<uint8_t> src = random_bytes(1 << 16, 3), dst(1 << 16, 0);
+  auto [hs, ds] = tx.reg_mr(src.data(), src.size());
+  auto [hd, dd] = rx.reg_mr(dst.data(), dst.size());
+  const RemoteMr r = tx.add_remote(dd);
+  tx.connect(r);
+  tx.connect(r);  // again: harmless
+  EXPECT_EQ(dst, std::vector<uint8_t>(dst.size(), 0));
+  EXPECT_EQ(rx.imm_count(0), 0u);
+  uint64_t imms = 0;
+  for (const NicStats& n : rx.nic_stats()) imms += n.imms_received;
+  EXPECT_EQ(imms, 0u);
+  uint64_t writes = 0;
+  for (const NicStats& n : tx.nic_stats()) writes += n.writes_posted;
+  EXPECT_EQ(writes, 2 * tx.nic_count()) << "one zero-byte WRITE per NIC per connect";
+  std::atomic<int> landed{kDonePending};
+  rx.expect_imm_count(7, single_write_imm_count(src.size(), tx.nic_count(), false), OnDone::flag(&landed));
+  tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {r, 0}, .imm = 7}, OnDone::none());
+  ASSERT_TRUE(wait_until([&] { return landed.load() != kDonePending; }));
+  EXPECT_EQ(landed.load(), kDoneSucceeded);
+  EXPECT_EQ(dst, src);
+  TransferEngine other(config_for(GetParam()));
+  expect_error(ErrorCode::kInvalidArgument, "belongs to engine", [&] { other.connect(r); });
+}
+
+// A peer that is gone makes connect() throw, within the transfer timeout (shm: add_remote already
+// refuses an endpoint whose engine closed; libfabric's own insertion crashed on it).
+TEST_P(Connect, AGonePeerThrows) {
+  EngineConfig cfg = config_for(GetParam());
+  cfg.transfer_timeout = std::chrono::seconds(3);
+  TransferEngine tx(cfg);
+  MrDesc dd;
+  {
+    TransferEngine rx(config_for(GetParam()));
+    std::vector<uint8_t> dst(4096);
+    dd = rx.reg_mr(dst.data(), dst.size()).second;
+  }
+  if (GetParam().provider == "shm") {
+    expect_error(ErrorCode::kProvider, "no longer exists", [&] { tx.add_remote(dd); });
+    return;
+  }
+  const RemoteMr r = tx.add_remote(dd);
+  try {
+    tx.connect(r);
+    FAIL() << "connect to a closed engine returned";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.code() == ErrorCode::kProvider || e.code() == ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("connect"), std::string::npos) << e.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, Connect,
+                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
+                                           ProviderCase{"tcp;ofi_rxm", 2, false}, ProviderCase{"shm", 1, false}),
+                         case_name);
+
 class MessageDrops : public ::testing::TestWithParam<ProviderCase> {};
 
 // A message longer than the receiver's buffers cannot be delivered: the receiver counts it (and

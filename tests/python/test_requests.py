@@ -207,3 +207,21 @@ def test_pages_own_their_indices(pair):
     want = src.reshape(4, 1024)[[3, 2, 1, 0]].reshape(-1)
     assert np.array_equal(dst, want)
     assert wait_for(lambda: b.imm_count(51) == 0)
+
+
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_connect_writes_nothing_and_counts_nothing(provider):
+    with fl.TransferEngine(provider=provider) as a, fl.TransferEngine(provider=provider) as b:
+        src, dst = source_bytes(4096), np.zeros(4096, np.uint8)
+        hs, _ = a.register_tensor(src)
+        _, dd = b.register_tensor(dst)
+        a.connect(dd)  # interns it
+        r = a.add_remote(dd, connect=True)
+        assert not dst.any() and b.imm_count(0) == 0
+        assert sum(n.imms_received for n in b.nic_stats()) == 0
+        landed = fl.DoneFlag()
+        b.expect_imm_count(3, 1, landed)
+        a.submit_single_write(len=4096, src=hs, dst=r, imm=3)
+        assert landed.wait(30) and landed.ok and (dst == src).all()
+        with pytest.raises(TypeError, match="connect must be True or False"):
+            a.add_remote(dd, connect=1)

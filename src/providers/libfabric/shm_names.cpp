@@ -53,6 +53,13 @@ std::string file_prefix(int pid) {
   return fmt::format("fabric-{}.{}-", pid_ns, pid);
 }
 
+std::string file_name(const std::string& address) {
+  std::string name = address.substr(0, address.find('\0'));
+  const std::string scheme = "fi_shm://";
+  if (name.rfind(scheme, 0) == 0) name.erase(0, scheme.size());
+  return name;
+}
+
 int pid_of(const std::string& name) {
   const size_t at = name.find("fabric-");
   if (at == std::string::npos) return 0;

@@ -16,6 +16,9 @@ std::string next_endpoint_name();  // "fi_shm://fabric-<pid namespace>.<pid>-<ta
 // created: "fabric-<pid namespace inode>.<pid>-".
 std::string file_prefix(int pid);
 
+// The /dev/shm file of an endpoint address ("fi_shm://name" -> "name", trailing NULs dropped).
+std::string file_name(const std::string& address);
+
 // The pid in an endpoint name (or address) of ours from this PID namespace; 0 for any other name.
 int pid_of(const std::string& name);
 

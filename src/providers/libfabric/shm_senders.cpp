@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <sys/stat.h>
 
 #include "fabric/error.h"
 #include "providers/libfabric/shm_dead_lock.h"
@@ -32,6 +33,11 @@ std::string fi_error(const char* call, long rc) {
 }
 
 }  // namespace
+
+bool shm_endpoint_exists(const std::string& address) {
+  struct stat st{};
+  return ::stat(("/dev/shm/" + shm_names::file_name(address)).c_str(), &st) == 0;
+}
 
 bool shm_process_alive(int pid) {
   if (pid <= 0) return true;
@@ -124,6 +130,13 @@ PeerId ShmSenders::insert_peer(const std::string& address) {
                 fmt::format("shm: the peer's process ({}) has exited; its endpoint is a leftover. "
                             "A restarted peer has a new address: fetch it again",
                             pid));
+  // A live process whose engine closed has removed its endpoint's file: libfabric 1.17's
+  // fi_av_insert would map the missing region and crash, so such a peer is refused here.
+  if (!shm_endpoint_exists(address))
+    throw Error(ErrorCode::kProvider,
+                fmt::format("shm: the peer's endpoint {} no longer exists (its engine was closed); "
+                            "a new engine has a new address: fetch it again",
+                            shm_names::file_name(address)));
   PeerId id;
   if (free_peers_.empty() && peers_.size() >= util::ProcessWatch::kSlots)
     throw Error(ErrorCode::kResourceExhausted,

@@ -115,5 +115,7 @@ class ShmSenders {
 
 // False when the process is gone or a zombie; true for pid 0 (unknown).
 bool shm_process_alive(int pid);
+// Whether the /dev/shm file of a peer's endpoint address is there (its engine has not closed it).
+bool shm_endpoint_exists(const std::string& address);
 
 }  // namespace fabric
