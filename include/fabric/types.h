@@ -34,8 +34,10 @@ struct Device {
 // Opaque, serializable address of one engine: the provider name and, per GPU the engine serves
 // (its workers: one for a one-GPU or host-only engine), one endpoint name per NIC and, where that
 // worker serves same-host GPU peers through CUDA IPC, its local endpoint. Every worker has the same
-// number of NICs (the rail width). Exchanged out of band (a TCP store, a file, a command line) as
-// bytes or hex.
+// number of NICs (the rail width). It also says the longest message the engine accepts (its
+// EngineConfig::max_message_size; its receive buffers are at least that long), so a sender refuses a
+// longer one at submit instead of the receiver dropping it. Exchanged out of band (a TCP store, a
+// file, a command line) as bytes or hex.
 class NetAddr {
  public:
   NetAddr() = default;
@@ -43,7 +45,7 @@ class NetAddr {
   NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::string local = {});
   // Several workers: nic_addrs[w] and locals[w] are worker w's (locals may be empty: none has one).
   NetAddr(std::string provider, std::vector<std::vector<std::string>> nic_addrs,
-          std::vector<std::string> locals);
+          std::vector<std::string> locals, uint32_t max_message = 0);
 
   const std::string& provider() const { return provider_; }
   // NICs per worker (the rail width).
@@ -57,6 +59,8 @@ class NetAddr {
   const std::string& local(size_t worker) const { return locals_.at(worker); }
   // The address of one worker alone (what a worker of another engine connects to).
   NetAddr worker(size_t w) const;
+  // The longest message (bytes) the engine accepts; 0: not said (an address made by hand).
+  uint32_t max_message() const { return max_message_; }
 
   std::vector<uint8_t> to_bytes() const;
   std::string to_hex() const;
@@ -70,6 +74,7 @@ class NetAddr {
   std::string provider_;
   std::vector<std::vector<std::string>> nics_;  // per worker
   std::vector<std::string> locals_;             // per worker
+  uint32_t max_message_ = 0;
 };
 
 // Local handle of a registered memory region (source of writes). Cheap to copy.

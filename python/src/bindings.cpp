@@ -259,6 +259,9 @@ NB_MODULE(_fabric_lib, m) {
       .def("to_hex", &NetAddr::to_hex)
       .def_prop_ro("provider", [](const NetAddr& a) { return to_py_str(a.provider()); })
       .def_prop_ro("nic_count", &NetAddr::nic_count)
+      .def_prop_ro("max_message", &NetAddr::max_message,
+                   "the longest message (bytes) the engine accepts: its max_message_size; a longer "
+                   "submit_send to it is refused")
       .def("__eq__", [](const NetAddr& a, const NetAddr& b) { return a == b; })
       .def("__hash__", [](const NetAddr& a) { return std::hash<std::string>()(a.to_hex()); })
       .def("__getstate__", [](const NetAddr& a) { return to_py_bytes(a.to_bytes()); })

@@ -98,6 +98,10 @@ constexpr uint32_t kMaxShards = 256;
 // Each worker's own configuration: the engine's, with that worker's GPU, NICs and cores, and no
 // worker list (what the worker, its domains and its GPU signals read).
 std::vector<EngineConfig> split_workers(const EngineConfig& c) {
+  if (c.max_message_size == 0 || c.max_message_size > UINT32_MAX)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("EngineConfig::max_message_size must be 1 to 2^32-1 bytes, it is {}",
+                            c.max_message_size));
   std::vector<WorkerConfig> workers = c.workers;
   if (workers.empty()) workers.push_back({c.cuda_device, c.nics, c.worker_cpu, c.watcher_cpu});
   if (workers.size() > kMaxWorkers)
@@ -164,7 +168,9 @@ EngineImpl::EngineImpl(EngineConfig config)
     nics.push_back(w->nic_addresses());
     locals.push_back(w->local_address());
   }
-  address_ = NetAddr(workers_[0]->provider(), std::move(nics), std::move(locals));
+  // The longest message we accept travels in the address: senders refuse longer ones at submit.
+  address_ = NetAddr(workers_[0]->provider(), std::move(nics), std::move(locals),
+                     static_cast<uint32_t>(config_.max_message_size));
 }
 
 EngineImpl::~EngineImpl() {
@@ -397,6 +403,12 @@ void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDo
                 fmt::format("submit_send: message of {} bytes exceeds EngineConfig::max_message_size "
                             "({}); use a WRITE for bulk data or raise the limit",
                             bytes.size(), config_.max_message_size));
+  if (dst.max_message() != 0 && bytes.size() > dst.max_message())
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("submit_send: message of {} bytes is longer than the peer accepts ({} bytes, "
+                            "its EngineConfig::max_message_size): it would be dropped there; raise the "
+                            "peer's limit or send less",
+                            bytes.size(), dst.max_message()));
   TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
   r.buf = buffers_.take(r.kind);
   // Messages go between first workers. Copy-assigned into kept capacity: no allocation after
@@ -412,6 +424,9 @@ void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on
   if (len == 0 || count == 0 || !on_recv)
     throw Error(ErrorCode::kInvalidArgument,
                 "submit_recvs: needs len > 0, count > 0 and a callback");
+  // Every buffer holds the longest message this engine accepts (what its address tells senders),
+  // so none arrives truncated: a shorter len is raised to it.
+  len = std::max(len, config_.max_message_size);
   constexpr size_t kMaxPoolBytes = size_t{1} << 34;  // 16 GiB of receive buffers is a mistake
   if (len > kMaxPoolBytes / count)
     throw Error(ErrorCode::kInvalidArgument,

@@ -5,7 +5,7 @@
 // verbs addresses) and may hold any bytes.
 //
 // NetAddr: "FBNA" u8 version u8 provider_len provider u8 worker_count u8 nic_count
-//          { { u16 len, bytes }*nic_count u16 local_len local }*worker_count
+//          { { u16 len, bytes }*nic_count u16 local_len local }*worker_count u32 max_message
 // MrDesc:  "FBMD" u8 version NetAddr-bytes(u32 len + bytes) u8 worker u64 addr u64 len
 //          u8 n { u64 rkey u64 base }* u8 has_local [u64 rkey u64 base] u32 imm_base u8 imm_bits
 #include "fabric/types.h"
@@ -19,7 +19,7 @@ namespace fabric {
 namespace {
 constexpr char kAddrMagic[4] = {'F', 'B', 'N', 'A'};
 constexpr char kDescMagic[4] = {'F', 'B', 'M', 'D'};
-constexpr uint8_t kAddrVersion = 3;  // 3: several workers per engine
+constexpr uint8_t kAddrVersion = 4;  // 3: several workers per engine; 4: the longest message
 constexpr uint8_t kDescVersion = 4;  // 4: the immediate range
 
 void check_magic(util::ByteReader& r, const char (&magic)[4], uint8_t version) {
@@ -41,8 +41,9 @@ NetAddr::NetAddr(std::string provider, std::vector<std::string> nic_addrs, std::
               std::vector<std::string>{std::move(local)}) {}
 
 NetAddr::NetAddr(std::string provider, std::vector<std::vector<std::string>> nic_addrs,
-                 std::vector<std::string> locals)
-    : provider_(std::move(provider)), nics_(std::move(nic_addrs)), locals_(std::move(locals)) {
+                 std::vector<std::string> locals, uint32_t max_message)
+    : provider_(std::move(provider)), nics_(std::move(nic_addrs)), locals_(std::move(locals)),
+      max_message_(max_message) {
   if (nics_.empty() || nics_.size() > kMaxWorkers)
     throw Error(ErrorCode::kInvalidArgument,
                 "NetAddr: worker count " + std::to_string(nics_.size()) + " outside 1.." +
@@ -81,7 +82,7 @@ NetAddr NetAddr::worker(size_t w) const {
                 "NetAddr: worker " + std::to_string(w) + " of an engine with " +
                     std::to_string(nics_.size()) + " workers");
   if (nics_.size() == 1) return *this;
-  return NetAddr(provider_, nics_[w], locals_[w]);
+  return NetAddr(provider_, {nics_[w]}, {locals_[w]}, max_message_);
 }
 
 std::vector<uint8_t> NetAddr::to_bytes() const {
@@ -100,6 +101,7 @@ std::vector<uint8_t> NetAddr::to_bytes() const {
     w.u16(static_cast<uint16_t>(locals_[g].size()));
     w.raw(locals_[g].data(), locals_[g].size());
   }
+  w.u32(max_message_);
   return w.take();
 }
 
@@ -125,7 +127,8 @@ static NetAddr read_net_addr(util::ByteReader& r) {
     if (local_len > kMaxNicAddrLen) r.fail("local endpoint length " + std::to_string(local_len));
     locals.push_back(r.text(local_len, "local endpoint"));
   }
-  return NetAddr(std::move(provider), std::move(nics), std::move(locals));
+  const uint32_t max_message = r.u32("longest message");
+  return NetAddr(std::move(provider), std::move(nics), std::move(locals), max_message);
 }
 
 NetAddr NetAddr::from_bytes(std::span<const uint8_t> bytes) {

@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   put("netaddr_fuzz", "bad-provider-above-10ffff", set(set(set(set(a1, 6, 0xf4), 7, 0x90), 8, 0x80), 9, 0x80));
   put("netaddr_fuzz", "bad-provider-truncated-seq", set(a1, 6 + addrs[0].second.provider().size() - 1, 0xe2));
   Bytes a_local = addrs[2].second.to_bytes();
-  put("netaddr_fuzz", "bad-local-not-utf8", set(a_local, a_local.size() - 1, 0x80));
+  put("netaddr_fuzz", "bad-local-not-utf8", set(a_local, a_local.size() - 5, 0x80));  // the local text, then u32 max_message
 
   // --- MrDesc
   NetAddr owner2 = addrs[1].second, owner4 = addrs[2].second;

@@ -158,12 +158,38 @@ INSTANTIATE_TEST_SUITE_P(Providers, Connect,
 
 class MessageDrops : public ::testing::TestWithParam<ProviderCase> {};
 
-// A message longer than the receiver's buffers cannot be delivered: the receiver counts it (and
-// logs it) instead of dropping it unseen. On shm the next message that fits still arrives; on
-// tcp;ofi_rxm (libfabric 1.17) the truncation also loses what follows on that connection, which is
-// why receive buffers must hold the senders' max_message_size (docs/api.md, "Messages").
+// The receiver's address says the longest message it accepts (its max_message_size, which its
+// receive buffers hold whatever len submit_recvs was given): a longer one is refused at submit,
+// one up to it arrives whole even into "64-byte" buffers.
+TEST_P(MessageDrops, SendersRefuseWhatTheReceiverCannotHold) {
+  EngineConfig small = config_for(GetParam());
+  small.max_message_size = 256;
+  TransferEngine tx(config_for(GetParam())), rx(small);
+  EXPECT_EQ(rx.main_address().max_message(), 256u);
+  EXPECT_EQ(NetAddr::from_bytes(rx.main_address().to_bytes()).max_message(), 256u);
+  std::atomic<int> got{0};
+  size_t last_len = 0;
+  rx.submit_recvs(64, 4, [&](std::span<const std::byte> m) {
+    last_len = m.size();
+    got++;
+  });
+  std::vector<std::byte> too_long(257, std::byte{7}), fits(256, std::byte{9});
+  expect_error(ErrorCode::kInvalidArgument, "longer than the peer accepts (256 bytes",
+               [&] { tx.submit_send(rx.main_address(), too_long, OnDone::none()); });
+  tx.submit_send(rx.main_address(), fits, OnDone::none());
+  ASSERT_TRUE(wait_until([&] { return got.load() == 1; }));
+  EXPECT_EQ(last_len, 256u);
+  for (const NicStats& s : rx.nic_stats()) EXPECT_EQ(s.messages_dropped, 0u);
+}
+
+// Should a message still come in longer than the buffers (a sender that did not know the limit:
+// an address made by hand), the receiver counts it (and logs it) instead of dropping it unseen.
+// On shm the next message that fits still arrives; on tcp;ofi_rxm (libfabric 1.17) the truncation
+// also loses what follows on that connection.
 TEST_P(MessageDrops, TooLongMessagesAreCountedByTheReceiver) {
-  TransferEngine tx(config_for(GetParam())), rx(config_for(GetParam()));
+  EngineConfig small = config_for(GetParam());
+  small.max_message_size = 64;
+  TransferEngine tx(config_for(GetParam())), rx(small);
   std::atomic<int> got{0};
   std::vector<uint8_t> last;
   std::mutex mu;
@@ -172,9 +198,12 @@ TEST_P(MessageDrops, TooLongMessagesAreCountedByTheReceiver) {
     last.assign(reinterpret_cast<const uint8_t*>(m.data()), reinterpret_cast<const uint8_t*>(m.data()) + m.size());
     got++;
   });
+  const NetAddr real = rx.main_address();
+  const NetAddr unaware(real.provider(), std::vector<std::string>{real.nic(0)}, real.local());
+  ASSERT_EQ(unaware.max_message(), 0u);
   std::vector<std::byte> big(1024, std::byte{7}), fits(32, std::byte{9});
   std::atomic<int> sent{kDonePending};
-  tx.submit_send(rx.main_address(), big, OnDone::flag(&sent));
+  tx.submit_send(unaware, big, OnDone::flag(&sent));
   ASSERT_TRUE(wait_until([&] { return sent.load() != kDonePending; }));
   auto dropped = [&] {
     uint64_t n = 0;
@@ -185,7 +214,7 @@ TEST_P(MessageDrops, TooLongMessagesAreCountedByTheReceiver) {
   EXPECT_EQ(got.load(), 0);
   if (GetParam().provider != "shm") return;
   sent = kDonePending;
-  tx.submit_send(rx.main_address(), fits, OnDone::flag(&sent));
+  tx.submit_send(unaware, fits, OnDone::flag(&sent));
   ASSERT_TRUE(wait_until([&] { return got.load() == 1; }));
   std::lock_guard l(mu);
   EXPECT_EQ(last, std::vector<uint8_t>(32, 9));

@@ -113,7 +113,9 @@ TEST(Hardening, UnexpectedImmediatesAreBoundedAndDropsCounted) {
 
 TEST(Hardening, ReceivePoolsLargerThanTheProviderQueueNeitherHangNorLoseMessages) {
   std::atomic<uint64_t> got{0}, sent{0};  // outlive the engines
-  TransferEngine a(config_for(kTcp)), b(config_for(kTcp));
+  EngineConfig small = config_for(kTcp);
+  small.max_message_size = 64;  // receive buffers are at least this long: 20,000 of them
+  TransferEngine a(config_for(kTcp)), b(small);
   // Far more buffers than tcp;ofi_rxm's receive queue holds: the call returns, the worker keeps
   // serving, and the buffers it could not post yet are posted as room appears.
   b.submit_recvs(64, 20000, [&](std::span<const std::byte> m) {

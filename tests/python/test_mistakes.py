@@ -224,15 +224,21 @@ def test_buffers_that_cannot_be_registered():
         refused(ValueError, ["read-only"], lambda: e.register_tensor(ro))
 
 
-def test_a_message_longer_than_the_receive_buffers():
-    with fl.TransferEngine(provider="shm") as tx, fl.TransferEngine(provider="shm") as rx:
+def test_a_message_longer_than_the_receiver_accepts():
+    """The receiver's address carries its max_message_size (its receive buffers hold that much,
+    whatever length submit_recvs was given): the sender refuses a longer message at submit, instead
+    of the receiver dropping it."""
+    with fl.TransferEngine(provider="shm") as tx, fl.TransferEngine(provider="shm", max_message_size=256) as rx:
         got = []
         rx.submit_recvs(64, 4, got.append)
+        e = refused(fl.FabricError, ["longer than the peer accepts (256 bytes", "max_message_size"],
+                    lambda: tx.submit_send(rx.main_address(), b"x" * 257))
+        assert e.code == "invalid argument"
         sent = fl.DoneFlag()
-        tx.submit_send(rx.main_address(), b"x" * 1024, sent)
-        assert sent.wait(30)
-        assert wait_for(lambda: sum(s.messages_dropped for s in rx.nic_stats()) == 1)
-        assert got == []
+        tx.submit_send(rx.main_address(), b"y" * 256, sent)
+        assert sent.wait(30) and sent.ok
+        assert wait_for(lambda: len(got) == 1) and got == [b"y" * 256]
+        assert sum(s.messages_dropped for s in rx.nic_stats()) == 0
         refused(fl.FabricError, ["exceeds EngineConfig::max_message_size"],
                 lambda: tx.submit_send(rx.main_address(), b"x" * 20000))
 

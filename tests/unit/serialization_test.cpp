@@ -241,7 +241,7 @@ std::vector<uint8_t> addr_with_text(const std::string& field, const std::string&
   NetAddr a = field == "provider" ? NetAddr(placeholder, {"nic0", "nic1"}, "host/ipc")
                                   : NetAddr("tcp;ofi_rxm", {"nic0", "nic1"}, placeholder);
   auto b = a.to_bytes();
-  size_t at = field == "provider" ? 6 : b.size() - text.size();
+  size_t at = field == "provider" ? 6 : b.size() - 4 - text.size();  // the local text, then u32 max_message
   std::copy(text.begin(), text.end(), b.begin() + static_cast<std::ptrdiff_t>(at));
   return b;
 }
