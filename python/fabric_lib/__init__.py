@@ -176,6 +176,7 @@ class TransferEngine(_Engine):
         return handle, desc
 
     def dereg_mr(self, handle: MrHandle) -> None:
+        """Ends local and remote access (see Engine.dereg_mr) and drops register_tensor's reference."""
         super().dereg_mr(handle)
         self._registered.pop(handle, None)
 
@@ -207,6 +208,7 @@ class TransferEngine(_Engine):
         return _c.wait_uvm_watcher(self, watcher, at_least, timeout_s)
 
     def free_uvm_watcher(self, watcher: UvmWatcher) -> None:
+        """Stops watching and frees the word (also allowed from inside its callback)."""
         _c.free_uvm_watcher(self, watcher)
 
     def alloc_gpu_counter(self, cuda_device: Optional[int] = None) -> GpuCounter:
@@ -222,6 +224,7 @@ class TransferEngine(_Engine):
         return _c.wait_gpu_counter(self, counter, at_least, timeout_s)
 
     def free_gpu_counter(self, counter: GpuCounter) -> None:
+        """Frees the counter; no transfer or kernel may still use it."""
         _c.free_gpu_counter(self, counter)
 
     # ---- asyncio ----
@@ -256,6 +259,7 @@ class TransferEngine(_Engine):
     async def paged_write(self, *, page_len: int, src: MrHandle, src_pages: _Pages, dst: Dst,
                           dst_pages: _Pages, imm: Optional[int] = None,
                           nic: Optional[int] = None) -> None:
+        """submit_paged_writes, awaited until every WRITE completed locally."""
         fut, on_done = self._future()
         self.submit_paged_writes(page_len=page_len, src=src, src_pages=src_pages, dst=dst,
                                  dst_pages=dst_pages, on_done=on_done, imm=imm, nic=nic)
@@ -263,6 +267,7 @@ class TransferEngine(_Engine):
 
     async def scatter(self, *, src: MrHandle, slices: Iterable[ScatterSlice],
                       imm: Optional[int] = None, nic: Optional[int] = None) -> None:
+        """submit_scatter, awaited until every WRITE completed locally."""
         fut, on_done = self._future()
         self.submit_scatter(src=src, slices=slices, on_done=on_done, imm=imm, nic=nic)
         await fut
@@ -270,23 +275,27 @@ class TransferEngine(_Engine):
     async def group_scatter(self, *, group: PeerGroupHandle, src: MrHandle,
                             slices: Iterable[GroupSlice], imm: Optional[int] = None,
                             nic: Optional[int] = None) -> None:
+        """submit_group_scatter, awaited until every WRITE completed locally."""
         fut, on_done = self._future()
         self.submit_group_scatter(group=group, src=src, slices=slices, on_done=on_done, imm=imm,
                                   nic=nic)
         await fut
 
     async def barrier(self, *, dsts: Iterable[Dst], imm: int, nic: Optional[int] = None) -> None:
+        """submit_barrier, awaited until every zero-byte WRITE completed locally."""
         fut, on_done = self._future()
         self.submit_barrier(dsts=dsts, imm=imm, on_done=on_done, nic=nic)
         await fut
 
     async def group_barrier(self, *, group: PeerGroupHandle, imm: int,
                             nic: Optional[int] = None) -> None:
+        """submit_group_barrier, awaited until every zero-byte WRITE completed locally."""
         fut, on_done = self._future()
         self.submit_group_barrier(group=group, imm=imm, on_done=on_done, nic=nic)
         await fut
 
     async def send(self, dst: NetAddr, data: bytes) -> None:
+        """submit_send, awaited until the message completed locally."""
         fut, on_done = self._future()
         self.submit_send(dst, bytes(data), on_done)
         await fut

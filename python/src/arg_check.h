@@ -27,6 +27,7 @@ enum class ArgKind {
   kIterable,  // any iterable
   kNumber,    // a float or int >= 0 (seconds)
   kBool,      // True or False
+  kCallable,  // anything callable
 };
 
 struct ArgSpec {
@@ -49,6 +50,7 @@ inline ArgSpec object_arg(const char* name, const char* what, bool (*is)(nb::han
 inline ArgSpec on_done_arg(bool (*is)(nb::handle) = nullptr) {
   return {"on_done", ArgKind::kOnDone, false, true, 0, "", is};
 }
+inline ArgSpec callable_arg(const char* name) { return {name, ArgKind::kCallable, true, false, 0, "", nullptr}; }
 inline ArgSpec bool_arg(const char* name) { return {name, ArgKind::kBool, false, false, 0, "", nullptr}; }
 inline ArgSpec timeout_arg() { return {"timeout_s", ArgKind::kNumber, false, true, 0, "", nullptr}; }
 inline ArgSpec iterable_arg(const char* name, const char* what) {
@@ -110,6 +112,8 @@ inline Problem check_value(const ArgSpec& a, nb::handle v) {
     }
     case ArgKind::kObject:
       return {a.is(v) ? "" : name + " must be " + a.what + ", got " + type_of(v), false};
+    case ArgKind::kCallable:
+      return {PyCallable_Check(v.ptr()) ? "" : name + " must be callable, got " + type_of(v), false};
     case ArgKind::kBool:
       return {PyBool_Check(v.ptr()) ? "" : name + " must be True or False, got " + type_of(v), false};
     case ArgKind::kOnDone:
@@ -189,7 +193,7 @@ void def_checked(Class& cls, const char* name, std::vector<ArgSpec> spec, size_t
     // Every argument is acceptable once converted (numpy integers and the like): the real binding,
     // which tries conversions on its own.
     return self.attr(private_name)(*args, **kwargs);
-  });
+  }, "Any other call: raises TypeError or ValueError naming the argument that is wrong and what it must be.");
 }
 
 }  // namespace fabric::py

@@ -151,6 +151,7 @@ bool is_group(nb::handle h) { return nb::isinstance<PeerGroupHandle>(h); }
 bool is_net_addr(nb::handle h) { return nb::isinstance<NetAddr>(h); }
 bool is_bytes(nb::handle h) { return PyBytes_Check(h.ptr()); }
 bool is_reservation(nb::handle h) { return nb::isinstance<PyImmReservation>(h); }
+bool is_expectation(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
 bool is_done_object(nb::handle h) {
   return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
 }
@@ -532,12 +533,23 @@ NB_MODULE(_fabric_lib, m) {
            "cuda_device"_a = nb::none(), "cuda_ipc"_a = nb::none(), "host_ipc"_a = nb::none(), "topology"_a = nb::none(),
            "gpus"_a = nb::none())
       .def("close", &PyEngine::close, "Ends pending work with errors and joins the engine's threads.")
-      .def_prop_ro("closed", &PyEngine::closed)
-      .def("main_address", [](PyEngine& e) { return e.get().main_address(); })
-      .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); })
+      .def_prop_ro("closed", &PyEngine::closed, "True after close(): every call then raises FabricError (shutdown)")
+      .def("main_address", [](PyEngine& e) { return e.get().main_address(); },
+           "This engine's NetAddr (every worker's NICs): give it (to_bytes()) to the peers out of band.")
+      .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); }, "NICs per worker (the rail width)")
       .def_prop_ro("worker_count", [](PyEngine& e) { return e.get().worker_count(); },
                    "workers (GPUs served): 1 unless built from a topology")
-      .def("submit_recvs",
+      .def_prop_ro("peer_count",
+                   [](PyEngine& e) {
+                     TransferEngine& eng = e.get();
+                     nb::gil_scoped_release release;
+                     return eng.peer_count();
+                   },
+                   "peers this engine holds NIC resources for (diagnostics; a round trip to each worker)")
+      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); },
+           "A NicStats per NIC, every worker's in order (cuda_ipc / host_ipc entries last).");
+  def_checked(engine, "submit_recvs",
+              {uint_arg("length", UINT64_MAX, true), uint_arg("count", UINT64_MAX, true), callable_arg("on_recv")}, 3,
            [](PyEngine& e, size_t len, size_t count, nb::callable on_recv) {
              TransferEngine& eng = e.get();
              auto ref = std::make_shared<PyRef>(nb::borrow(on_recv));
@@ -552,28 +564,25 @@ NB_MODULE(_fabric_lib, m) {
                });
              });
            },
-           "length"_a, "count"_a, "on_recv"_a)
-      .def("cancel_imm_expectation",
+           "length"_a, "count"_a, "on_recv"_a,
+           "Posts count receive buffers of length bytes (raised to max_message_size, so every message a "
+           "peer may send fits), re-posted after each message; on_recv(data: bytes) runs on the callback "
+           "thread with the GIL.");
+  def_checked(engine, "cancel_imm_expectation",
+              {object_arg("expectation", "an ImmExpectation (from expect_imm_count)", is_expectation, true)}, 1,
            [](PyEngine& e, const ImmExpectation& x) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
              return eng.cancel_imm_expectation(x);
            },
-           "expectation"_a, "Ends a pending expectation with a 'cancelled' error; False if it had ended.")
-      .def("remove_peer",
+           "expectation"_a, "Ends a pending expectation with a 'cancelled' error; False if it had ended.");
+  def_checked(engine, "remove_peer", {object_arg("peer", "a NetAddr (the peer's main_address())", is_net_addr, true)}, 1,
            [](PyEngine& e, const NetAddr& peer) {
              TransferEngine& eng = e.get();
              nb::gil_scoped_release release;
              eng.remove_peer(peer);
            },
-           "peer"_a, "Forgets a peer that left: its pending transfers end cancelled, its NIC resources go.")
-      .def_prop_ro("peer_count",
-                   [](PyEngine& e) {
-                     TransferEngine& eng = e.get();
-                     nb::gil_scoped_release release;
-                     return eng.peer_count();
-                   })
-      .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); });
+           "peer"_a, "Forgets a peer that left: its pending transfers end cancelled, its NIC resources go.");
   def_checked(engine, "reg_mr", {uint_arg("ptr", UINTPTR_MAX, true), uint_arg("length", UINT64_MAX, true), uint_arg("cuda_device", INT32_MAX, false, true), object_arg("imms", "an ImmReservation", is_reservation, false, true)}, 4,
            [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device, PyImmReservation* imms) {
              TransferEngine& eng = e.get();
@@ -592,7 +601,9 @@ NB_MODULE(_fabric_lib, m) {
              nb::gil_scoped_release release;
              eng.dereg_mr(h);
            },
-           "handle"_a);
+           "handle"_a,
+           "Ends local and remote access to a region; transfers still reading it fail ('not found'), and it "
+           "returns once WRITEs already with a NIC completed, so the memory may be freed then.");
   def_checked(engine, "submit_send", {object_arg("dst", "a NetAddr (the peer's main_address())", is_net_addr, true), object_arg("data", "bytes", is_bytes, true), on_done_arg(is_done_object)}, 3,
            [](PyEngine& e, const NetAddr& dst, nb::bytes data, nb::handle on_done) {
              TransferEngine& eng = e.get();
@@ -601,7 +612,10 @@ NB_MODULE(_fabric_lib, m) {
              nb::gil_scoped_release release;  // `data` stays referenced by the caller's frame
              eng.submit_send(dst, bytes, std::move(d));
            },
-           "dst"_a, "data"_a, "on_done"_a = nb::none());
+           "dst"_a, "data"_a, "on_done"_a = nb::none(),
+           "A two-sided message (bytes, copied before return) to the engine at dst, on NIC 0; on_done at "
+           "local completion. Raises FabricError (invalid argument) for a message over this engine's "
+           "max_message_size or longer than dst accepts (dst.max_message).");
   def_checked(engine, "expect_imm_count", {uint_arg("imm", UINT32_MAX, true), uint_arg("count", UINT64_MAX, true), on_done_arg(is_done_object), timeout_arg(), uint_arg("cuda_device", INT32_MAX, false, true)}, 3,
            [](PyEngine& e, uint32_t imm, uint64_t count, nb::handle on_done,
               std::optional<double> timeout_s, std::optional<int> cuda_device) {
@@ -625,7 +639,7 @@ NB_MODULE(_fabric_lib, m) {
              nb::gil_scoped_release release;
              return eng.imm_count(imm);
            },
-           "imm"_a);
+           "imm"_a, "Arrivals of imm counted and not yet consumed by an expectation (diagnostics, tests).");
   def_checked(engine, "add_remote",
               {object_arg("desc", "an MrDesc (the peer's descriptor)", is_mr_desc, true), bool_arg("connect")}, 1,
            [](PyEngine& e, const MrDesc& desc, bool connect) {
