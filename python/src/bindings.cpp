@@ -283,6 +283,7 @@ NB_MODULE(_fabric_lib, m) {
       .def_prop_ro("imm_base", [](const MrDesc& d) { return d.imms().base; }, "its immediate range's first value")
       .def_prop_ro("imm_bits", [](const MrDesc& d) { return d.imms().bits; }, "its immediate range's width (32: unreserved)")
       .def("__eq__", [](const MrDesc& a, const MrDesc& b) { return a == b; })
+      .def("__hash__", [](const MrDesc& d) { return std::hash<std::string>()(d.to_hex()); })
       .def("__getstate__", [](const MrDesc& d) { return to_py_bytes(d.to_bytes()); })
       .def("__setstate__",
            [](MrDesc& d, nb::bytes b) { new (&d) MrDesc(MrDesc::from_bytes(as_span(b))); })

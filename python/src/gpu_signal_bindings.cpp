@@ -44,14 +44,22 @@ void bind_gpu_signals(nb::module_& m) {
       .def_prop_ro("device_ptr", [](const UvmWatcher& w) { return reinterpret_cast<uintptr_t>(w.device); },
                    "the word's address for GPU kernels (int)")
       .def_prop_ro("value", [](const UvmWatcher& w) { return w.host ? *w.host : 0; }, "the word, read by the CPU")
-      .def_ro("worker", &UvmWatcher::worker);
+      .def_ro("worker", &UvmWatcher::worker)
+      .def("__repr__", [](const UvmWatcher& w) {
+        return "UvmWatcher(id=" + std::to_string(w.id) + ", worker=" + std::to_string(w.worker) +
+               ", value=" + std::to_string(w.host ? *w.host : 0) + ")";
+      });
 
   nb::class_<GpuCounter>(m, "GpuCounter",
                          "A completion counter in pinned, device-mapped host memory: pass it as on_done (it counts "
                          "completions) and let a kernel wait on device_ptr.")
       .def_prop_ro("device_ptr", [](const GpuCounter& c) { return reinterpret_cast<uintptr_t>(c.device); })
       .def_prop_ro("value", [](const GpuCounter& c) { return c.host ? c.host->load() : 0; })
-      .def_ro("worker", &GpuCounter::worker);
+      .def_ro("worker", &GpuCounter::worker)
+      .def("__repr__", [](const GpuCounter& c) {
+        return "GpuCounter(id=" + std::to_string(c.id) + ", worker=" + std::to_string(c.worker) +
+               ", value=" + std::to_string(c.host ? c.host->load() : 0) + ")";
+      });
 
   m.def(
       "alloc_uvm_watcher",

@@ -3,6 +3,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdio>
+
 #include "py_support.h"
 
 namespace fabric::py {
@@ -41,7 +43,7 @@ void bind_imms(nb::module_& m) {
              nb::gil_scoped_release release;
              return imms.expect(local, count, std::move(d), opts);
            },
-           "local"_a, "count"_a, "on_done"_a, nb::kw_only(), "timeout_s"_a = nb::none(), "cuda_device"_a = nb::none(),
+           "local"_a, "count"_a, "on_done"_a = nb::none(), nb::kw_only(), "timeout_s"_a = nb::none(), "cuda_device"_a = nb::none(),
            "TransferEngine.expect_imm_count of a local immediate of this range.")
       .def("count",
            [](PyImmReservation& r, uint64_t local) {
@@ -67,7 +69,14 @@ void bind_imms(nb::module_& m) {
       // The object stays (endpoints built on it hold its address); it only stops being held.
       .def("release", [](PyImmReservation& r) { r.get().release(); },
            "Gives the range back: later calls raise, regions registered under it keep their range.")
-      .def_prop_ro("held", [](PyImmReservation& r) { return r.h->obj && r.h->obj->held(); });
+      .def_prop_ro("held", [](PyImmReservation& r) { return r.h->obj && r.h->obj->held(); })
+      .def("__repr__", [](PyImmReservation& r) {
+        if (!r.h->obj || !r.h->obj->held()) return std::string("ImmReservation(released)");
+        const ImmReservation& x = *r.h->obj;
+        char base[32];
+        std::snprintf(base, sizeof base, "%#x", static_cast<unsigned>(x.range().base));
+        return "ImmReservation(holder='" + x.holder() + "', base=" + base + ", bits=" + std::to_string(x.range().bits) + ")";
+      });
 }
 
 }  // namespace fabric::py
