@@ -721,7 +721,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
           valid ? static_cast<int32_t>(t.expert_base[el + 1] - t.expert_base[el]) : kInvalidCount;
     for (uint32_t i = threadIdx.x; i < d.local_experts * d.ranks; i += kThreads)
       reinterpret_cast<int64_t*>(p.out + p.lay.out.runs)[i] =
-          valid ? static_cast<int64_t>((uint64_t{t.count[i]} << 32) | t.row_base[i]) : kInvalidRun;
+          valid ? static_cast<int64_t>((uint64_t{t.row_base[i]} << 32) | t.count[i]) : kInvalidRun;  // count low, first high
   }
 }
 

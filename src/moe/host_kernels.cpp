@@ -214,7 +214,7 @@ void dispatch_recv(const Views& v, uint64_t step) {
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
   int64_t* out_runs = at<int64_t>(v.out, v.lay.out.runs);
   for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
-    out_runs[uint64_t{el} * d.ranks + s] = static_cast<int64_t>((uint64_t{c} << 32) | m);
+    out_runs[uint64_t{el} * d.ranks + s] = static_cast<int64_t>((m << 32) | c);  // DeepEP: count low, first row high
     const uint32_t start = d.same_node(s, me) ? 0 : expert_start(d, row_s, e);  // E0(e)
     for (uint32_t j = 0; j < c; ++j) {
       const std::byte* row;

@@ -158,7 +158,7 @@ struct OutLayout {
   uint64_t scales = 0;  // [L][M][H/128] fp32 (FP8 only)
   uint64_t counts = 0;  // [L] i32 rows per expert
   uint64_t src = 0;     // [L][M] i32: source rank * T + source token of each row
-  uint64_t runs = 0;    // [L][W] i64: (rows << 32) | first row, of each source's rows of each expert
+  uint64_t runs = 0;    // [L][W] i64: (first row << 32) | rows, of each source's rows of each expert
   uint64_t bytes = 0;
 };
 

@@ -244,15 +244,19 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
       if (sc && std::memcmp(out.scales + el * M * sc, want.scales.data() + el * M * sc,
                             rows * sc * 4) != 0)
         return fmt::format("step {} expert {}: scales differ", step, e);
-      // Each source's run of the expert's rows (sources in rank order), from the reference's.
+      // Each source's run of the expert's rows (sources in rank order), from the reference's, read
+      // as DeepEP's own test reads layout_range (tests/legacy/test_low_latency.py: begin = v >> 32,
+      // count = v & 0xffffffff).
       uint64_t first = 0;
       for (uint32_t s = 0; s < mc.ranks; ++s) {
         uint64_t n = 0;
         for (uint64_t m = 0; m < rows; ++m) n += want.src[el * M + m] / mc.max_tokens == s;
-        const int64_t run = static_cast<int64_t>((n << 32) | first);
-        if (out.runs[el * mc.ranks + s] != run)
-          return fmt::format("step {} expert {}: the run of source {} is {:#x}, not {:#x}", step,
-                             e, s, out.runs[el * mc.ranks + s], run);
+        const auto got = static_cast<uint64_t>(out.runs[el * mc.ranks + s]);
+        const uint64_t got_begin = got >> 32, got_count = got & 0xffffffffu;
+        if (got_count != n || (n > 0 && got_begin != first))
+          return fmt::format("step {} expert {}: the run of source {} is (begin {}, count {}), not "
+                             "(begin {}, count {})",
+                             step, e, s, got_begin, got_count, first, n);
         first += n;
       }
     }

@@ -407,7 +407,8 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
             rows = ref_src[el, :c] // T == s
             n = int(rows.sum())
             first = int(rows.nonzero()[0]) if n else 0
-            got_n, got_first = int(layout_range[el, s]) >> 32, int(layout_range[el, s]) & 0xFFFFFFFF
+            # As DeepEP's test_low_latency.py reads it: begin in the high 32 bits, count in the low.
+            got_first, got_n = int(layout_range[el, s]) >> 32, int(layout_range[el, s]) & 0xFFFFFFFF
             if got_n != n or (n and got_first != first):
                 bad.append(f"{tag} expert {rank * L + el} source {s}: layout_range ({got_n}, {got_first}) != ({n}, {first})")
     return bad

@@ -109,8 +109,9 @@ struct DispatchArgs {
 //   counts  [local_experts] i32: rows of each expert that hold tokens (the rest are stale);
 //           kInvalidCount in every entry after a failed receive
 //   src     [local_experts][rows_per_expert] i32: source rank * max_tokens + source token
-//   runs    [local_experts][ranks] i64: (rows << 32) | first row, of each source rank's rows of
-//           each expert (DeepEP's layout_range; an empty run starts where the next one does);
+//   runs    [local_experts][ranks] i64: (first row << 32) | rows, of each source rank's rows of
+//           each expert, as DeepEP packs its layout_range (pack2(count, begin): the count in the
+//           low 32 bits, the first row in the high 32); an empty run starts where the next one does;
 //           kInvalidRun in every entry after a failed receive
 // Expert e's rows come from source ranks in rank order, each source's by token, then top-k slot.
 struct DispatchOutput {

@@ -335,8 +335,9 @@ class AllToAll:
         return self._live()[handle.buffer][:4]
 
     def runs(self, handle: Handle) -> Any:
-        """recv_runs [local_experts, world_size] int64 of the handle's buffer set: (rows << 32) |
-        first row of each source rank's rows of each expert (DeepEP's layout_range; an empty run
+        """recv_runs [local_experts, world_size] int64 of the handle's buffer set: (first row << 32) |
+        rows, DeepEP's packing (the count in the low 32 bits), of each source rank's rows of each
+        expert (DeepEP's layout_range; an empty run
         starts where the next one does; -1 in every entry after a failed receive), filled with
         the rows by dispatch_recv."""
         self._check_handle(handle)

@@ -16,7 +16,7 @@ What it returns, as DeepEP does:
   UE8M0 exponents, column-major too); else values [L, W*T, H] bfloat16. L = E / W local experts.
 - recv_count [L] int32 (MOE_INVALID_COUNT in every entry after a failed receive).
 - handle: a tuple (src_info [L, W*T] int32: each row's token index in its source rank (rows past
-  recv_count stale), layout_range [L, W] int64: (rows << 32) | first row of each source rank's
+  recv_count stale), layout_range [L, W] int64: (first row << 32) | rows (DeepEP's pack2(count, begin)) of each source rank's
   rows of each expert (written by the receive half itself; a view of the buffer set, as recv_x),
   T, H, E), with the AllToAll's own handle in `.moe`. Rows of one expert come from the source
   ranks in rank order (DeepEP's come in arrival order: layout_range describes both).
