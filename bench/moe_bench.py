@@ -154,7 +154,7 @@ def _run_deep_ep(args, rank: int, world: int, experts: int, engine, device) -> d
 
     from fabric_lib.moe import deep_ep
 
-    buf = deep_ep.Buffer(None, engine=engine, node_size=args.node_size, timeout_s=args.timeout_s,
+    buf = deep_ep.Buffer(None, explicitly_destroy=True, engine=engine, node_size=args.node_size, timeout_s=args.timeout_s,
                          proxy_busy_poll=args.busy_poll, num_sms=args.num_sms, rdma_buffers=args.rdma_buffers)
     x, idx, w = _inputs(args, rank, experts, device)
     y = torch.zeros(experts // world, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)

@@ -454,7 +454,8 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
         with engine_of(cfg) as engine:
             buf = deep_ep.Buffer(None, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E), low_latency_mode=True,
                                  num_qps_per_rank=E // W, engine=engine, node_size=cfg["node_size"], timeout_s=60.0,
-                                 allow_nvlink_for_low_latency_mode=cfg.get("allow_nvlink", True))
+                                 allow_nvlink_for_low_latency_mode=cfg.get("allow_nvlink", True),
+                                 explicitly_destroy=True, enable_shrink=False)
             if buf.node_size != (cfg["node_size"] if cfg.get("allow_nvlink", True) else 1):
                 raise AssertionError(f"node_size {buf.node_size}")
             conn.send("ready")
@@ -508,6 +509,8 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
 
 def deep_ep_refusals(cfg: dict, buf) -> list:
     """What the shim must refuse, each before anything is sent (every rank makes the same calls)."""
+    from fabric_lib.moe import deep_ep
+
     T, E, K, H = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["hidden"]
     dev = torch.device(cfg.get("device", "cpu"))
     x = torch.zeros(2, H, dtype=torch.bfloat16, device=dev)
@@ -529,5 +532,15 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         ("combine buffer", NotImplementedError, "zero_copy", lambda: buf.get_next_low_latency_combine_buffer(None)),
         ("normal mode", NotImplementedError, "normal (high-throughput) mode", lambda: buf.dispatch(x, topk_idx=idx)),
         ("normal layout", NotImplementedError, "normal (high-throughput) mode", lambda: buf.get_dispatch_layout(idx, E)),
+        # DeepEP's constructor keywords: what cannot be honoured raises at construction, naming it.
+        ("unknown keyword", TypeError, "'num_qp_per_rank'",
+         lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, num_qp_per_rank=4, engine=buf.engine)),
+        ("shrink mode", NotImplementedError, "enable_shrink",
+         lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, enable_shrink=True, engine=buf.engine)),
+        ("fabric memory", NotImplementedError, "use_fabric",
+         lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, use_fabric=True, engine=buf.engine)),
+        ("mpi comm", NotImplementedError, "comm", lambda: deep_ep.Buffer(None, comm=object(), engine=buf.engine)),
+        ("destroy without explicitly_destroy", RuntimeError, "explicitly_destroy=True",
+         lambda: deep_ep.Buffer(None, engine=buf.engine, node_size=buf.node_size).destroy()),
     ]
     return [f for f in (_expect(*c) for c in cases) if f]

@@ -40,6 +40,9 @@ Differences, each raising where the argument would change behaviour:
 - async_finish: accepted; the kernels run on the caller's current stream (there is no separate
   communication stream), so the event is complete when the stream reaches it.
 - topk_idx at combine is checked for shape only: the routing is kept from the dispatch.
+- Constructor: DeepEP's keywords; allow_mnnvl=True, use_fabric=True, enable_shrink=True and an
+  mpi4py comm raise NotImplementedError at construction, and a keyword neither DeepEP nor this
+  Buffer has raises TypeError naming it. explicitly_destroy as DeepEP's (destroy() only then).
 - num_nvl_bytes / num_rdma_bytes / num_qps_per_rank: accepted and not needed (buffers are sized
   from the dispatch's dimensions). allow_nvlink_for_low_latency_mode=False puts every rank on a
   node of its own (every row through the proxy and the NIC).
@@ -63,6 +66,14 @@ import torch
 from . import MOE_INVALID_COUNT, AllToAll
 
 __all__ = ["Buffer", "EventOverlap"]
+
+# DeepEP's constructor keywords (deep_ep/buffers/legacy.py), in its order.
+_DEEP_EP_KEYWORDS = ("group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+                     "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+                     "enable_shrink", "comm")
+# What the Buffer passes on to AllToAll (the rest of AllToAll's arguments come from the dispatch).
+_ALL_TO_ALL_OPTIONS = frozenset({"private_rows", "timeout_s", "job", "proxy_busy_poll", "init_timeout_s",
+                                 "num_sms", "rdma_buffers"})
 
 
 class EventOverlap:
@@ -119,21 +130,45 @@ def _column_major(shape: tuple, dtype: Any, device: torch.device) -> torch.Tenso
 class Buffer:
     """deep_ep.Buffer's low-latency half over a fabric_lib AllToAll (module docstring).
 
+    DeepEP's constructor, keyword for keyword (deep_ep/buffers/legacy.py): group, num_nvl_bytes,
+    num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
+    allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink, comm. What this Buffer cannot do
+    raises here, at construction, naming the keyword (allow_mnnvl=True, use_fabric=True,
+    enable_shrink=True, a comm instead of a group); a keyword DeepEP does not have and this Buffer
+    does not take raises TypeError naming it. explicitly_destroy as DeepEP: with True, destroy()
+    must be called (and may be called only then); with False, the resources go with the Buffer.
+
     group: the torch.distributed process group of the expert-parallel ranks (None: the default
     group); its store carries the construction. engine: the fabric_lib TransferEngine the
-    inter-node rows go through (None: one is opened with its defaults, and closed by destroy()).
-    node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The other
-    keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
+    inter-node rows go through (None: one is opened with its defaults, and closed with the
+    Buffer). node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The
+    other keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = True, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, engine: Any = None, node_size: Optional[int] = None,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None, *, engine: Any = None, node_size: Optional[int] = None,
                  store: Any = None, **all_to_all_options: Any) -> None:
         import torch.distributed as dist
 
+        self._destroyed = True  # until construction succeeds: __del__ has nothing to release
+        unknown = sorted(set(all_to_all_options) - _ALL_TO_ALL_OPTIONS)
+        if unknown:
+            raise TypeError(f"Buffer() got unknown keyword argument(s) {', '.join(map(repr, unknown))}: it takes "
+                            f"DeepEP's ({', '.join(_DEEP_EP_KEYWORDS)}), engine, node_size, store, and the "
+                            f"AllToAll options ({', '.join(sorted(_ALL_TO_ALL_OPTIONS))})")
         if allow_mnnvl:
             raise NotImplementedError("allow_mnnvl: multi-node NVLink domains are not supported (node_size <= 8)")
+        if use_fabric:
+            raise NotImplementedError("use_fabric: fabric (cuMem) memory for the NVLink buffers is not supported; "
+                                      "node-mates map each other's buffers through CUDA IPC")
+        if enable_shrink:
+            raise NotImplementedError("enable_shrink: shrink mode (masking a failed rank) is not supported yet; "
+                                      "without it a failed rank makes the survivors raise naming it")
+        if comm is not None:
+            raise NotImplementedError("comm: an mpi4py communicator is not supported; pass the torch.distributed "
+                                      "group of the expert-parallel ranks")
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.group_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if node_size is None:
@@ -156,6 +191,8 @@ class Buffer:
         self._a2a: Optional[AllToAll] = None
         self._dims: Optional[tuple] = None
         self._scales: dict = {}  # (buffer set, ue8m0) -> DeepEP-layout scales tensor
+        self.explicitly_destroy = explicitly_destroy
+        self._destroyed = False
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -309,7 +346,27 @@ class Buffer:
             self._a2a.check()
 
     def destroy(self) -> None:
-        """Frees the AllToAll (and the engine this Buffer opened)."""
+        """Frees the AllToAll (and the engine this Buffer opened). As DeepEP, only for a Buffer
+        built with explicitly_destroy=True (the others release theirs when they go)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() is for a Buffer built with explicitly_destroy=True (as in DeepEP); "
+                               "this one releases its resources when it is garbage-collected")
+        self._release()
+
+    def __del__(self) -> None:
+        if getattr(self, "_destroyed", True):
+            return
+        if self.explicitly_destroy:
+            import warnings
+
+            warnings.warn("a deep_ep Buffer built with explicitly_destroy=True was not destroy()ed", ResourceWarning)
+        try:
+            self._release()
+        except Exception:  # noqa: BLE001 - nothing to report to from a finalizer
+            pass
+
+    def _release(self) -> None:
+        self._destroyed = True
         if self._a2a is not None:
             self._a2a.close()
             self._a2a = None
