@@ -95,6 +95,43 @@ TEST(ApiEdges, FlagsAndCountersKeepHowTheyFailed) {
   EXPECT_EQ(counter_status.first_failure()->code(), ErrorCode::kTimeout);
 }
 
+// tcp: a WRITE completes when the target has placed it (FI_DELIVERY_COMPLETE), so one into a
+// region its owner deregistered ends in an error for the sender, not a silent ok, and nothing
+// lands; the target dropped the connection over it, and the next WRITE to that peer connects afresh.
+TEST(ApiEdges, AWriteIntoADeregisteredRegionFailsOnTcp) {
+  TransferEngine tx(config_for(kTcp)), rx(config_for(kTcp));
+  std::vector<uint8_t> src(4096, 7), dst(4096, 0), other(4096, 0);
+  auto [hs, ds] = tx.reg_mr(src.data(), src.size());
+  auto [hd, dd] = rx.reg_mr(dst.data(), dst.size());
+  auto [ho, dother] = rx.reg_mr(other.data(), other.size());
+  const RemoteMr r = tx.add_remote(dd);
+  tx.connect(r);
+  rx.dereg_mr(hd);
+  std::atomic<int> done{kDonePending};
+  DoneStatus status;
+  tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {r, 0}, .imm = 3}, OnDone::flag(&done, &status));
+  ASSERT_TRUE(wait_until([&] { return done.load() != kDonePending; }));
+  EXPECT_EQ(done.load(), kDoneFailed);
+  ASSERT_TRUE(status.first_failure().has_value());
+  EXPECT_EQ(status.first_failure()->code(), ErrorCode::kProvider) << status.first_failure()->message();
+  EXPECT_EQ(dst, std::vector<uint8_t>(4096, 0));
+  EXPECT_EQ(rx.imm_count(3), 0u);
+  // The peer's other region is still written, through a new connection.
+  std::atomic<int> landed{kDonePending};
+  rx.expect_imm_count(4, 1, OnDone::flag(&landed));
+  const RemoteMr ro = tx.add_remote(dother);
+  bool ok = false;
+  for (int attempt = 0; attempt < 20 && !ok; attempt++) {  // the engine releases the lost peer once idle
+    std::atomic<int> next{kDonePending};
+    tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {ro, 0}, .imm = 4}, OnDone::flag(&next));
+    ASSERT_TRUE(wait_until([&] { return next.load() != kDonePending; }));
+    ok = next.load() == kDoneSucceeded;
+  }
+  ASSERT_TRUE(ok) << "no WRITE to the peer's live region succeeded after the refused one";
+  ASSERT_TRUE(wait_until([&] { return landed.load() != kDonePending; }));
+  EXPECT_EQ(other, src);
+}
+
 class Connect : public ::testing::TestWithParam<ProviderCase> {};
 
 // connect() sets up every NIC's connection with zero-byte WRITEs that write nothing and deliver

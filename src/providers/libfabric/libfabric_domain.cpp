@@ -378,6 +378,8 @@ class LibfabricDomain final : public Domain {
     scratch_ = nullptr;
   }
 
+  static bool delivery_complete(const std::string& provider) { return provider.rfind("tcp", 0) == 0; }
+
   static fi_info* pick_info(const std::string& provider, const NicConfig& nic, uint64_t extra_caps) {
     fi_info* hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
@@ -386,6 +388,11 @@ class LibfabricDomain final : public Domain {
     hints->domain_attr->mr_mode = kSupportedMrMode;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;  // one worker thread owns the domain
     hints->domain_attr->cq_data_size = 4;
+    // tcp: a WRITE completes once the target has placed it (FI_DELIVERY_COMPLETE), so a WRITE the
+    // target refuses (a key its owner deregistered) ends in an error instead of a silent ok; on
+    // loopback it cost no bandwidth (docs/benchmarks.md). shm's zero-byte WRITEs never complete
+    // with it, so shm keeps transmit completion.
+    if (delivery_complete(provider)) hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     hints->fabric_attr->prov_name = strdup(provider.c_str());
     if (!nic.node.empty()) hints->addr_format = FI_SOCKADDR_IN;
     fi_info* list = nullptr;
@@ -668,6 +675,12 @@ class LibfabricDomain final : public Domain {
       case FI_EHOSTUNREACH: case FI_ENETUNREACH: case FI_ETIMEDOUT: case FI_EIO:
       case FI_ESHUTDOWN:
         c.peer_lost = true;
+        break;
+      case FI_ECANCELED:
+        // tcp (delivery completion): a WRITE still waiting for the target's acknowledgement is
+        // cancelled when the connection closes: a dead peer, or a target that dropped it over a
+        // WRITE it refused (a deregistered key). Either way the next WRITE must connect afresh.
+        c.peer_lost = !shm_;
         break;
       default:
         break;
