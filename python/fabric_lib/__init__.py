@@ -116,6 +116,40 @@ def _buffer_address(obj: Any) -> tuple[int, int, Optional[int]]:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes, None
 
 
+# The constructor's keywords, in order (python/src/bindings.cpp), and their types where a mistake is
+# common enough to name it before nanobind's generic "incompatible function arguments".
+_ENGINE_KEYWORDS = ("provider", "nics", "poll", "callback_poll", "transfer_timeout_s", "max_in_flight_per_nic",
+                    "max_message_size", "worker_cpu", "reorder", "reorder_seed", "cuda_device", "cuda_ipc",
+                    "host_ipc", "topology", "gpus")
+
+
+def _check_engine_arguments(args: tuple, kwargs: dict) -> None:
+    if len(args) > len(_ENGINE_KEYWORDS):
+        raise TypeError(f"TransferEngine() takes at most {len(_ENGINE_KEYWORDS)} arguments ({len(args)} given)")
+    given = dict(zip(_ENGINE_KEYWORDS, args))
+    for k, v in kwargs.items():
+        if k not in _ENGINE_KEYWORDS:
+            raise TypeError(f"TransferEngine() got an unknown argument {k!r} (it takes {', '.join(_ENGINE_KEYWORDS)})")
+        if k in given:
+            raise TypeError(f"TransferEngine() got {k} twice (by position and by name)")
+        given[k] = v
+    nics = given.get("nics")
+    if nics is not None and (isinstance(nics, (str, bytes)) or not all(isinstance(n, str) for n in nics)):
+        raise TypeError(f"TransferEngine(nics=...) must be a list of strings, one per NIC (e.g. ['127.0.0.2', "
+                        f"'127.0.0.3']), got {nics!r}")
+    for k in ("provider", "poll", "callback_poll"):
+        if given.get(k) is not None and not isinstance(given[k], str):
+            raise TypeError(f"TransferEngine({k}=...) must be a str, got {type(given[k]).__name__}")
+    for k in ("transfer_timeout_s",):
+        v = given.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TypeError(f"TransferEngine({k}=...) must be a number of seconds, got {type(v).__name__}")
+    for k in ("max_in_flight_per_nic", "max_message_size"):
+        v = given.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"TransferEngine({k}=...) must be a positive int, got {v!r}")
+
+
 class TransferEngine(_Engine):
     """A transfer engine: see docs/api.md for every call's semantics.
 
@@ -155,6 +189,7 @@ class TransferEngine(_Engine):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _check_engine_arguments(args, kwargs)
         super().__init__(*args, **kwargs)
         self._registered: dict[MrHandle, Any] = {}
         _live_engines.add(self)

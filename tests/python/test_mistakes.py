@@ -180,6 +180,13 @@ def test_an_empty_nic_list_and_a_bad_poll_mode():
     refused(ValueError, ["'busy' or 'adaptive'"], lambda: fl.TransferEngine(poll="fast"))
 
 
+def test_engine_arguments_named():
+    refused(TypeError, ["nics=", "list of strings"], lambda: fl.TransferEngine(nics="127.0.0.1"))
+    refused(TypeError, ["unknown argument 'nic'"], lambda: fl.TransferEngine(nic=["127.0.0.1"]))
+    refused(ValueError, ["max_message_size", "positive int"], lambda: fl.TransferEngine(max_message_size=0))
+    refused(TypeError, ["transfer_timeout_s", "number of seconds"], lambda: fl.TransferEngine(transfer_timeout_s="5"))
+
+
 def test_shm_needs_no_address():
     with fl.TransferEngine(provider="shm") as e:
         assert e.main_address().provider == "shm"
