@@ -18,8 +18,9 @@ const ProviderCase kTcp{"tcp;ofi_rxm", 1, false};
 // Every engine's first region is slot 0, generation 1: a handle that named only those would let
 // engine B send its own buffer when given engine A's handle.
 TEST(ApiEdges, HandlesOfAnotherEngineAreRefused) {
-  TransferEngine a(config_for(kTcp)), b(config_for(kTcp)), peer(config_for(kTcp));
+  // Buffers outlive the engines that registered them.
   std::vector<uint8_t> src_a(4096, 0xAA), src_b(4096, 0xBB), dst(4096, 0);
+  TransferEngine a(config_for(kTcp)), b(config_for(kTcp)), peer(config_for(kTcp));
   auto [ha, da] = a.reg_mr(src_a.data(), src_a.size());
   auto [hb, db] = b.reg_mr(src_b.data(), src_b.size());
   auto [hd, dd] = peer.reg_mr(dst.data(), dst.size());
@@ -99,8 +100,9 @@ TEST(ApiEdges, FlagsAndCountersKeepHowTheyFailed) {
 // region its owner deregistered ends in an error for the sender, not a silent ok, and nothing
 // lands; the target dropped the connection over it, and the next WRITE to that peer connects afresh.
 TEST(ApiEdges, AWriteIntoADeregisteredRegionFailsOnTcp) {
-  TransferEngine tx(config_for(kTcp)), rx(config_for(kTcp));
+  // Buffers outlive the engines that registered them.
   std::vector<uint8_t> src(4096, 7), dst(4096, 0), other(4096, 0);
+  TransferEngine tx(config_for(kTcp)), rx(config_for(kTcp));
   auto [hs, ds] = tx.reg_mr(src.data(), src.size());
   auto [hd, dd] = rx.reg_mr(dst.data(), dst.size());
   auto [ho, dother] = rx.reg_mr(other.data(), other.size());
@@ -137,8 +139,9 @@ class Connect : public ::testing::TestWithParam<ProviderCase> {};
 // connect() sets up every NIC's connection with zero-byte WRITEs that write nothing and deliver
 // no immediate; a transfer after it lands as usual.
 TEST_P(Connect, ConnectsEveryNicWithoutWritingOrCounting) {
-  TransferEngine tx(config_for(GetParam())), rx(config_for(GetParam()));
+  // Buffers outlive the engines that registered them.
   std::vector<uint8_t> src = random_bytes(1 << 16, 3), dst(1 << 16, 0);
+  TransferEngine tx(config_for(GetParam())), rx(config_for(GetParam()));
   auto [hs, ds] = tx.reg_mr(src.data(), src.size());
   auto [hd, dd] = rx.reg_mr(dst.data(), dst.size());
   const RemoteMr r = tx.add_remote(dd);
@@ -152,10 +155,11 @@ TEST_P(Connect, ConnectsEveryNicWithoutWritingOrCounting) {
   uint64_t writes = 0;
   for (const NicStats& n : tx.nic_stats()) writes += n.writes_posted;
   EXPECT_EQ(writes, 2 * tx.nic_count()) << "one zero-byte WRITE per NIC per connect";
-  std::atomic<int> landed{kDonePending};
+  std::atomic<int> landed{kDonePending}, sent{kDonePending};
   rx.expect_imm_count(7, single_write_imm_count(src.size(), tx.nic_count(), false), OnDone::flag(&landed));
-  tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {r, 0}, .imm = 7}, OnDone::none());
-  ASSERT_TRUE(wait_until([&] { return landed.load() != kDonePending; }));
+  tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {r, 0}, .imm = 7}, OnDone::flag(&sent));
+  ASSERT_TRUE(wait_until([&] { return landed.load() != kDonePending && sent.load() != kDonePending; }));
+  EXPECT_EQ(sent.load(), kDoneSucceeded);
   EXPECT_EQ(landed.load(), kDoneSucceeded);
   EXPECT_EQ(dst, src);
   TransferEngine other(config_for(GetParam()));
@@ -170,8 +174,8 @@ TEST_P(Connect, AGonePeerThrows) {
   TransferEngine tx(cfg);
   MrDesc dd;
   {
+    std::vector<uint8_t> dst(4096);  // outlives the engine that registered it
     TransferEngine rx(config_for(GetParam()));
-    std::vector<uint8_t> dst(4096);
     dd = rx.reg_mr(dst.data(), dst.size()).second;
   }
   if (GetParam().provider == "shm") {
@@ -201,11 +205,11 @@ class MessageDrops : public ::testing::TestWithParam<ProviderCase> {};
 TEST_P(MessageDrops, SendersRefuseWhatTheReceiverCannotHold) {
   EngineConfig small = config_for(GetParam());
   small.max_message_size = 256;
+  std::atomic<int> got{0};  // outlive the engines, whose callback thread writes them
+  std::atomic<size_t> last_len{0};
   TransferEngine tx(config_for(GetParam())), rx(small);
   EXPECT_EQ(rx.main_address().max_message(), 256u);
   EXPECT_EQ(NetAddr::from_bytes(rx.main_address().to_bytes()).max_message(), 256u);
-  std::atomic<int> got{0};
-  size_t last_len = 0;
   rx.submit_recvs(64, 4, [&](std::span<const std::byte> m) {
     last_len = m.size();
     got++;
@@ -215,7 +219,7 @@ TEST_P(MessageDrops, SendersRefuseWhatTheReceiverCannotHold) {
                [&] { tx.submit_send(rx.main_address(), too_long, OnDone::none()); });
   tx.submit_send(rx.main_address(), fits, OnDone::none());
   ASSERT_TRUE(wait_until([&] { return got.load() == 1; }));
-  EXPECT_EQ(last_len, 256u);
+  EXPECT_EQ(last_len.load(), 256u);
   for (const NicStats& s : rx.nic_stats()) EXPECT_EQ(s.messages_dropped, 0u);
 }
 
@@ -226,10 +230,10 @@ TEST_P(MessageDrops, SendersRefuseWhatTheReceiverCannotHold) {
 TEST_P(MessageDrops, TooLongMessagesAreCountedByTheReceiver) {
   EngineConfig small = config_for(GetParam());
   small.max_message_size = 64;
-  TransferEngine tx(config_for(GetParam())), rx(small);
-  std::atomic<int> got{0};
+  std::atomic<int> got{0};  // outlive the engines, whose callback thread writes them
   std::vector<uint8_t> last;
   std::mutex mu;
+  TransferEngine tx(config_for(GetParam())), rx(small);
   rx.submit_recvs(64, 4, [&](std::span<const std::byte> m) {
     std::lock_guard l(mu);
     last.assign(reinterpret_cast<const uint8_t*>(m.data()), reinterpret_cast<const uint8_t*>(m.data()) + m.size());
