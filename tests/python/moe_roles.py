@@ -469,6 +469,7 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                 for b in range(2):  # dispatch A, dispatch B (B received through its hook)
                     inputs = [make_input(cfg, s, 10 * step + b) for s in range(W)]
                     x, idx, w = (t.to(dev) for t in inputs[rank])
+                    idx = idx.to(deep_ep.topk_idx_t)  # as DeepEP's test casts its routing
                     got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True, round_scale=ue8m0, use_ue8m0=ue8m0,
                                                    return_recv_hook=b == 1, async_finish=b == 0,
                                                    cumulative_local_expert_recv_stats=stats if b == 0 else None)

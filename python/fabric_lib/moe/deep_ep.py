@@ -65,7 +65,11 @@ import torch
 
 from . import MOE_INVALID_COUNT, AllToAll
 
-__all__ = ["Buffer", "EventOverlap"]
+__all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
+
+# DeepEP's dtype of expert indices (its extension's topk_idx_t: int64 unless built for int32): what
+# low_latency_dispatch takes as topk_idx, so `idx.to(deep_ep.topk_idx_t)` works unchanged.
+topk_idx_t = torch.int64
 
 # DeepEP's constructor keywords (deep_ep/buffers/legacy.py), in its order.
 _DEEP_EP_KEYWORDS = ("group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
