@@ -5,17 +5,26 @@
 
 #include <cstdio>
 
+#include "arg_check.h"
 #include "py_support.h"
 
 namespace fabric::py {
 
 using namespace nb::literals;
 
+namespace {
+bool is_done(nb::handle h) {
+  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
+}
+bool is_expectation_obj(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
+}  // namespace
+
 void bind_imms(nb::module_& m) {
-  nb::class_<PyImmReservation>(m, "ImmReservation",
+  nb::class_<PyImmReservation> reservation(m, "ImmReservation",
                                "A range of an engine's immediate space held by one user: regions registered under "
                                "it (reg_mr(..., imms=)) count their WRITEs' immediates here, as local values "
-                               "0 .. 2**bits - 1. Released by release() or when its engine closes.")
+                               "0 .. 2**bits - 1. Released by release() or when its engine closes.");
+  reservation
       .def("__init__",
            [](PyImmReservation* self, PyEngine& engine, std::string holder, uint8_t bits, std::optional<uint32_t> base) {
              new (self) PyImmReservation();
@@ -31,8 +40,8 @@ void bind_imms(nb::module_& m) {
       .def_prop_ro("bits", [](PyImmReservation& r) { return r.get().range().bits; })
       .def_prop_ro("holder", [](PyImmReservation& r) { return r.get().holder(); })
       .def("imm", [](PyImmReservation& r, uint64_t local) { return r.get().imm(local); }, "local"_a,
-           "The value on the wire of a local immediate.")
-      .def("expect",
+           "The value on the wire of a local immediate.");
+  def_checked(reservation, "expect", {uint_arg("local", UINT64_MAX, true), uint_arg("count", UINT64_MAX, true), on_done_arg(is_done), timeout_arg(), uint_arg("cuda_device", INT32_MAX, false, true)}, 3,
            [](PyImmReservation& r, uint64_t local, uint64_t count, nb::handle on_done, std::optional<double> timeout_s,
               std::optional<int> cuda_device) {
              ImmReservation& imms = r.get();
@@ -44,28 +53,29 @@ void bind_imms(nb::module_& m) {
              return imms.expect(local, count, std::move(d), opts);
            },
            "local"_a, "count"_a, "on_done"_a = nb::none(), nb::kw_only(), "timeout_s"_a = nb::none(), "cuda_device"_a = nb::none(),
-           "TransferEngine.expect_imm_count of a local immediate of this range.")
-      .def("count",
+           "TransferEngine.expect_imm_count of a local immediate of this range.");
+  def_checked(reservation, "count", {uint_arg("local", UINT64_MAX, true)}, 1,
            [](PyImmReservation& r, uint64_t local) {
              ImmReservation& imms = r.get();
              nb::gil_scoped_release release;
              return imms.count(local);
            },
-           "local"_a, "Arrivals of a local immediate counted and not consumed.")
-      .def("discard",
+           "local"_a, "Arrivals of a local immediate counted and not consumed.");
+  def_checked(reservation, "discard", {uint_arg("local", UINT64_MAX, true)}, 1,
            [](PyImmReservation& r, uint64_t local) {
              ImmReservation& imms = r.get();
              nb::gil_scoped_release release;
              return imms.discard(local);
            },
-           "local"_a, "Drops the arrivals of a local immediate counted and not consumed; returns how many.")
-      .def("cancel",
+           "local"_a, "Drops the arrivals of a local immediate counted and not consumed; returns how many.");
+  def_checked(reservation, "cancel", {object_arg("expectation", "an ImmExpectation (from this reservation's expect)", is_expectation_obj, true)}, 1,
            [](PyImmReservation& r, const ImmExpectation& e) {
              ImmReservation& imms = r.get();
              nb::gil_scoped_release release;
              return imms.cancel(e);
            },
-           "expectation"_a)
+           "expectation"_a);
+  reservation
       // The object stays (endpoints built on it hold its address); it only stops being held.
       .def("release", [](PyImmReservation& r) { r.get().release(); },
            "Gives the range back: later calls raise, regions registered under it keep their range.")
