@@ -151,10 +151,6 @@ bool is_group(nb::handle h) { return nb::isinstance<PeerGroupHandle>(h); }
 bool is_net_addr(nb::handle h) { return nb::isinstance<NetAddr>(h); }
 bool is_bytes(nb::handle h) { return PyBytes_Check(h.ptr()); }
 bool is_reservation(nb::handle h) { return nb::isinstance<PyImmReservation>(h); }
-bool is_expectation(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
-bool is_done_object(nb::handle h) {
-  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
-}
 constexpr const char* kMrHandleText = "an MrHandle (from this engine's reg_mr or register_tensor)";
 constexpr const char* kDstText = "a RemoteMr (from add_remote) or an MrDesc (the peer's descriptor)";
 constexpr const char* kPagesText = "a Pages (fabric_lib.Pages(indices, stride, offset))";

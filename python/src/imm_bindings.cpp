@@ -12,13 +12,6 @@ namespace fabric::py {
 
 using namespace nb::literals;
 
-namespace {
-bool is_done(nb::handle h) {
-  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
-}
-bool is_expectation_obj(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
-}  // namespace
-
 void bind_imms(nb::module_& m) {
   nb::class_<PyImmReservation> reservation(m, "ImmReservation",
                                "A range of an engine's immediate space held by one user: regions registered under "
@@ -41,7 +34,7 @@ void bind_imms(nb::module_& m) {
       .def_prop_ro("holder", [](PyImmReservation& r) { return r.get().holder(); })
       .def("imm", [](PyImmReservation& r, uint64_t local) { return r.get().imm(local); }, "local"_a,
            "The value on the wire of a local immediate.");
-  def_checked(reservation, "expect", {uint_arg("local", UINT64_MAX, true), uint_arg("count", UINT64_MAX, true), on_done_arg(is_done), timeout_arg(), uint_arg("cuda_device", INT32_MAX, false, true)}, 3,
+  def_checked(reservation, "expect", {uint_arg("local", UINT64_MAX, true), uint_arg("count", UINT64_MAX, true), on_done_arg(is_done_object), timeout_arg(), uint_arg("cuda_device", INT32_MAX, false, true)}, 3,
            [](PyImmReservation& r, uint64_t local, uint64_t count, nb::handle on_done, std::optional<double> timeout_s,
               std::optional<int> cuda_device) {
              ImmReservation& imms = r.get();
@@ -68,7 +61,7 @@ void bind_imms(nb::module_& m) {
              return imms.discard(local);
            },
            "local"_a, "Drops the arrivals of a local immediate counted and not consumed; returns how many.");
-  def_checked(reservation, "cancel", {object_arg("expectation", "an ImmExpectation (from this reservation's expect)", is_expectation_obj, true)}, 1,
+  def_checked(reservation, "cancel", {object_arg("expectation", "an ImmExpectation (from this reservation's expect)", is_expectation, true)}, 1,
            [](PyImmReservation& r, const ImmExpectation& e) {
              ImmReservation& imms = r.get();
              nb::gil_scoped_release release;

@@ -173,6 +173,13 @@ inline uint64_t handle_hash(uint32_t slot, uint32_t generation, uint32_t engine)
   return ((uint64_t{slot} << 32) | generation) ^ (uint64_t{engine} * 0x9E3779B97F4A7C15ull);
 }
 
+// The objects make_on_done takes besides None and callables, and an expectation's handle: the
+// type checks of checked bindings (arg_check.h).
+inline bool is_done_object(nb::handle h) {
+  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
+}
+inline bool is_expectation(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
+
 // None, a DoneFlag, a DoneCounter, a GpuCounter (counts successes), or a callable taking a Status.
 inline OnDone make_on_done(nb::handle on_done) {
   if (on_done.is_none()) return OnDone::none();
