@@ -291,9 +291,7 @@ def _wait(ready: Callable[[], Optional[str]], timeout_s: float, what: str) -> No
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            err = _c.FabricTimeoutError(f"timeout: {what}: not paired after {timeout_s:g} s: {missing}")
-            err.code = "timeout"
-            raise err
+            raise _c.FabricTimeoutError(f"timeout: {what}: not paired after {timeout_s:g} s: {missing}")
         time.sleep(min(delay, left))  # membership changes in ms to s: back off to 0.1 s polls
         delay = min(2 * delay, 0.1)
 
