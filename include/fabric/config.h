@@ -20,6 +20,12 @@ struct NicConfig {
   // may name the same device (each opens its own context and queue pairs).
   std::string domain;
   std::string node;    // libfabric: source address to bind (e.g. "127.0.0.2" for tcp on loopback)
+
+  // One NIC as users write it: "domain@node", a node ("127.0.0.2") for libfabric, a device name
+  // ("mlx5_0") for verbs, "" for the provider's default.
+  static NicConfig parse(const std::string& provider, const std::string& text);
+  // A comma-separated list of those (FABRIC_NICS); empty entries are skipped.
+  static std::vector<NicConfig> parse_list(const std::string& provider, const std::string& list);
 };
 
 // The verbs provider (ConnectX and other RC NICs, Soft-RoCE).
@@ -165,7 +171,7 @@ struct EngineConfig {
   // transfer when on.
   bool record_post_timings = false;
 
-  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated nodes; device names for verbs),
+  // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated, NicConfig::parse_list),
   // FABRIC_GID_INDEX (verbs), FABRIC_POLL (busy|adaptive), FABRIC_CUDA_DEVICE (index) and
   // FABRIC_CUDA_IPC (1) on top of the defaults; used by examples and tests.
   static EngineConfig from_env();

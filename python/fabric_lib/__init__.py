@@ -77,8 +77,9 @@ def _as_page_indices(indices: Any) -> np.ndarray:
         raise TypeError(f"page indices must be integers, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"page indices must be one-dimensional, got shape {arr.shape}")
-    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
-        raise ValueError("page indices must lie in [0, 2**32)")
+    bad = np.flatnonzero((arr < 0) | (arr > 0xFFFFFFFF))
+    if bad.size:
+        raise ValueError(f"page indices must lie in [0, 2**32): indices[{bad[0]}] is {arr[bad[0]]}")
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 

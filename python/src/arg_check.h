@@ -137,10 +137,12 @@ inline Problem check_value(const ArgSpec& a, nb::handle v) {
 }
 
 // Raises TypeError or ValueError naming the first wrong argument of `fn(args, kwargs)`; returns
-// when every argument is acceptable. `positional`: how many leading arguments may be positional
+// when every argument is acceptable, with the values by spec position (an invalid handle where an
+// optional argument was not given). `positional`: how many leading arguments may be positional
 // (the rest are keyword-only).
-inline void check_args(const char* fn, const std::vector<ArgSpec>& spec, size_t positional,
-                       const nb::args& args, const nb::kwargs& kwargs) {
+inline std::vector<nb::handle> check_args(const char* fn, const std::vector<ArgSpec>& spec, size_t positional,
+                                          const nb::args& args, const nb::kwargs& kwargs) {
+  std::vector<nb::handle> values(spec.size());
   const std::string f = std::string(fn) + "()";
   std::string names;
   for (const ArgSpec& a : spec) names += (names.empty() ? "" : ", ") + std::string(a.name);
@@ -170,7 +172,18 @@ inline void check_args(const char* fn, const std::vector<ArgSpec>& spec, size_t 
     }
     Problem p = check_value(a, v);
     if (!p.text.empty()) fail(f + ": " + p.text, p.value_error);
+    values[i] = v;
   }
+  return values;
+}
+
+// An argument check_args accepted as kUInt, converted (numpy integers, __index__); `otherwise`
+// where it was not given or is None.
+inline uint64_t uint_value(nb::handle v, uint64_t otherwise = 0) {
+  if (!v.is_valid() || v.is_none()) return otherwise;
+  nb::object i = nb::steal(PyNumber_Index(v.ptr()));
+  if (!i.is_valid()) throw nb::python_error();
+  return nb::cast<uint64_t>(i);
 }
 
 // Binds `impl` as `name` (and as `_name`, for the forward below), then the overload that
@@ -193,6 +206,21 @@ void def_checked(Class& cls, const char* name, std::vector<ArgSpec> spec, size_t
     // Every argument is acceptable once converted (numpy integers and the like): the real binding,
     // which tries conversions on its own.
     return self.attr(private_name)(*args, **kwargs);
+  }, "Any other call: raises TypeError or ValueError naming the argument that is wrong and what it must be.");
+}
+
+// def_checked for a module-level function: `impl` is bound as `name` and `_name`, then the
+// overload that diagnoses a call the first did not take.
+template <class Impl, class... Extra>
+void def_checked_fn(nb::module_& m, const char* name, std::vector<ArgSpec> spec, size_t positional, Impl&& impl,
+                    const Extra&... extra) {
+  static std::deque<std::string> private_names;  // nanobind keeps the name pointers
+  const char* private_name = private_names.emplace_back(std::string("_") + name).c_str();
+  m.def(private_name, impl, extra...);
+  m.def(name, std::forward<Impl>(impl), extra...);
+  m.def(name, [m, private_name, name, spec = std::move(spec), positional](nb::args args, nb::kwargs kwargs) {
+    check_args(name, spec, positional, args, kwargs);
+    return m.attr(private_name)(*args, **kwargs);
   }, "Any other call: raises TypeError or ValueError naming the argument that is wrong and what it must be.");
 }
 

@@ -316,6 +316,23 @@ NB_MODULE(_fabric_lib, m) {
                              stride, offset};
            },
            "indices"_a, "stride"_a, "offset"_a = 0)
+      .def("__init__",
+           [](PyPages* p, nb::args args, nb::kwargs kwargs) {
+             // Any other call: a list or an int array of another dtype is taken, each index checked.
+             auto v = check_args("Pages", {iterable_arg("indices", "page indices (ints in [0, 2**32))"),
+                                           uint_arg("stride", UINT64_MAX, true), uint_arg("offset", UINT64_MAX, false)},
+                                 3, args, kwargs);
+             std::vector<uint32_t> indices;
+             size_t i = 0;
+             for (nb::handle item : v[0]) {
+               const std::string name = "indices[" + std::to_string(i++) + "]";
+               Problem bad = check_value(uint_arg(name.c_str(), UINT32_MAX, true), item);
+               if (!bad.text.empty()) fail("Pages(): " + bad.text, bad.value_error);
+               indices.push_back(static_cast<uint32_t>(uint_value(item)));
+             }
+             new (p) PyPages{std::move(indices), uint_value(v[1]), uint_value(v[2])};
+           },
+           "Any other call: indices may be any iterable of ints in [0, 2**32); a wrong argument is named.")
       .def_ro("stride", &PyPages::stride)
       .def_ro("offset", &PyPages::offset)
       .def("__len__", [](const PyPages& p) { return p.indices.size(); })
@@ -339,6 +356,15 @@ NB_MODULE(_fabric_lib, m) {
            nb::sig("def __init__(self, len: int, src_offset: int, dst: " FABRIC_DST
                    ", dst_offset: int = 0) -> None"),
            "len"_a, "src_offset"_a, "dst"_a.none(), "dst_offset"_a = 0)
+      .def("__init__",
+           [](PyScatterSlice* p, nb::args args, nb::kwargs kwargs) {
+             auto v = check_args("ScatterSlice", {uint_arg("len", UINT64_MAX, true), uint_arg("src_offset", UINT64_MAX, true),
+                                                  object_arg("dst", kDstText, is_dst, true),
+                                                  uint_arg("dst_offset", UINT64_MAX, false)},
+                                 4, args, kwargs);
+             new (p) PyScatterSlice{uint_value(v[0]), uint_value(v[1]), nb::borrow(v[2]), uint_value(v[3])};
+           },
+           "Any other call: raises TypeError or ValueError naming the argument that is wrong.")
       .def_ro("len", &PyScatterSlice::len)
       .def_ro("src_offset", &PyScatterSlice::src_offset)
       .def_prop_ro("dst", [](const PyScatterSlice& p) { return p.dst; },
@@ -352,6 +378,14 @@ NB_MODULE(_fabric_lib, m) {
 
   nb::class_<GroupSlice>(m, "GroupSlice", "Slice i of a group scatter goes to member i of the group.")
       .def(nb::init<uint64_t, uint64_t, uint64_t>(), "len"_a, "src_offset"_a, "dst_offset"_a)
+      .def("__init__",
+           [](GroupSlice* g, nb::args args, nb::kwargs kwargs) {
+             auto v = check_args("GroupSlice", {uint_arg("len", UINT64_MAX, true), uint_arg("src_offset", UINT64_MAX, true),
+                                                uint_arg("dst_offset", UINT64_MAX, true)},
+                                 3, args, kwargs);
+             new (g) GroupSlice{uint_value(v[0]), uint_value(v[1]), uint_value(v[2])};
+           },
+           "Any other call: raises TypeError or ValueError naming the argument that is wrong.")
       .def_ro("len", &GroupSlice::len)
       .def_ro("src_offset", &GroupSlice::src_offset)
       .def_ro("dst_offset", &GroupSlice::dst_offset)

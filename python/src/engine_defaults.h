@@ -14,13 +14,6 @@
 
 namespace fabric::py {
 
-// "node" or "domain@node" per NIC for libfabric; the device name for verbs.
-inline NicConfig parse_nic(const std::string& provider, const std::string& n) {
-  const auto at = n.find('@');
-  if (at != std::string::npos) return NicConfig{n.substr(0, at), n.substr(at + 1)};
-  return provider == "verbs" ? NicConfig{n, ""} : NicConfig{"", n};
-}
-
 // The NICs a provider uses when nobody named any.
 inline std::vector<NicConfig> default_nics(const std::string& provider, std::optional<int> cuda_device) {
   if (provider.rfind("tcp", 0) == 0) return {NicConfig{"", "127.0.0.1"}};
@@ -59,17 +52,10 @@ inline EngineConfig python_engine_config(const std::optional<std::string>& provi
                       " (leave it out for the provider's default: 127.0.0.1 for tcp, the default "
                       "domain for shm, the detected NICs for efa; \"\" picks the provider's default domain)");
     c.nics.clear();
-    for (const std::string& n : *nics) c.nics.push_back(parse_nic(c.provider, n));
+    for (const std::string& n : *nics) c.nics.push_back(NicConfig::parse(c.provider, n));
   } else if (const char* env = std::getenv("FABRIC_NICS"); env && *env) {
     // Read again for the provider chosen here (verbs names devices, libfabric addresses).
-    c.nics.clear();
-    std::string list = env;
-    for (size_t start = 0; start <= list.size();) {
-      size_t end = list.find(',', start);
-      if (end == std::string::npos) end = list.size();
-      if (end > start) c.nics.push_back(parse_nic(c.provider, list.substr(start, end - start)));
-      start = end + 1;
-    }
+    c.nics = NicConfig::parse_list(c.provider, env);
   } else {
     c.nics = default_nics(c.provider, c.cuda_device);
   }

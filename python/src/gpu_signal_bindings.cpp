@@ -7,6 +7,7 @@
 
 #include <cstdio>
 
+#include "arg_check.h"
 #include "py_support.h"
 
 namespace fabric::py {
@@ -37,6 +38,16 @@ uint64_t wait_at_least(PyEngine& e, Read read, uint64_t at_least, std::optional<
   return seen;
 }
 
+bool is_engine(nb::handle h) { return nb::isinstance<PyEngine>(h); }
+bool is_watcher(nb::handle h) { return nb::isinstance<UvmWatcher>(h); }
+bool is_counter(nb::handle h) { return nb::isinstance<GpuCounter>(h); }
+
+ArgSpec engine_arg() { return object_arg("engine", "a TransferEngine", is_engine, true); }
+ArgSpec watcher_arg() { return object_arg("watcher", "a UvmWatcher (from alloc_uvm_watcher)", is_watcher, true); }
+ArgSpec counter_arg() { return object_arg("counter", "a GpuCounter (from alloc_gpu_counter)", is_counter, true); }
+ArgSpec device_arg() { return uint_arg("cuda_device", INT32_MAX, false, true); }
+ArgSpec at_least_arg() { return uint_arg("at_least", UINT64_MAX, true); }
+
 }  // namespace
 
 void bind_gpu_signals(nb::module_& m) {
@@ -61,8 +72,8 @@ void bind_gpu_signals(nb::module_& m) {
                ", value=" + std::to_string(c.host ? c.host->load() : 0) + ")";
       });
 
-  m.def(
-      "alloc_uvm_watcher",
+  def_checked_fn(
+      m, "alloc_uvm_watcher", {engine_arg(), {"callback", ArgKind::kCallable, false, true, 0, "", nullptr}, device_arg()}, 3,
       [](PyEngine& e, std::optional<nb::callable> callback, std::optional<int> cuda_device) {
         TransferEngine& eng = e.get();
         UvmCallback cb = [](uint64_t, uint64_t) {};  // None: only wait_uvm_watcher reads the word
@@ -84,8 +95,8 @@ void bind_gpu_signals(nb::module_& m) {
       "engine"_a, "callback"_a.none(), "cuda_device"_a = nb::none(),
       "callback(old, new) runs on the engine's watcher thread, under the GIL, on every change of the word; "
       "None: no callback (wait with wait_uvm_watcher, which takes no GIL per change).");
-  m.def(
-      "wait_uvm_watcher",
+  def_checked_fn(
+      m, "wait_uvm_watcher", {engine_arg(), watcher_arg(), at_least_arg(), timeout_arg()}, 4,
       [](PyEngine& e, const UvmWatcher& w, uint64_t at_least, std::optional<double> timeout_s) {
         if (!w.host) throw Error(ErrorCode::kInvalidArgument, "wait_uvm_watcher: not an allocated watcher");
         const volatile uint64_t* word = w.host;
@@ -101,24 +112,24 @@ void bind_gpu_signals(nb::module_& m) {
       "engine"_a, "watcher"_a, "at_least"_a, "timeout_s"_a = nb::none(),
       "Blocks, GIL released, until the word reads at_least or more; returns the value read. Raises "
       "TimeoutError after timeout_s (None: no limit).");
-  m.def(
-      "free_uvm_watcher",
+  def_checked_fn(
+      m, "free_uvm_watcher", {engine_arg(), watcher_arg()}, 2,
       [](PyEngine& e, const UvmWatcher& w) {
         TransferEngine& eng = e.get();
         nb::gil_scoped_release release;  // the watcher thread may be waiting for the GIL
         eng.free_uvm_watcher(w);
       },
       "engine"_a, "watcher"_a);
-  m.def(
-      "alloc_gpu_counter",
+  def_checked_fn(
+      m, "alloc_gpu_counter", {engine_arg(), device_arg()}, 2,
       [](PyEngine& e, std::optional<int> cuda_device) {
         TransferEngine& eng = e.get();
         nb::gil_scoped_release release;
         return eng.alloc_gpu_counter(cuda_device);
       },
       "engine"_a, "cuda_device"_a = nb::none());
-  m.def(
-      "wait_gpu_counter",
+  def_checked_fn(
+      m, "wait_gpu_counter", {engine_arg(), counter_arg(), at_least_arg(), timeout_arg()}, 4,
       [](PyEngine& e, const GpuCounter& c, uint64_t at_least, std::optional<double> timeout_s) {
         if (!c.host) throw Error(ErrorCode::kInvalidArgument, "wait_gpu_counter: not an allocated counter");
         std::atomic<uint64_t>* word = c.host;
@@ -128,16 +139,16 @@ void bind_gpu_signals(nb::module_& m) {
       "engine"_a, "counter"_a, "at_least"_a, "timeout_s"_a = nb::none(),
       "Blocks, GIL released, until the counter reaches at_least; returns its value. Raises "
       "TimeoutError after timeout_s (None: no limit).");
-  m.def(
-      "free_gpu_counter",
+  def_checked_fn(
+      m, "free_gpu_counter", {engine_arg(), counter_arg()}, 2,
       [](PyEngine& e, const GpuCounter& c) {
         TransferEngine& eng = e.get();
         nb::gil_scoped_release release;
         eng.free_gpu_counter(c);
       },
       "engine"_a, "counter"_a);
-  m.def(
-      "gpu_stream_wait",
+  def_checked_fn(
+      m, "gpu_stream_wait", {uint_arg("cuda_stream", UINTPTR_MAX, true), counter_arg(), at_least_arg()}, 3,
       [](uintptr_t cuda_stream, const GpuCounter& c, uint64_t at_least) {
         nb::gil_scoped_release release;
         TransferEngine::gpu_stream_wait(reinterpret_cast<void*>(cuda_stream), c, at_least);

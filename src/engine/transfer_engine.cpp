@@ -940,21 +940,28 @@ uint8_t env_byte(const char* name, const char* value) {
 }
 }  // namespace
 
+NicConfig NicConfig::parse(const std::string& provider, const std::string& text) {
+  const auto at = text.find('@');
+  if (at != std::string::npos) return NicConfig{text.substr(0, at), text.substr(at + 1)};
+  return provider == "verbs" ? NicConfig{text, ""} : NicConfig{"", text};
+}
+
+std::vector<NicConfig> NicConfig::parse_list(const std::string& provider, const std::string& list) {
+  std::vector<NicConfig> out;
+  for (size_t start = 0; start <= list.size();) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    if (end > start) out.push_back(parse(provider, list.substr(start, end - start)));
+    start = end + 1;
+  }
+  return out;
+}
+
 EngineConfig EngineConfig::from_env() {
   EngineConfig c;
   if (const char* p = std::getenv("FABRIC_PROVIDER")) c.provider = p;
   c.nics.clear();
-  if (const char* n = std::getenv("FABRIC_NICS")) {
-    std::string s = n;
-    size_t start = 0;
-    while (start <= s.size()) {
-      size_t end = s.find(',', start);
-      if (end == std::string::npos) end = s.size();
-      std::string name = s.substr(start, end - start);
-      if (end > start) c.nics.push_back(c.provider == "verbs" ? NicConfig{name, ""} : NicConfig{"", name});
-      start = end + 1;
-    }
-  }
+  if (const char* n = std::getenv("FABRIC_NICS")) c.nics = NicConfig::parse_list(c.provider, n);
   if (c.nics.empty())
     c.nics.push_back(c.provider.rfind("tcp", 0) == 0 ? NicConfig{"", "127.0.0.1"} : NicConfig{});
   if (const char* g = std::getenv("FABRIC_GID_INDEX")) c.verbs.gid_index = std::atoi(g);

@@ -141,6 +141,48 @@ TEST(ApiEdges, AWriteIntoADeregisteredRegionFailsOnTcp) {
   RecordProperty("attempts", attempts);
 }
 
+// shm drops a WRITE into a deregistered region without a word (one within its inject size even
+// completes ok): the owner clears the region's key from its key board before it deregisters, and
+// the sender refuses a WRITE to a key no longer there. Nothing lands, no immediate is counted, the
+// peer's other regions are still written, and a region registered later in the same board slot
+// does not revive the old descriptor.
+TEST(ApiEdges, AWriteIntoADeregisteredRegionFailsOnShm) {
+  const ProviderCase shm{"shm", 1, false};
+  // Buffers outlive the engines that registered them.
+  std::vector<uint8_t> src(1 << 16, 7), dst(1 << 16, 0), other(1 << 16, 0), later(1 << 16, 0);
+  TransferEngine tx(config_for(shm)), rx(config_for(shm));
+  auto [hs, ds] = tx.reg_mr(src.data(), src.size());
+  auto [hd, dd] = rx.reg_mr(dst.data(), dst.size());
+  auto [ho, dother] = rx.reg_mr(other.data(), other.size());
+  const RemoteMr r = tx.add_remote(dd);
+  const RemoteMr ro = tx.add_remote(dother);
+  tx.connect(r);
+  rx.dereg_mr(hd);
+  auto [hl, dlater] = rx.reg_mr(later.data(), later.size());  // takes the freed slot
+  for (size_t len : {size_t{64}, size_t{4096}, size_t{1} << 16}) {
+    std::atomic<int> done{kDonePending};
+    DoneStatus status;
+    tx.submit(SingleWrite{.len = len, .src = {hs, 0}, .dst = {r, 0}, .imm = 3}, OnDone::flag(&done, &status));
+    ASSERT_TRUE(wait_until([&] { return done.load() != kDonePending; })) << len;
+    EXPECT_EQ(done.load(), kDoneFailed) << len;
+    ASSERT_TRUE(status.first_failure().has_value());
+    EXPECT_EQ(status.first_failure()->code(), ErrorCode::kProvider);
+    EXPECT_NE(status.first_failure()->message().find("deregistered by its owner"), std::string::npos)
+        << status.first_failure()->message();
+  }
+  EXPECT_EQ(dst, std::vector<uint8_t>(dst.size(), 0));
+  EXPECT_EQ(later, std::vector<uint8_t>(later.size(), 0));
+  EXPECT_EQ(rx.imm_count(3), 0u);
+  std::atomic<int> landed{kDonePending};
+  rx.expect_imm_count(4, 1, OnDone::flag(&landed));
+  std::atomic<int> next{kDonePending};
+  tx.submit(SingleWrite{.len = src.size(), .src = {hs, 0}, .dst = {ro, 0}, .imm = 4}, OnDone::flag(&next));
+  ASSERT_TRUE(wait_until([&] { return next.load() != kDonePending && landed.load() != kDonePending; }));
+  EXPECT_EQ(next.load(), kDoneSucceeded);
+  EXPECT_EQ(other, src);
+  rx.dereg_mr(hl);
+}
+
 class Connect : public ::testing::TestWithParam<ProviderCase> {};
 
 // connect() sets up every NIC's connection with zero-byte WRITEs that write nothing and deliver

@@ -149,6 +149,35 @@ def test_numpy_integers_are_not_mistakes(pair):
     assert flag.wait(30) and flag.ok and there.wait(30) and (dst == 7).all()
 
 
+def test_value_types_built_wrong(pair):
+    """Pages, ScatterSlice and GroupSlice name the argument that is wrong; Pages takes any iterable
+    of ints (a list, an int64 array) and checks each index."""
+    tx, rx, hs, dd, dst = pair
+    assert list(fl.Pages([3, 1], stride=4096).indices) == [3, 1]
+    assert list(fl.Pages(np.array([2, 0], np.int64), 4096, offset=np.uint64(8)).indices) == [2, 0]
+    refused(ValueError, ["[0, 2**32)", "indices[1] is -1"], lambda: fl.Pages([0, -1], 4096))
+    refused(TypeError, ["page indices must be integers"], lambda: fl.Pages([0.5], 4096))
+    refused(ValueError, ["Pages()", "stride must be in [0, 2**64)"], lambda: fl.Pages([0], -4096))
+    refused(TypeError, ["Pages()", "offset must be an int"], lambda: fl.Pages([0], 4096, offset="8"))
+    refused(ValueError, ["Pages()", "indices[1] must be in [0, 2**32)"], lambda: fl._c.Pages([0, 2**32], 4096))
+    assert fl.ScatterSlice(np.int64(16), 0, dd).len == 16
+    refused(TypeError, ["ScatterSlice.dst must be a RemoteMr", "got fabric_lib._fabric_lib.MrHandle"], lambda: fl.ScatterSlice(16, 0, hs))
+    refused(ValueError, ["ScatterSlice()", "len must be in [0, 2**64)"], lambda: fl.ScatterSlice(-16, 0, dd))
+    assert fl.GroupSlice(np.uint32(8), 0, 0).len == 8
+    refused(TypeError, ["GroupSlice()", "unknown argument 'length'"], lambda: fl.GroupSlice(length=8, src_offset=0, dst_offset=0))
+
+
+def test_gpu_signal_calls_built_wrong(pair):
+    """The GPU-signal calls name what is wrong before touching CUDA (the checks run without a GPU)."""
+    tx, rx, hs, dd, dst = pair
+    refused(TypeError, ["wait_gpu_counter()", "counter must be a GpuCounter"],
+            lambda: tx.wait_gpu_counter(hs, 1))
+    refused(TypeError, ["wait_uvm_watcher()", "watcher must be a UvmWatcher"], lambda: tx.wait_uvm_watcher(dd, 1))
+    refused(TypeError, ["alloc_uvm_watcher()", "callback must be callable"], lambda: tx.alloc_uvm_watcher(callback=5))
+    refused(TypeError, ["alloc_gpu_counter()", "cuda_device must be an int"], lambda: tx.alloc_gpu_counter(cuda_device="0"))
+    refused(TypeError, ["gpu_stream_wait()", "cuda_stream must be an int"], lambda: fl.gpu_stream_wait("s", hs, 1))
+
+
 def test_a_write_out_of_bounds(pair):
     tx, rx, hs, dd, dst = pair
     e = refused(fl.FabricError, ["destination", "outside the remote region"],
@@ -261,3 +290,22 @@ def test_a_write_to_a_closed_peer_ends_with_an_error():
         tx.submit_single_write(len=N, src=hs, dst=dd, on_done=flag)
         assert flag.wait(60), "a write to a dead peer must end"
         assert not flag.ok and flag.status.code in ("provider error", "timeout")
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_a_write_into_a_region_its_owner_deregistered(provider):
+    """The owner deregistered the destination: the sender's flag ends with a provider error (shm:
+    naming the deregistration), nothing lands and no immediate is counted."""
+    with fl.TransferEngine(provider=provider) as tx, fl.TransferEngine(provider=provider) as rx:
+        src, dst = np.full(1 << 16, 7, np.uint8), np.zeros(1 << 16, np.uint8)
+        hs, _ = tx.register_tensor(src)
+        hd, dd = rx.register_tensor(dst)
+        remote = tx.add_remote(dd, connect=True)
+        rx.dereg_mr(hd)
+        flag = fl.DoneFlag()
+        tx.submit_single_write(len=src.nbytes, src=hs, dst=remote, on_done=flag, imm=9)
+        assert flag.wait(60), "a write into a deregistered region must end"
+        assert not flag.ok and flag.status.code == "provider error", flag.status
+        if provider == "shm":
+            assert "deregistered by its owner" in flag.status.message
+        assert not dst.any() and rx.imm_count(9) == 0

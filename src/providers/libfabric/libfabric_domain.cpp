@@ -22,6 +22,7 @@
 #include "providers/efa_sim/efa_sim.h"
 #include "providers/libfabric/fi_compat.h"
 #include "providers/libfabric/provider_attrs.h"
+#include "providers/libfabric/shm_key_board.h"
 #include "providers/libfabric/shm_names.h"
 #include "providers/libfabric/shm_senders.h"
 #include "util/log.h"
@@ -129,6 +130,8 @@ class LibfabricDomain final : public Domain {
         enqueue(s);
       }
     }
+    // Peers refuse the key before the registration goes (shm_key_board.h).
+    if (key_board_ && region.provider) key_board_->revoke(region.remote.rkey);
     if (region.provider) check("fi_close(mr)", fi_close(&static_cast<fid_mr*>(region.provider)->fid));
     region = {};
   }
@@ -298,8 +301,10 @@ class LibfabricDomain final : public Domain {
     check("fi_ep_bind(av)", fi_ep_bind(ep_, &av_->fid, 0));
     if (efa) set_efa_endpoint_options();
     if (attrs_.prov_name == "shm") {
+      // The key board's descriptor is part of the name peers find it by (shm_key_board.h).
+      key_board_ = ShmKeyBoard::create();
       // Before fi_enable, which creates the endpoint's /dev/shm file (see shm_names.h for why).
-      const std::string shm_name = shm_names::next_endpoint_name();
+      const std::string shm_name = shm_names::next_endpoint_name(key_board_->fd());
       check("fi_setname", fi_setname(&ep_->fid, const_cast<char*>(shm_name.c_str()), shm_name.size() + 1));
     }
     check("fi_enable", fi_enable(ep_));
@@ -427,13 +432,18 @@ class LibfabricDomain final : public Domain {
   // Without FI_MR_PROV_KEY the application chooses keys; they must be unique per domain. Random
   // keys (as wide as the provider allows) are not guessable by a peer that was never given the
   // region's MrDesc; a collision (-FI_ENOKEY) draws again.
+  // shm: the key also names the region's slot on the key board, published once registered.
   int regattr(fi_mr_attr& attr, uint64_t flags, fid_mr** mr) {
+    const uint32_t slot = key_board_ ? key_board_->take_slot() : ShmKeyBoard::kUnboarded;
     int rc = 0;
     for (int attempt = 0; attempt < 8; attempt++) {
       attr.requested_key = (attrs_.mr_mode & FI_MR_PROV_KEY) ? 0 : random_key();
+      if (key_board_) attr.requested_key = ShmKeyBoard::key_for(attr.requested_key, slot);
       rc = fi_mr_regattr(domain_, &attr, flags, mr);
       if (rc != -FI_ENOKEY) break;
     }
+    if (key_board_ && rc == 0) key_board_->publish(fi_mr_key(*mr));
+    if (key_board_ && rc != 0) key_board_->release(slot);
     return rc;
   }
 
@@ -717,6 +727,7 @@ class LibfabricDomain final : public Domain {
   Piece* piece_free_ = nullptr;
   std::vector<Split*> pending_;
   std::unique_ptr<ShmSenders> shm_;
+  std::unique_ptr<ShmKeyBoard> key_board_;  // shm only: which of our keys are live
 };
 
 }  // namespace

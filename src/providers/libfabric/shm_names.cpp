@@ -39,10 +39,12 @@ uint64_t process_tag() {
 
 }  // namespace
 
-std::string next_endpoint_name() {
+std::string next_endpoint_name(int board_fd) {
   static std::atomic<uint64_t> next{0};
-  return fmt::format("fi_shm://{}{:016x}-{}", file_prefix(static_cast<int>(getpid())),
-                     process_tag(), next.fetch_add(1));
+  std::string name = fmt::format("fi_shm://{}{:016x}-{}", file_prefix(static_cast<int>(getpid())),
+                                 process_tag(), next.fetch_add(1));
+  if (board_fd >= 0) name += fmt::format("-k{}", board_fd);
+  return name;
 }
 
 // The PID namespace is part of the name: two containers that share /dev/shm but not their PID
@@ -70,6 +72,16 @@ int pid_of(const std::string& name) {
   char* end = nullptr;
   const long pid = std::strtol(p, &end, 10);
   return end != p && *end == '-' && pid > 0 && pid < INT32_MAX ? static_cast<int>(pid) : 0;
+}
+
+int board_fd_of(const std::string& name) {
+  const std::string n = file_name(name);
+  const size_t at = n.rfind("-k");
+  if (at == std::string::npos || n.rfind("fabric-", 0) != 0) return -1;
+  const char* p = n.c_str() + at + 2;
+  char* end = nullptr;
+  const long fd = std::strtol(p, &end, 10);
+  return end != p && *end == '\0' && fd >= 0 && fd < INT32_MAX ? static_cast<int>(fd) : -1;
 }
 
 }  // namespace shm_names

@@ -149,7 +149,8 @@ PeerId ShmSenders::insert_peer(const std::string& address) {
     id = peers_.size();
     peers_.emplace_back();
   }
-  peers_[id] = Peer{address, pid};
+  peers_[id] = Peer{.address = address, .pid = pid,
+                    .keys = ShmKeyBoard::open(pid, shm_names::board_fd_of(address))};
   // A peer killed while it held its region lock would leave our worker spinning in its next
   // post to it: the watch frees that lock when the peer dies (shm_dead_lock.h).
   auto on_exit = [address, pid] { release_dead_owner_lock(address, pid); };
@@ -216,6 +217,13 @@ bool ShmSenders::gone(PeerId peer) {
 PostResult ShmSenders::write(const WriteOp& op, OpContext* ctx, std::string& error) {
   if (gone(op.peer)) {
     error = fmt::format("shm: the peer's process ({}) has exited", peers_[op.peer].pid);
+    return PostResult::kFailed;
+  }
+  // shm would drop it silently (shm_key_board.h).
+  if (const auto& keys = peers_[op.peer].keys; keys && !keys->live(op.rkey)) {
+    error = fmt::format("shm: the destination region was deregistered by its owner (process {}); "
+                        "fetch its new descriptor, or stop writing it before it deregisters",
+                        peers_[op.peer].pid);
     return PostResult::kFailed;
   }
   const fi_addr_t a = address_in(*current_, op.peer);

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "domain/domain.h"
+#include "providers/libfabric/shm_key_board.h"
 #include "util/process_watch.h"
 
 namespace fabric {
@@ -83,6 +84,8 @@ class ShmSenders {
     bool dead = false;  // seen gone: posts refused
     bool removed = false;
     uint32_t ops = 0;   // outstanding on any endpoint; the slot is reused once removed and 0
+    // Its live keys (shm_key_board.h); null where it offers none we can open: posted unchecked.
+    std::unique_ptr<ShmKeyBoard> keys;
   };
 
   std::unique_ptr<Endpoint> open_endpoint();
