@@ -36,6 +36,9 @@ machine's link, round trip, post and hook times) end in:
     weights-model model=<name> params=<M> bytes=<MiB per step> trainers=<n> inference=<n> steps=<n>
         update_ms_p50=<ms> gbps=<GB/s> logits_equal=<yes|no> measured_over_predicted=<x>
 
+(bytes: what the training ranks posted per step, FP8 gathers between them included; gbps: bytes
+over update_ms_p50, 1e9 bytes per second; measured_over_predicted needs 2 or more training ranks.)
+
 --device cuda: every process on GPU 0 (the arenas too, over cuda_ipc), BF16; --size gpu is a
 Qwen3-MoE-shaped config for one 78 GiB GPU with 4 training and 2 inference processes.
 """
@@ -80,6 +83,12 @@ def build_model(cfg: dict):
     weights from cfg["seed"] (the same bits in every process on the same device), in BF16."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg["device"].startswith("cuda"):
+        # Bit-equal logits in two processes need deterministic kernels: the MoE block's index_add_
+        # adds with atomics on CUDA unless told otherwise, cuBLAS needs a fixed workspace.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     s = cfg["size"]
     kw = dict(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -154,17 +163,17 @@ def infer_pieces(es: list, rank: int, world: int) -> list:
 
     out = []
     for e in es:
-        prefix, leaf = e.name.rsplit(".", 2)[0], e.name.rsplit(".", 2)[1]
-        rows = W.even_split(e.shape[0], world, rank) if len(e.shape) > 1 else None
+        parts = e.name.split(".")  # e.g. model.layers.0.self_attn.q_proj.weight
+        prefix, leaf = ".".join(parts[:-2]), parts[-2] if len(parts) > 1 else ""
         if e.index is not None:
             if e.index in range(*W.even_split(_experts_of(es, e.name), world, rank)):
                 out.append(W.Piece(e.key))
-        elif e.name.endswith(("embed_tokens.weight", "lm_head")) or e.name == "lm_head.weight":
-            out.append(W.Piece(e.key, rows=rows))
-        elif leaf in ("q_proj", "k_proj", "v_proj"):
-            out.append(W.Piece(e.key, rows=rows, buffer=f"{prefix}.qkv_proj.weight"))
+        elif leaf in ("embed_tokens", "lm_head"):
+            out.append(W.Piece(e.key, rows=W.even_split(e.shape[0], world, rank)))
+        elif leaf in ("q_proj", "k_proj", "v_proj"):  # even_split refuses kv heads that do not split
+            out.append(W.Piece(e.key, rows=W.even_split(e.shape[0], world, rank), buffer=f"{prefix}.qkv_proj.weight"))
         elif leaf in ("gate_proj", "up_proj"):
-            out.append(W.Piece(e.key, rows=rows, buffer=f"{prefix}.gate_up_proj.weight"))
+            out.append(W.Piece(e.key, rows=W.even_split(e.shape[0], world, rank), buffer=f"{prefix}.gate_up_proj.weight"))
         elif leaf in ("o_proj", "down_proj"):
             out.append(W.Piece(e.key, cols=W.even_split(e.shape[1], world, rank)))
         else:  # norms, the router
@@ -299,7 +308,8 @@ def trainer(conn, cfg: dict) -> None:
             if calib and rank == 0:
                 from moe import predict  # the cost model, fed as examples/rl_weights/run.py feeds it
 
-                conn.send(("predicted", predict(t, engine, calib, calib["rtt_us"], measured)))
+                conn.send(("predicted", dict(predict(t, engine, calib, calib["rtt_us"], measured),
+                                             link_gbs=calib["link_gbs"])))
             t.close()
         dist.destroy_process_group()
         conn.send("bye")
@@ -321,14 +331,19 @@ def _train_step(model, opt, cfg: dict, rank: int, world: int, step: int):
     opt.zero_grad(set_to_none=False)
     loss.backward()
     ps = [p for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([p.grad.reshape(-1).float() for p in ps]).cpu()
-    dist.all_reduce(flat)
-    flat /= world
-    flat = flat.to(cfg["device"])
-    off = 0
-    for p in ps:
-        p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-        off += p.numel()
+    bucket, size = [], 0
+    for i, p in enumerate(ps):  # buckets of up to 64 M values: a GPU-sized model stays light on the host
+        bucket.append(p)
+        size += p.numel()
+        if size >= 1 << 26 or i == len(ps) - 1:
+            flat = torch.cat([q.grad.reshape(-1).float() for q in bucket]).cpu()
+            dist.all_reduce(flat)
+            flat = (flat / world).to(cfg["device"])
+            off = 0
+            for q in bucket:
+                q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
+                off += q.numel()
+            bucket, size = [], 0
     opt.step()
     model.eval()
     return loss.detach()
@@ -572,6 +587,10 @@ def _run(cfg: dict, store, start, out) -> dict:
             f"logits_equal={'yes' if equal else f'fp8_bound(max {worst:.3g})'}")
     if predicted:
         line += f" measured_over_predicted={p50 / predicted['predicted_ms']:.2f}"
+        out(f"predicted {predicted['predicted_ms']:.2f} ms (weights_predict_update): link {predicted['link_ms']:.2f} ms, "
+            f"post {predicted['post_ms']:.2f} ms, chain {predicted['chain_ms']:.2f} ms; fed with the link's "
+            f"{predicted['link_gbs']:.2f} GB/s, a {predicted['write_rtt_us']:.1f} us WRITE round trip, "
+            f"{predicted['post_us']:.2f} us per request, {predicted['unit_us']:.1f} us per quantized unit")
     out(line)
     return dict(logits_equal=equal, tokens=tokens, update_ms=update_ms, bytes=nbytes, params=nparams,
                 predicted=predicted, line=line)

@@ -9,9 +9,10 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
+# FABRIC_GPU_ONLY="weights-bench weights-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
 # cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
-# tests/gpu/weights_bench.sh, with the Python package; the Python package alone; the Python GPU
+# tests/gpu/weights_bench.sh, with the Python package; the RL weight updates of a real transformers
+# Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
 # MoE GPU tests and bench, or either alone; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
@@ -57,6 +58,26 @@ python_steps() {
   grep -E "^weights |^plan |^ +[0-9]+ " "$OUT/weights.txt" | tail -30 || true
   # At the sizes users run: >= 300 MiB and >= 2 GiB per step, under MPS (`weights-gpu ...` lines).
   tests/gpu/weights_bench.sh || status=1
+  weights_model_runs
+}
+# RL weight updates of a real transformers model (examples/rl_weights/real_model.py): a
+# Qwen3-MoE-shaped config of 1.3 B parameters (Qwen3-30B-A3B's widths, 4 layers of 32 experts),
+# 4 training processes taking AdamW steps -> 2 inference processes (TP 2, EP 2), all on GPU 0 under
+# MPS where it starts, BF16 and then FP8 linear layers; every step the inference logits equal the
+# trainer's (the script fails otherwise). Ends in `weights-model ...` lines. The package installed.
+weights_model_runs() {
+  local mps=0 fp8
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
+  : > "$OUT/weights_model.txt"
+  for fp8 in "" --fp8; do
+    # shellcheck disable=SC2086
+    timeout 600 python3 examples/rl_weights/real_model.py --device cuda --size gpu --model qwen3_moe \
+      --trainers 4 --inference 2 --steps 3 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
+      { status=1; echo "weights-model ${fp8:-bf16}: FAILED" >> "$OUT/weights_model.txt"; }
+  done
+  if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
+  echo "weights-model mps=$mps"
+  grep -E "^weights-model|FAILED|Error" "$OUT/weights_model.txt" | tail -8 || true
 }
 # MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
@@ -120,6 +141,9 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
   for step in $FABRIC_GPU_ONLY; do
     case $step in
       weights-bench) weights_bench_steps ;;
+      weights-model)  # the real-model RL weight updates (installs the Python package first)
+        python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
+        weights_model_runs ;;
       python-install) python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; } ;;
       post) post_steps ;;
       cuda-ipc) cuda_ipc_steps ;;
