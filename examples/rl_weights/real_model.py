@@ -271,7 +271,6 @@ def trainer(conn, cfg: dict) -> None:
         import torch
         import torch.distributed as dist
 
-        import fabric_lib as fl
         from fabric_lib import weights as W
 
         torch.set_num_threads(cfg.get("threads", 1))
