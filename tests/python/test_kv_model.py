@@ -1,0 +1,29 @@
+"""A real transformers model served disaggregated (examples/kv_transfer/real_model.py): a tiny
+Qwen3 (4 layers, hidden 256, random weights from one seed, nothing downloaded); the prefill
+processes send each decoder layer's K and V (after RoPE) as the layer finishes into a vLLM-layout
+paged cache of the decode processes, which rebuild a transformers cache from the pages and generate
+greedily. The tokens must equal those of model.generate() in one process, over tcp and shm, at
+prefill TP -> decode TP 1 -> 1, 2 -> 1 (each prefill rank holds half the KV heads) and 1 -> 2 (each
+decode rank receives half). No timing is asserted."""
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install '.[test]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install '.[models]' or '.[test]')")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "kv_transfer"))
+import real_model  # noqa: E402
+
+
+@pytest.mark.parametrize("tp", ["1to1", "2to1", "1to2"])
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
+def test_a_real_model_decodes_the_same_tokens_from_the_transferred_cache(provider, tp):
+    # --verbose: each process's phases go to stderr, which pytest shows only when the test fails.
+    a = real_model.parse_args(["--provider", provider, "--tp", tp, "--timeout", "60", "--verbose"])
+    r = real_model.run(a)
+    assert r["ok"], r["error"]
+    print(real_model.line(r))
+    assert r["tokens_identical"], f"decode {r['tokens']}\nreference {r['ref_tokens']}"
