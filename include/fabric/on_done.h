@@ -48,11 +48,15 @@ class DoneStatus {
 // - counter(done, failed): the worker increments *done on success, *failed (if given) on error,
 //   and notifies the counter it changed (std::atomic::wait works on both); the first failure's
 //   status goes to *status when given.
+// - raise(word, value, failed): on success the worker raises *word to `value` unless it is
+//   already there or above, and notifies it; on error as counter. For step-numbered signals a
+//   waiter compares with >= (a step that never completes, or several finishing out of order,
+//   cannot leave the word behind the way a count would).
 // - none(): nothing is reported (errors are still logged).
 class OnDone {
  public:
   using Callback = std::function<void(const Status&)>;
-  enum class Kind { kNone, kCallback, kFlag, kCounter };
+  enum class Kind { kNone, kCallback, kFlag, kCounter, kRaise };
 
   OnDone() = default;
   static OnDone none() { return {}; }
@@ -79,6 +83,14 @@ class OnDone {
     return d;
   }
 
+  static OnDone raise(std::atomic<uint64_t>* word, uint64_t value, std::atomic<uint64_t>* failed = nullptr,
+                      DoneStatus* status = nullptr) {
+    OnDone d = counter(word, failed, status);
+    d.kind_ = Kind::kRaise;
+    d.value_ = value;
+    return d;
+  }
+
   // Keeps `owner` alive until the engine is done with this OnDone (for flags and counters whose
   // storage belongs to someone else, e.g. a Python object). Released on an engine thread.
   OnDone&& keep_alive(std::shared_ptr<void> owner) && {
@@ -100,8 +112,16 @@ class OnDone {
         flag_->notify_all();
         break;
       case Kind::kCounter:
+      case Kind::kRaise:
         if (status.ok()) {
-          done_->fetch_add(1, std::memory_order_release);
+          if (kind_ == Kind::kCounter) {
+            done_->fetch_add(1, std::memory_order_release);
+          } else {
+            uint64_t seen = done_->load(std::memory_order_relaxed);
+            while (seen < value_ && !done_->compare_exchange_weak(seen, value_, std::memory_order_release,
+                                                                  std::memory_order_relaxed)) {
+            }
+          }
           done_->notify_all();
         } else if (failed_) {
           failed_->fetch_add(1, std::memory_order_release);
@@ -133,6 +153,7 @@ class OnDone {
   Callback callback_;
   std::atomic<int>* flag_ = nullptr;
   std::atomic<uint64_t>* done_ = nullptr;
+  uint64_t value_ = 0;  // kRaise
   std::atomic<uint64_t>* failed_ = nullptr;
   DoneStatus* status_ = nullptr;
   std::shared_ptr<void> keep_alive_;

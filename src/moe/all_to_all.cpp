@@ -313,11 +313,13 @@ struct AllToAll::Impl {
     BufferSet& b = *sets[h.buffer];
     if (h.step != b.handle || b.phase == Phase::kIdle)
       throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent (it was "
-                              "combined; its buffer set {} {})",
-                              what, cfg.rank, h.step, h.buffer,
-                              b.handle == h.step ? "is free"
-                                                 : fmt::format("holds dispatch {} now", b.handle)));
+                  fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent ({})",
+                              what, cfg.rank, h.step,
+                              b.handle == h.step
+                                  ? fmt::format("it was combined; its buffer set {} is free", h.buffer)
+                                  : fmt::format("it was combined, or dropped uncombined when dispatch {} "
+                                                "took its buffer set {}",
+                                                b.handle, h.buffer)));
     if (b.phase != want)
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("MoE {} on rank {}: out of order for dispatch {} (it is at '{}'; "
@@ -499,12 +501,17 @@ Handle AllToAll::dispatch_send(const DispatchArgs& args) {
   s.check_before("dispatch send");
   const uint32_t index = static_cast<uint32_t>(s.dispatches % s.cfg.buffers);
   BufferSet& b = *s.sets[index];
-  if (b.phase != Phase::kIdle)
+  // A dispatch that was received and never combined is dropped, as DeepEP drops it: its set is
+  // reused (every rank makes the same calls, so every rank's set moves on at once), and its handle
+  // is refused from now on. One whose receive or combine is under way still owns the set: its
+  // peers' rows may still be landing there.
+  if (b.phase == Phase::kDispatchSent || b.phase == Phase::kCombineSent)
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("MoE dispatch send on rank {}: at most {} dispatches in flight "
-                            "(buffers = {}); dispatch {} still holds "
-                            "buffer set {}: combine it first",
-                            s.cfg.rank, s.cfg.buffers, s.cfg.buffers, b.handle, index));
+                            "(buffers = {}); dispatch {} holds buffer set {} at '{}': {} first",
+                            s.cfg.rank, s.cfg.buffers, s.cfg.buffers, b.handle, index, phase_name(b.phase),
+                            b.phase == Phase::kDispatchSent ? "receive it (dispatch_recv, or its hook)"
+                                                            : "receive its combine (combine_recv, or its hook)"));
   if (s.cuda()) {
     cuda::dispatch_send(b.views, args);
   } else {

@@ -132,7 +132,7 @@ struct SignalLayout {
   uint64_t writes_done = 0;    // the proxy's scatters that completed (diagnostics)
   uint64_t route_seen = 0;     // [W] proxy -> kernel: steps whose counts row from rank s arrived
   uint64_t dispatch_seen = 0;  // [W] steps whose rows from remote rank s all arrived
-  uint64_t combine_seen = 0;   // [W] steps whose combine rows from remote rank s arrived
+  uint64_t combine_seen = 0;   // [W] the last step whose combine rows from remote rank s arrived
   uint64_t route_row = 0;      // [E] u32: this rank's counts row, for the proxy (a copy of
                                // send.route_row, which may be device memory)
   uint64_t routing = 0;        // [W][E] u32: the other nodes' counts rows, for the proxy's

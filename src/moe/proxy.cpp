@@ -85,8 +85,10 @@ OnDone Proxy::on_write() {
       .keep_alive(cfg_.signals);
 }
 
+// The word is raised to the step (not counted): a dispatch dropped without its combine leaves no
+// gap that later steps would wait behind.
 void Proxy::expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset) {
-  OnDone done = OnDone::counter(&signal(signal_at(counter_offset, src)), &signal(cfg_.views.lay.signals.failed))
+  OnDone done = OnDone::raise(&signal(signal_at(counter_offset, src)), step, &signal(cfg_.views.lay.signals.failed))
                     .keep_alive(cfg_.signals);
   pending_.push_back(cfg_.imms->expect(moe_imm(kind, step, src), count, std::move(done),
                                        ExpectOptions{.timeout = std::chrono::milliseconds(cfg_.views.timeout_ns / 1000000)}));

@@ -96,6 +96,26 @@ TEST(ApiEdges, FlagsAndCountersKeepHowTheyFailed) {
   EXPECT_EQ(counter_status.first_failure()->code(), ErrorCode::kTimeout);
 }
 
+// OnDone::raise keeps the highest step it was given, whatever order the steps end in; a failure
+// counts into `failed` and leaves the word alone. An expectation completes it like any other.
+TEST(ApiEdges, RaiseKeepsTheHighestStep) {
+  std::atomic<uint64_t> word{0}, failed{0};
+  for (uint64_t step : {3u, 1u, 5u, 4u}) OnDone::raise(&word, step, &failed).fire(Status());
+  EXPECT_EQ(word.load(), 5u);
+  DoneStatus why;
+  OnDone::raise(&word, 9, &failed, &why).fire(Status(ErrorCode::kTimeout, "step 9 never came"));
+  EXPECT_EQ(word.load(), 5u);
+  EXPECT_EQ(failed.load(), 1u);
+  ASSERT_TRUE(why.first_failure().has_value());
+  TransferEngine a(config_for(kTcp));
+  std::atomic<uint64_t> seen{0};
+  a.expect_imm_count(12, 1, OnDone::raise(&seen, 7), {.timeout = std::chrono::milliseconds(20)});
+  a.expect_imm_count(13, 0, OnDone::raise(&seen, 6));  // already met: completes at once
+  ASSERT_TRUE(wait_until([&] { return seen.load() == 6u; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // past the first one's timeout
+  EXPECT_EQ(seen.load(), 6u) << "the timed-out expectation raised nothing";
+}
+
 // tcp: a WRITE completes when the target has placed it (FI_DELIVERY_COMPLETE), so one into a
 // region its owner deregistered ends in an error for the sender, not a silent ok, and nothing
 // lands; the target dropped the connection over it, and the next WRITE to that peer connects afresh.

@@ -251,17 +251,21 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
                  [&] { a2a.combine(h, cargs); });
     expect_error(ErrorCode::kInvalidArgument, "not a handle of this AllToAll",
                  [&] { a2a.dispatch_recv(moe::Handle{.buffer = 1, .step = 1}); });
+    // A second dispatch takes the other buffer set; a third would take the first's, whose peers'
+    // rows may still be landing: refused until the first is received.
+    const moe::Handle h2 = a2a.dispatch_send(good);
+    if (h2.buffer != 1 || h2.step != 2)
+      failures[r] = fmt::format("second handle: set {} step {}", h2.buffer, h2.step);
+    expect_error(ErrorCode::kInvalidArgument,
+                 "at most 2 dispatches in flight (buffers = 2); dispatch 1 holds buffer set 0 at "
+                 "'dispatch sent': receive it",
+                 [&] { a2a.dispatch_send(good); });
     a2a.dispatch_recv(h);
     expect_error(ErrorCode::kInvalidArgument, "out of order for dispatch 1 (it is at 'dispatched'",
                  [&] { a2a.dispatch_recv(h); });
     expect_error(ErrorCode::kInvalidArgument, "out of order for dispatch 1",
                  [&] { a2a.combine_recv(h, cargs); });
-    // A second dispatch takes the other buffer set; a third waits for the first to be combined.
-    const moe::Handle h2 = a2a.dispatch(good);
-    if (h2.buffer != 1 || h2.step != 2)
-      failures[r] = fmt::format("second handle: set {} step {}", h2.buffer, h2.step);
-    expect_error(ErrorCode::kInvalidArgument, "at most 2 dispatches in flight",
-                 [&] { a2a.dispatch_send(good); });
+    a2a.dispatch_recv(h2);
     if (in.num_tokens > 0)
       expect_error(ErrorCode::kInvalidArgument, "out and topk_weights",
                    [&] { a2a.combine(h2, {.expert_out = out.data()}); });
@@ -282,10 +286,31 @@ TEST(MoeErrors, BadInputIsRefusedAndLosesNothing) {
     const moe::Handle h3 = a2a.dispatch(good);
     expect_error(
         ErrorCode::kInvalidArgument,
-        "the handle of dispatch 1 is spent (it was combined; its buffer set 0 holds dispatch 3",
+        "the handle of dispatch 1 is spent (it was combined, or dropped uncombined when dispatch 3 took its buffer set 0)",
         [&] { a2a.combine(h, cargs); });
     a2a.combine(
         h3, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
+    // A dispatch that is never combined is dropped when its set is next needed (as DeepEP's
+    // alternating buffers): dispatch 4 (set 1) is dropped by dispatch 6; 5 and 6 are exact.
+    const moe::Handle h4 = a2a.dispatch(good);
+    const moe::Handle h5 = a2a.dispatch(good);
+    const moe::Handle h6 = a2a.dispatch(good);
+    if (h6.buffer != h4.buffer) failures[r] = fmt::format("dispatch 6 took set {}", h6.buffer);
+    expect_error(ErrorCode::kInvalidArgument,
+                 "the handle of dispatch 4 is spent (it was combined, or dropped uncombined when "
+                 "dispatch 6 took its buffer set 1)",
+                 [&] { a2a.combine(h4, cargs); });
+    for (const moe::Handle& hh : {h5, h6}) {
+      const moe::DispatchOutput o6 = a2a.output(hh);
+      for (uint32_t el = 0; el < o6.local_experts; ++el)
+        if (o6.counts[el] != want.counts[el] ||
+            std::memcmp(o6.x, want.x.data(), uint64_t(want.counts[el]) * 2 * mc.hidden) != 0)
+          failures[r] = fmt::format("dispatch {} after a dropped one differs from the reference", hh.step);
+      std::vector<uint16_t> got(uint64_t{in.num_tokens} * mc.hidden, 1);
+      a2a.combine(hh, {.expert_out = y.data(), .topk_weights = in.topk_weights.data(), .out = got.data()});
+      if (got != std::vector<uint16_t>(got.size(), 0))  // the zero expert outputs, summed
+        failures[r] = fmt::format("combine {} after a dropped dispatch is not zero", hh.step);
+    }
   };
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < mc.ranks; ++r) threads.emplace_back(rank_main, r);

@@ -374,8 +374,13 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
 def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: tuple, tag: str) -> list:
     """One low-latency dispatch of this rank against the oracle: counts, rows, scales in DeepEP's
     column-major layout (UE8M0-packed when asked), and the handle's src_info / layout_range."""
-    (rx, scales), counts, handle, _, _ = got
+    if isinstance(got[0], tuple):
+        (rx, scales), counts, handle, _, _ = got
+    else:  # use_fp8=False: BF16 rows, no scales
+        (rx, scales), counts, handle = (got[0], None), got[1], got[2]
     cpu = (lambda t: t.cpu()) if rx.device.type != "cpu" else (lambda t: t)
+    if scales is None:
+        scales = torch.zeros(rx.shape[0], rx.shape[1], rx.shape[2] // M.BLOCK).transpose(1, 2).contiguous().transpose(1, 2)
     strides = scales.stride()
     rx, scales, counts = cpu(rx), cpu(scales), cpu(counts)
     handle = (cpu(handle[0]), cpu(handle[1]), *handle[2:])
@@ -399,7 +404,7 @@ def deep_ep_problems(cfg: dict, buf, rank: int, inputs: list, forms: list, got: 
         c = int(counts[el])
         if not torch.equal(rx[el, :c].view(torch.uint8), ref_x[el, :c].view(torch.uint8)):
             bad.append(f"{tag} expert {rank * L + el}: rows differ")
-        if not torch.equal(unpacked[el, :c], ref_s[el, :c]):
+        if ref_s is not None and not torch.equal(unpacked[el, :c], ref_s[el, :c]):
             bad.append(f"{tag} expert {rank * L + el}: scales differ")
         if not torch.equal(src_info[el, :c], ref_src[el, :c] % T):
             bad.append(f"{tag} expert {rank * L + el}: src_info differs")
@@ -499,6 +504,7 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                         bad.append(f"{tag}: combine differs from the oracle")
             if not torch.equal(stats.cpu(), want_stats):
                 bad.append(f"cumulative_local_expert_recv_stats {stats.tolist()} != {want_stats.tolist()}")
+            bad += deep_ep_mixed_steps(cfg, buf, rank, dev)
             conn.send(("ok", bad))
             conn.send(("refusals", deep_ep_refusals(cfg, buf)))
             buf.destroy()
@@ -506,6 +512,44 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
         conn.send("bye")
     except Exception:  # noqa: BLE001 - the failure goes back to the test
         conn.send("error " + traceback.format_exc())
+
+
+def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
+    """DeepEP's test habits on one Buffer: use_fp8 switched every call, some dispatches never
+    combined (their buffer set is reused two dispatches later), the expert outputs written into
+    get_next_low_latency_combine_buffer and combined with zero_copy; a late combine of a dropped
+    dispatch raises. Every dispatch and combine against the oracle."""
+    from fabric_lib.moe import deep_ep
+
+    T, E, K, W = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["ranks"]
+    bad, dropped = [], []
+    for i in range(6):
+        use_fp8, drop, zero_copy = i % 2 == 0, i in (0, 3), i in (2, 5)
+        inputs = [make_input(cfg, s, 100 + i) for s in range(W)]
+        x, idx, w = (t.to(dev) for t in inputs[rank])
+        got = buf.low_latency_dispatch(x, idx.to(deep_ep.topk_idx_t), T, E, use_fp8=use_fp8)
+        forms = [M.quantize_fp8_tokens(x) if use_fp8 else (x, None) for x, _, _ in inputs]
+        tag = f"mixed call {i} ({'fp8' if use_fp8 else 'bf16'})"
+        bad += deep_ep_problems(dict(cfg, ue8m0=False), buf, rank, inputs, forms, got, tag)
+        handle = got[2]
+        if drop:
+            dropped.append(handle)
+            continue
+        y = M.dequantize_fp8_tokens(*got[0]).to(torch.bfloat16) if use_fp8 else got[0].clone()
+        if zero_copy:
+            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+            y = torch.empty_like(y)  # what the caller passes is not read with zero_copy
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy)
+        xq, xs = forms[rank]
+        rows = (M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16) if use_fp8 else xq).unsqueeze(1).expand(-1, K, -1)
+        if not torch.equal(out.cpu().view(torch.int16), M.reference_combine_rows(idx.cpu(), w.cpu(), rows).view(torch.int16)):
+            bad.append(f"{tag}: combine differs from the oracle")
+    # Call 0's set was taken by call 4 (the FP8 AllToAll's third dispatch): its handle is spent.
+    y = torch.zeros(E // W, W * T, cfg["hidden"], dtype=torch.bfloat16, device=dev)
+    x, idx, w = (t.to(dev) for t in make_input(cfg, rank, 100))
+    bad.append(_expect("late combine of a dropped dispatch", fl.FabricError, "dropped uncombined",
+                       lambda: buf.low_latency_combine(y, idx, w, dropped[0])))
+    return [b for b in bad if b]
 
 
 def deep_ep_refusals(cfg: dict, buf) -> list:
@@ -524,13 +568,10 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         ("wait stats", NotImplementedError, "dispatch_wait_recv_cost_stats",
          lambda: buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1))),
         ("other shape", ValueError, "use one Buffer per shape", lambda: buf.low_latency_dispatch(x, idx, T + 1, E)),
-        ("bf16 dispatch on an fp8 Buffer", ValueError, "use one Buffer per shape",
-         lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)),
         ("fp32 x", TypeError, "x must be torch.bfloat16", lambda: buf.low_latency_dispatch(x.float(), idx, T, E)),
-        ("zero_copy", NotImplementedError, "zero_copy", lambda: buf.low_latency_combine(y, idx, w, None, zero_copy=True)),
         ("logfmt", NotImplementedError, "use_logfmt", lambda: buf.low_latency_combine(y, idx, w, None, use_logfmt=True)),
         ("not a handle", TypeError, "handle must be", lambda: buf.low_latency_combine(y, idx, w, (None,) * 5)),
-        ("combine buffer", NotImplementedError, "zero_copy", lambda: buf.get_next_low_latency_combine_buffer(None)),
+        ("combine buffer of no handle", TypeError, "handle must be", lambda: buf.get_next_low_latency_combine_buffer(None)),
         ("normal mode", NotImplementedError, "normal (high-throughput) mode", lambda: buf.dispatch(x, topk_idx=idx)),
         ("normal layout", NotImplementedError, "normal (high-throughput) mode", lambda: buf.get_dispatch_layout(idx, E)),
         # DeepEP's constructor keywords: what cannot be honoured raises at construction, naming it.
@@ -545,3 +586,52 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
          lambda: deep_ep.Buffer(None, engine=buf.engine, node_size=buf.node_size).destroy()),
     ]
     return [f for f in (_expect(*c) for c in cases) if f]
+
+
+def deep_ep_groups_rank_main(conn, cfg: dict) -> None:
+    """One rank of a world split into EP groups of cfg["group"] ranks, each group a Buffer of its
+    own, all dispatching at once: every rank's rows must come from its own group (the oracle over
+    its group's inputs; the groups' inputs differ), and a second Buffer given the first's job is
+    refused."""
+    import torch.distributed as dist
+
+    from fabric_lib.moe import deep_ep
+
+    try:
+        torch.set_num_threads(1)
+        rank, W, G = cfg["rank"], cfg["ranks"], cfg["group"]
+        store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
+        groups = [dist.new_group(list(range(g, g + G))) for g in range(0, W, G)]  # every rank makes every group
+        mine, gi = groups[rank // G], rank // G
+        gcfg = dict(cfg, ranks=G, seed=7 + 100 * gi)  # each group's own inputs
+        T, E, K = cfg["max_tokens"], cfg["experts"], cfg["topk"]
+        with engine_of(cfg) as engine:
+            buf = deep_ep.Buffer(mine, 0, 0, low_latency_mode=True, engine=engine, node_size=cfg["node_size"],
+                                 timeout_s=60.0)
+            conn.send("ready")
+            bad = []
+            me = dist.get_rank(mine)
+            for step in range(3):
+                inputs = [make_input(gcfg, s, step) for s in range(G)]
+                x, idx, w = inputs[me]
+                got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+                bad += deep_ep_problems(dict(gcfg, ue8m0=False), buf, me, inputs, [(x_, None) for x_, _, _ in inputs],
+                                        got, f"group {gi} step {step}")
+                out, _, _ = buf.low_latency_combine(got[0].clone(), idx, w, got[2])
+                want = M.reference_combine_rows(idx, w, x.unsqueeze(1).expand(-1, K, -1))
+                if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
+                    bad.append(f"group {gi} step {step}: combine differs")
+            job = buf._options["job"]
+            twin = deep_ep.Buffer(mine, engine=engine, node_size=cfg["node_size"], job=job)
+            x, idx, _ = make_input(gcfg, me, 0)
+            bad.append(_expect("a second Buffer under the first's job", ValueError, "already has a live AllToAll",
+                               lambda: twin.low_latency_dispatch(x, idx, T, E, use_fp8=False)))
+            conn.send(("ok", [b for b in bad if b]))
+            conn.send(("refusals", []))
+            del twin
+            del buf
+        dist.destroy_process_group()
+        conn.send("bye")
+    except Exception:  # noqa: BLE001 - the failure goes back to the test
+        conn.send("error " + traceback.format_exc())

@@ -206,15 +206,17 @@ def test_one_rank_alone_dispatches_and_combines_and_close_releases_it():
         assert store.num_keys() == 1, "the all-gather left keys in the store (only the live-job key stays)"
         assert a2a.buffers == 2
         x, idx, w = R.make_input(dict(cfg, seed=3), 0, 2)
-        rx, rs, counts, src, h = a2a.dispatch(x, idx)
+        h = a2a.dispatch_send(x, idx)
         assert isinstance(h, M.Handle) and (h.buffer, h.step, h.num_tokens) == (0, 1, 3)
-        assert rs is None and rx.shape == (4, 3, 128) and src.shape == (4, 3) and counts.dtype == torch.int32
-        assert counts.tolist() == torch.bincount(idx[idx >= 0], minlength=4).tolist()
-        # A second batch in flight goes to the other buffer set; a third is refused.
+        # A second batch in flight goes to the other buffer set; a third, to the first's set while
+        # the first is not yet received, is refused.
         x2, idx2, w2 = R.make_input(dict(cfg, seed=4), 0, 2)
         h2 = a2a.dispatch_send(x2[:2], idx2[:2])
-        with pytest.raises(fl.FabricError, match="at most 2 dispatches in flight"):
+        with pytest.raises(fl.FabricError, match="at most 2 dispatches in flight .* 'dispatch sent': receive it"):
             a2a.dispatch_send(x2, idx2)
+        rx, rs, counts, src = a2a.dispatch_recv(h)
+        assert rs is None and rx.shape == (4, 3, 128) and src.shape == (4, 3) and counts.dtype == torch.int32
+        assert counts.tolist() == torch.bincount(idx[idx >= 0], minlength=4).tolist()
         rx2, _, counts2, _ = a2a.dispatch_recv(h2)
         assert h2.buffer == 1 and rx2.data_ptr() != rx.data_ptr()
         assert counts2.tolist() == torch.bincount(idx2[:2][idx2[:2] >= 0], minlength=4).tolist()
@@ -226,6 +228,14 @@ def test_one_rank_alone_dispatches_and_combines_and_close_releases_it():
         assert torch.equal(out2, M.reference_combine_rows(idx2[:2], w2[:2], x2[:2].unsqueeze(1).expand(2, 2, 128)))
         with pytest.raises(fl.FabricError, match="the handle of dispatch 1 is spent"):
             a2a.combine(rx, w, h)
+        # A dispatch never combined is dropped when its set is next needed (DeepEP's semantics).
+        *_, h3 = a2a.dispatch(x, idx)
+        a2a.dispatch(x2, idx2)
+        rx5, _, counts5, _, h5 = a2a.dispatch(x, idx)
+        assert h5.buffer == h3.buffer and counts5.tolist() == counts.tolist()
+        with pytest.raises(fl.FabricError, match="dropped uncombined when dispatch 5 took its buffer set 0"):
+            a2a.combine(rx, w, h3)
+        assert torch.equal(a2a.combine(rx5.clone(), w, h5), M.reference_combine_rows(idx, w, x.unsqueeze(1).expand(3, 2, 128)))
         assert a2a.proxy_stats().writes == 0 and a2a.config.ranks == 1
         a2a.check()
         a2a.close()

@@ -30,3 +30,16 @@ def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(p
     procs = [peer(R.deep_ep_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
     R.deep_ep_results(procs)
     del store
+
+
+@pytest.mark.parametrize("node_size", [1, 2], ids=["every-rank-a-node", "nvlink-pairs"])
+def test_two_ep_groups_of_one_world_never_exchange_tokens(peer, node_size):
+    """A world of 4 ranks split into EP groups {0, 1} and {2, 3}, a Buffer each, dispatching at once
+    over tcp: each group's Buffer meets under a job named by its group's global ranks, every row a
+    rank receives comes from its own group, and a second Buffer under a live job is refused."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = dict(provider="tcp;ofi_rxm", ranks=4, group=2, node_size=node_size, experts=8, topk=2, hidden=256,
+               max_tokens=6, dtype="bf16", port=store.port)
+    procs = [peer(R.deep_ep_groups_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
+    R.deep_ep_results(procs)
+    del store

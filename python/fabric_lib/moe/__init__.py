@@ -391,7 +391,9 @@ class AllToAll:
         half itself, each token once (no torch kernels): bit for bit quantize_fp8_tokens, or with
         round_scale quantize_fp8_tokens_pow2 (power-of-two scales). topk_idx [num_tokens, top-k]
         int64 (-1: slot unused; an expert at most once per token). The routing weights go to
-        combine. Up to `buffers` dispatches may be in flight; one more raises FabricError."""
+        combine. Up to `buffers` dispatches may be in flight: dispatch n takes buffer set
+        n % buffers; one received and never combined is dropped then (its handle raises from
+        then on), one not yet received raises FabricError."""
         self._live()
         x, x_scales, topk_idx, quantize = self._dispatch_inputs(x, topk_idx, x_scales, round_scale)
         return self._a2a.dispatch_send(x.shape[0], x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0,

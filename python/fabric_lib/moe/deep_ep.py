@@ -25,12 +25,16 @@ What it returns, as DeepEP does:
   and recv_count; combine: fills out); without it, a no-op.
 
 Two dispatches may be in flight (two buffer sets, as DeepEP's two low-latency buffers): dispatch
-A, dispatch B, combine A, combine B. The AllToAll is built at the first dispatch from its
-arguments (collective, as every low-latency call is); a later call with other dimensions raises.
+A, dispatch B, combine A, combine B. Dispatches alternate the sets, and one never combined is
+dropped when its set is next taken, as DeepEP's (a late combine of it raises). One AllToAll per
+dispatch dtype is built at the first dispatch of that dtype (collective, as every low-latency call
+is), so use_fp8 may change from call to call; a call with other dimensions raises. The AllToAlls
+meet under a job named by the group's global ranks: two EP groups of one world never mix.
 
 Differences, each raising where the argument would change behaviour:
-- zero_copy=True and get_next_low_latency_combine_buffer: NotImplementedError (combine reads the
-  expert outputs from the tensor given; there is no registered buffer to write into first).
+- zero_copy=True reads the expert outputs from the tensor get_next_low_latency_combine_buffer
+  returned for the handle (one per buffer set, fixed). The combine reads its input in place
+  either way (there is no staging copy to save).
 - use_logfmt=True (LogFMT combine), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats:
   NotImplementedError.
 - use_ue8m0 without round_scale: ValueError (as DeepEP).
@@ -78,6 +82,20 @@ _DEEP_EP_KEYWORDS = ("group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mo
 # What the Buffer passes on to AllToAll (the rest of AllToAll's arguments come from the dispatch).
 _ALL_TO_ALL_OPTIONS = frozenset({"private_rows", "timeout_s", "job", "proxy_busy_poll", "init_timeout_s",
                                  "num_sms", "rdma_buffers"})
+
+
+def _group_id(group: Any) -> str:
+    """A name of the group its members agree on: its global ranks ("r0-1-2-3"; a digest when long)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (AttributeError, ValueError, RuntimeError):  # older torch, or the default group
+        ranks = list(range(dist.get_world_size(group)))
+    text = "-".join(map(str, ranks))
+    return "r" + text if len(text) <= 40 else "h" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 class EventOverlap:
@@ -191,10 +209,17 @@ class Buffer:
 
             engine = fl.TransferEngine()
         self.engine = engine
-        self._options = all_to_all_options
-        self._a2a: Optional[AllToAll] = None
+        self._options = dict(all_to_all_options)
+        # The jobs of this Buffer's AllToAlls: unique to its group (the group's global ranks name
+        # it) and to its place among that group's Buffers, so two EP groups of one world, or two
+        # Buffers of one group, never meet under one name in the shared store.
+        if "job" not in self._options:
+            n = self._store.add(f"fabric-lib/deep_ep/{_group_id(self.group)}/buffers/{self.rank}", 1)
+            self._options["job"] = f"deep_ep.{_group_id(self.group)}.{n}"
+        self._a2as: dict = {}  # use_fp8 -> AllToAll, built at the first dispatch of that dtype
         self._dims: Optional[tuple] = None
-        self._scales: dict = {}  # (buffer set, ue8m0) -> DeepEP-layout scales tensor
+        self._scales: dict = {}  # (use_fp8, buffer set, ue8m0) -> DeepEP-layout scales tensor
+        self._combine_inputs: dict = {}  # (use_fp8, buffer set) -> zero-copy combine input
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = False
 
@@ -212,18 +237,24 @@ class Buffer:
     # ---- construction at the first dispatch ----
 
     def _all_to_all(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, E: int, use_fp8: bool) -> AllToAll:
-        dims = (T, E, x.shape[1], topk_idx.shape[1], use_fp8, x.device)
-        if self._a2a is None:
-            self._a2a = AllToAll(self.engine, rank=self.rank, world_size=self.group_size, node_size=self.node_size,
-                                 num_experts=E, experts_per_token=topk_idx.shape[1], hidden=x.shape[1],
-                                 max_tokens=T, dispatch_dtype="fp8" if use_fp8 else "bf16", device=x.device,
-                                 store=self._store, **self._options)
+        """The AllToAll of this dtype: one per dispatch dtype, each built (collectively, as every
+        rank makes the same calls) at the first dispatch of that dtype, so use_fp8 may change
+        from call to call as DeepEP allows; the other dimensions are the Buffer's."""
+        dims = (T, E, x.shape[1], topk_idx.shape[1], x.device)
+        if self._dims is not None and dims != self._dims:
+            raise ValueError(f"low_latency_dispatch with (tokens per rank, experts, hidden, top-k) = {dims[:4]} on "
+                             f"{dims[4]}, but this Buffer was built for {self._dims[:4]} on {self._dims[4]}: use one "
+                             f"Buffer per shape")
+        a2a = self._a2as.get(use_fp8)
+        if a2a is None:
+            options = dict(self._options, job=f"{self._options['job']}.{'fp8' if use_fp8 else 'bf16'}")
+            a2a = AllToAll(self.engine, rank=self.rank, world_size=self.group_size, node_size=self.node_size,
+                           num_experts=E, experts_per_token=topk_idx.shape[1], hidden=x.shape[1], max_tokens=T,
+                           dispatch_dtype="fp8" if use_fp8 else "bf16", device=x.device, store=self._store,
+                           **options)
+            self._a2as[use_fp8] = a2a
             self._dims = dims
-        elif dims != self._dims:
-            raise ValueError(f"low_latency_dispatch with (tokens per rank, experts, hidden, top-k, use_fp8, device) = "
-                             f"{dims[:5]} on {dims[5]}, but this Buffer was built for {self._dims[:5]} on "
-                             f"{self._dims[5]}: use one Buffer per shape")
-        return self._a2a
+        return a2a
 
     # ---- dispatch ----
 
@@ -248,7 +279,7 @@ class Buffer:
         a2a = self._all_to_all(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
         h = a2a.dispatch_send(x, topk_idx, round_scale=use_fp8 and round_scale)  # quantized by the send half
         rx, rs, counts, src = a2a.views(h)
-        scales = self._scales_tensor(h.buffer, rs, use_ue8m0) if use_fp8 else None
+        scales = self._scales_tensor((use_fp8, h.buffer, use_ue8m0), rs) if use_fp8 else None
         W, T, L = self.group_size, num_max_dispatch_tokens_per_rank, a2a.local_experts
         src_info = torch.empty(L, W * T, dtype=torch.int32, device=x.device)
         layout_range = a2a.runs(h)  # filled by the receive half
@@ -267,13 +298,14 @@ class Buffer:
         else:
             receive()
         handle = LowLatencyHandle((src_info, layout_range, T, x.shape[1], num_experts))
-        handle.moe = h
+        handle.moe, handle.a2a, handle.use_fp8 = h, a2a, use_fp8
         recv_x = (rx, scales) if use_fp8 else rx
         return recv_x, counts, handle, _event(x.device) if async_finish else EventOverlap(), hook
 
-    def _scales_tensor(self, buffer: int, rs: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-        """The DeepEP-layout scales of a buffer set, allocated once (fixed for CUDA graphs)."""
-        key = (buffer, ue8m0)
+    def _scales_tensor(self, key: tuple, rs: torch.Tensor) -> torch.Tensor:
+        """The DeepEP-layout scales of a buffer set (key: use_fp8, set, ue8m0), allocated once
+        (fixed for CUDA graphs)."""
+        ue8m0 = key[2]
         if key not in self._scales:
             L, M, G = rs.shape
             self._scales[key] = _column_major((L, M, G // 4 if ue8m0 else G), torch.int32 if ue8m0 else torch.float32,
@@ -290,19 +322,24 @@ class Buffer:
         """DeepEP's low_latency_combine: x [L, W*T, hidden] BF16 expert outputs in the dispatch's
         layout, topk_weights [num_tokens, top-k] float32; returns (combined_x [num_tokens, hidden]
         BF16, event, hook)."""
-        if zero_copy:
-            raise NotImplementedError("zero_copy combine is not supported: pass the expert outputs as x")
         if use_logfmt:
             raise NotImplementedError("use_logfmt (LogFMT combine) is not supported: combine is BF16")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("combine_wait_recv_cost_stats is not supported")
-        h = getattr(handle, "moe", None)
-        if h is None or self._a2a is None:
-            raise TypeError("handle must be the one low_latency_dispatch of this Buffer returned")
-        if tuple(topk_idx.shape) != (h.num_tokens, self._a2a.topk):
-            raise ValueError(f"topk_idx must have shape [{h.num_tokens}, {self._a2a.topk}] (the dispatch's), "
+        h, a2a = self._dispatch_of(handle)
+        if tuple(topk_idx.shape) != (h.num_tokens, a2a.topk):
+            raise ValueError(f"topk_idx must have shape [{h.num_tokens}, {a2a.topk}] (the dispatch's), "
                              f"got {list(topk_idx.shape)}")
-        a2a = self._a2a
+        if zero_copy:
+            # DeepEP's zero copy: the expert outputs were written into the buffer
+            # get_next_low_latency_combine_buffer returned; x is checked for shape only.
+            key = (handle.use_fp8, h.buffer)
+            if key not in self._combine_inputs:
+                raise ValueError("zero_copy=True: write the expert outputs into "
+                                 "get_next_low_latency_combine_buffer(handle) first")
+            if tuple(x.shape) != tuple(self._combine_inputs[key].shape):
+                raise ValueError(f"x must have shape {list(self._combine_inputs[key].shape)}, got {list(x.shape)}")
+            x = self._combine_inputs[key]
         out = a2a._combine_out(topk_weights, h, out)  # checked before anything is sent
         a2a.combine_send(x, h)
 
@@ -316,8 +353,24 @@ class Buffer:
             receive()
         return out, _event(x.device) if async_finish else EventOverlap(), hook
 
-    def get_next_low_latency_combine_buffer(self, handle: tuple) -> Any:
-        raise NotImplementedError("zero_copy combine is not supported: there is no combine buffer to fill first")
+    def _dispatch_of(self, handle: Any) -> tuple:
+        """(the AllToAll handle, the AllToAll) of a handle low_latency_dispatch returned."""
+        h, a2a = getattr(handle, "moe", None), getattr(handle, "a2a", None)
+        if h is None or a2a is None or self._a2as.get(getattr(handle, "use_fp8", None)) is not a2a:
+            raise TypeError("handle must be the one low_latency_dispatch of this Buffer returned")
+        return h, a2a
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """DeepEP's: the tensor [local experts, W * T, hidden] BF16 the expert outputs of this
+        dispatch may be written into, for low_latency_combine(..., zero_copy=True). One per
+        buffer set (fixed addresses, for CUDA graphs). The combine reads it in place: there is no
+        staging copy, with or without zero_copy."""
+        h, a2a = self._dispatch_of(handle)
+        key = (handle.use_fp8, h.buffer)
+        if key not in self._combine_inputs:
+            self._combine_inputs[key] = torch.empty(a2a.local_experts, a2a.rows_per_expert, a2a.hidden,
+                                                    dtype=torch.bfloat16, device=a2a.device)
+        return self._combine_inputs[key]
 
     # ---- the rest of DeepEP's surface ----
 
@@ -346,8 +399,8 @@ class Buffer:
 
     def check(self) -> None:
         """Raises FabricError for the first failure seen (a CUDA kernel's timed-out wait)."""
-        if self._a2a is not None:
-            self._a2a.check()
+        for a2a in self._a2as.values():
+            a2a.check()
 
     def destroy(self) -> None:
         """Frees the AllToAll (and the engine this Buffer opened). As DeepEP, only for a Buffer
@@ -371,9 +424,9 @@ class Buffer:
 
     def _release(self) -> None:
         self._destroyed = True
-        if self._a2a is not None:
-            self._a2a.close()
-            self._a2a = None
+        for a2a in self._a2as.values():
+            a2a.close()
+        self._a2as = {}
         if self._own_engine and self.engine is not None:
             self.engine.close()
             self.engine = None
