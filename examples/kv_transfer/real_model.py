@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--provider", default="tcp;ofi_rxm", help="CPU: tcp;ofi_rxm or shm (CUDA: cuda_ipc)")
     ap.add_argument("--tp", default="1to1", help="prefill TP 'to' decode TP: 1to1, 2to1, 1to2, 2to2")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="default: qwen3-tiny on cpu, qwen3-8b on cuda")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--prompts", type=int, help="default: 4 on cpu, 8 on cuda")
@@ -85,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="each process prints its phases (stderr)")
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
+    a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     a.shape = a.shape or ("qwen3-8b" if cuda else "qwen3-tiny")
     a.layers = a.layers or SHAPES[a.shape]["num_hidden_layers"]
     a.prompts = a.prompts or (8 if cuda else 4)
@@ -105,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def device_dtype(a):
     import torch
 
-    return (torch.device("cuda", 0), torch.bfloat16) if a.device == "cuda" else (torch.device("cpu"), torch.float32)
+    return torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu"), getattr(torch, a.dtype)
 
 
 def build_model(a):
@@ -134,7 +136,7 @@ def fingerprint(model) -> float:
     import torch
 
     with torch.no_grad():
-        return float(sum(p.double().sum() for p in model.parameters()))
+        return float(sum(p.sum(dtype=torch.float64) for p in model.parameters()))  # no float64 copy
 
 
 def prompts(a):
@@ -464,6 +466,7 @@ def decode_main(rank: int, a, port: int, results, sync_point, pipes) -> None:
         if bad:
             raise RuntimeError(f"decode rank {rank}: requests failed: {bad}")
         received = [cache.read(layer, table, a.prompt_len) for layer in range(a.layers)]
+        del rx, dec, cache  # the pages (copied out above): GPU memory for the model's caches
         result = dict(role="decode", rank=rank, ok=True, error="", landed_t=max(landed_t))
         if rank > 0:  # rank 0 runs the model on every head
             pipes.send(_to_wire([t for kv_ in received for t in kv_]))
@@ -492,6 +495,7 @@ def generate_and_check(a, model, received, extras) -> dict:
     cache = new_cache(model)
     for layer, (k, v) in enumerate(received):
         cache.update(k, v, layer)
+    received.clear()  # the cache holds its own copy
     first = extras.float()  # the prefill's last-position logits
     token = first.argmax(-1)
     tokens, step_logits = [token], []

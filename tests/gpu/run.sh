@@ -9,10 +9,12 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench weights-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
+# FABRIC_GPU_ONLY="weights-bench weights-model kv-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
 # cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
 # tests/gpu/weights_bench.sh, with the Python package; the RL weight updates of a real transformers
-# Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; the Python package alone; the Python GPU
+# Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; KV-cache
+# transfer between prefill and decode processes running a real transformers Qwen3-8B-shaped model,
+# `kv-model ...` lines, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
 # MoE GPU tests and bench, or either alone; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
@@ -79,6 +81,23 @@ weights_model_runs() {
   echo "weights-model mps=$mps"
   grep -E "^weights-model|FAILED|Error" "$OUT/weights_model.txt" | tail -8 || true
 }
+# Disaggregated prefill/decode of a real transformers model (examples/kv_transfer/real_model.py): a
+# Qwen3-8B-shaped config in BF16 (random weights), 8 prompts of 2048 tokens, each layer's K/V sent
+# by cuda_ipc into the decode processes' vLLM-layout paged cache as the layer ends, all processes on
+# GPU 0 (no MPS); decode generates 32 tokens from the received cache and the script fails unless
+# they equal generate()'s in one process. TP 1 -> 1 with all 36 layers; 2 -> 1 and 1 -> 2 with 18
+# (three processes each holding the model: 36 layers would not fit 80 GB). Ends in `kv-model ...`
+# lines. The package installed.
+kv_model_runs() {
+  local args
+  : > "$OUT/kv_model.txt"
+  for args in "--tp 1to1" "--tp 2to1 --layers 18" "--tp 1to2 --layers 18"; do
+    # shellcheck disable=SC2086
+    timeout 600 python3 examples/kv_transfer/real_model.py --device cuda $args >> "$OUT/kv_model.txt" 2>&1 ||
+      { status=1; echo "kv-model $args: FAILED" >> "$OUT/kv_model.txt"; }
+  done
+  grep -E "^kv-model |FAILED|Error" "$OUT/kv_model.txt" | tail -8 || true
+}
 # MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
 # in a CUDA graph; then the benchmark at 128 tokens, hidden 7168, top-8 (both latency definitions).
@@ -144,6 +163,9 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
       weights-model)  # the real-model RL weight updates (installs the Python package first)
         python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
         weights_model_runs ;;
+      kv-model)  # the real-model KV-cache transfer (installs the Python package first)
+        python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
+        kv_model_runs ;;
       python-install) python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; } ;;
       post) post_steps ;;
       cuda-ipc) cuda_ipc_steps ;;
@@ -215,6 +237,7 @@ for args in "--tokens 4096 --compute-us 1000" "--tokens 16384 --compute-us 9900"
 done > "$OUT/kv.txt" 2>&1 || status=1
 grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
 python_steps
+kv_model_runs
 moe_steps
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 if ! skip cpu; then
