@@ -26,7 +26,7 @@ token ids (fixed seed).
   over the received cache).
 
 Prints `kv-model model=... layers=... prompts=... prompt_len=... tp=PtoD tokens_identical=yes|no
-max_logit_diff=... prefill_ms=... exposed_ms=... decode_tok_s=...`: prefill_ms is the slowest
+max_logit_diff=... prefill_ms=... exposed_ms=... decode_tok_s=... kv_layout=NHD|HND`: prefill_ms is the slowest
 prefill rank's forward (hooks and copies into the pages included), exposed_ms the time from the
 last layer finishing on the last prefill rank to that layer having landed for every request on
 every decode rank (the transfer not hidden behind compute), decode_tok_s the generated tokens per
@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, help="default: 4 on cpu, 8 on cuda")
     ap.add_argument("--prompt-len", type=int, help="tokens per prompt (default: 60 on cpu, 2048 on cuda)")
     ap.add_argument("--new-tokens", type=int, help="tokens to generate (default: 8 on cpu, 32 on cuda)")
+    ap.add_argument("--kv-layout", choices=["NHD", "HND"], default="NHD",
+                    help="the paged cache's memory order (vLLM's get_kv_cache_layout): NHD token-major, "
+                         "HND head-major (one WRITE per block where prefill and decode TP differ)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads per process (the same in every process: results are bit-equal)")
     ap.add_argument("--seed", type=int, default=0)
@@ -177,46 +180,53 @@ def sync(device) -> None:
 # ---- the paged cache ----
 
 class PagedCache:
-    """One rank's paged KV cache in vLLM's FlashAttention layout: per layer one tensor
+    """One rank's paged KV cache in vLLM's FlashAttention layout: per layer one tensor of shape
     [2, num_blocks, block_size, num_kv_heads, head_dim] (FlashAttentionBackend.get_kv_cache_shape,
-    NHD stride order, vllm/v1/attention/backends/flash_attn.py), K = [0] and V = [1]. So per layer
-    K and V are each [num_blocks, block_size, kv_heads, head_dim], contiguous: fabric_lib's
-    token-major pages (PageOrder.TOKEN_MAJOR), one page per block, K and V as separate tensors."""
+    vllm/v1/attention/backends/flash_attn.py), K = [0] and V = [1], each contiguous: fabric_lib's
+    pages, one per block, K and V as separate tensors. Memory order (vLLM's get_kv_cache_layout):
+    NHD, the default, [.., block_size, kv_heads, head_dim] (PageOrder.TOKEN_MAJOR); HND, what
+    vLLM's NIXL connector asks for when prefill and decode TP differ, [.., kv_heads, block_size,
+    head_dim] (PageOrder.HEAD_MAJOR: a rank's heads of a block are one run, so a TP split is one
+    WRITE per block instead of one per token)."""
 
-    def __init__(self, layers: int, blocks: int, heads: int, head_dim: int, dtype, device) -> None:
+    def __init__(self, layers: int, blocks: int, heads: int, head_dim: int, dtype, device,
+                 order: str = "NHD") -> None:
         import torch
 
         from fabric_lib import kv
 
-        self.kv = [torch.zeros(2, blocks, BLOCK, heads, head_dim, dtype=dtype, device=device)
-                   for _ in range(layers)]
-        self.k = [t[0] for t in self.kv]
+        inner = (BLOCK, heads, head_dim) if order == "NHD" else (heads, BLOCK, head_dim)
+        self.kv = [torch.zeros(2, blocks, *inner, dtype=dtype, device=device) for _ in range(layers)]
+        self.k = [t[0] for t in self.kv]  # registered: contiguous, in memory order
         self.v = [t[1] for t in self.kv]
-        self.heads, self.head_dim = heads, head_dim
+        # [2, blocks, block_size, heads, head_dim] views whatever the memory order
+        self.logical = [t if order == "NHD" else t.transpose(2, 3) for t in self.kv]
         self.layout = kv.make_layout(num_layers=layers, num_pages=blocks, page_tokens=BLOCK, kv_heads=heads,
-                                     head_dim=head_dim, dtype_bytes=self.kv[0].element_size())
+                                     head_dim=head_dim, dtype_bytes=self.kv[0].element_size(),
+                                     order=kv.PageOrder.TOKEN_MAJOR if order == "NHD" else kv.PageOrder.HEAD_MAJOR)
 
     @staticmethod
     def slots(table, tokens: int):
-        """vLLM's slot mapping: token t of request b is slot table[b, t // 16] * 16 + t % 16."""
+        """vLLM's slot mapping, as (block, offset): token t of request b is in block table[b, t // 16]
+        at offset t % 16. Flattened over [batch, tokens]."""
         import torch
 
         t = torch.arange(tokens, device=table.device)
-        return (table[:, t // BLOCK] * BLOCK + t % BLOCK).reshape(-1)
+        return table[:, t // BLOCK].reshape(-1), (t % BLOCK).repeat(table.shape[0])
 
     def write(self, layer: int, table, keys, values) -> None:
         """keys, values: [batch, heads, tokens, head_dim] (this rank's heads) into the blocks of table."""
         b, h, s, d = keys.shape
-        slots = self.slots(table, s)
+        block, offset = self.slots(table, s)
         for i, x in ((0, keys), (1, values)):
-            self.kv[layer][i].view(-1, h, d).index_copy_(0, slots, x.transpose(1, 2).reshape(b * s, h, d))
+            self.logical[layer][i][block, offset] = x.transpose(1, 2).reshape(b * s, h, d)
 
     def read(self, layer: int, table, tokens: int):
         """(keys, values) [batch, heads, tokens, head_dim] of the blocks of table."""
-        slots = self.slots(table, tokens)
+        block, offset = self.slots(table, tokens)
         b = table.shape[0]
-        return tuple(self.kv[layer][i].view(-1, self.heads, self.head_dim)[slots]
-                     .view(b, tokens, self.heads, self.head_dim).transpose(1, 2).contiguous() for i in (0, 1))
+        return tuple(self.logical[layer][i][block, offset].view(b, tokens, *self.logical[layer].shape[3:])
+                     .transpose(1, 2).contiguous() for i in (0, 1))
 
 
 # ---- the roles ----
@@ -333,7 +343,7 @@ def prefill_main(rank: int, a, port: int, results, sync_point, leave) -> None:
         per_request = -(-a.prompt_len // BLOCK)
         # This rank's blocks: request b holds blocks b * per_request ... (any placement would do).
         table = torch.arange(a.prompts * per_request, device=device).view(a.prompts, per_request)
-        cache = PagedCache(a.layers, a.prompts * per_request, heads, cfg["head_dim"], dtype, device)
+        cache = PagedCache(a.layers, a.prompts * per_request, heads, cfg["head_dim"], dtype, device, a.kv_layout)
         extras = torch.zeros(a.prompts, cfg["vocab_size"], dtype=dtype, device=device)  # last-token logits
         kw = cache_kwarg(model)
         model(ids[:, :BLOCK], attention_mask=mask[:, :BLOCK], **{kw: new_cache(model)}, use_cache=True,
@@ -432,7 +442,7 @@ def decode_main(rank: int, a, port: int, results, sync_point, pipes) -> None:
         # Blocks scattered over the cache, as an allocator hands them out; the same on every rank.
         order = np.random.default_rng(a.seed + 2).permutation(blocks)[:a.prompts * per_request]
         table = torch.as_tensor(order, device=device).view(a.prompts, per_request)
-        cache = PagedCache(a.layers, blocks, heads, cfg["head_dim"], dtype, device)
+        cache = PagedCache(a.layers, blocks, heads, cfg["head_dim"], dtype, device, a.kv_layout)
         extras = torch.zeros(a.prompts, cfg["vocab_size"], dtype=dtype, device=device)
         model = build_model(a) if rank == 0 else None
         landed_t, done, statuses = [], threading.Event(), []
@@ -583,7 +593,7 @@ def run(a) -> dict:
         errors.append(f"{len(procs) - len(got)} process(es) gave no result (exit codes "
                       f"{[p.exitcode for p in procs]})")
     out = dict(ok=not errors, error="\n".join(errors), model=a.shape, layers=a.layers, prompts=a.prompts,
-               prompt_len=a.prompt_len, tp=a.tp)
+               prompt_len=a.prompt_len, tp=a.tp, kv_layout=a.kv_layout)
     if errors:
         return out
     pre = [g for g in got if g["role"] == "prefill"]
@@ -603,7 +613,7 @@ def line(r: dict) -> str:
     return (f"kv-model model={r['model']} layers={r['layers']} prompts={r['prompts']} prompt_len={r['prompt_len']} "
             f"tp={r['tp']} tokens_identical={'yes' if r['tokens_identical'] else 'no'} "
             f"max_logit_diff={r['max_logit_diff']:.3g} prefill_ms={r['prefill_ms']:.2f} "
-            f"exposed_ms={r['exposed_ms']:.2f} decode_tok_s={r['decode_tok_s']:.1f}")
+            f"exposed_ms={r['exposed_ms']:.2f} decode_tok_s={r['decode_tok_s']:.1f} kv_layout={r['kv_layout']}")
 
 
 def main() -> int:

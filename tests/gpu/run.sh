@@ -86,12 +86,13 @@ weights_model_runs() {
 # by cuda_ipc into the decode processes' vLLM-layout paged cache as the layer ends, all processes on
 # GPU 0 (no MPS); decode generates 32 tokens from the received cache and the script fails unless
 # they equal generate()'s in one process. TP 1 -> 1 with all 36 layers; 2 -> 1 and 1 -> 2 with 18
-# (three processes each holding the model: 36 layers would not fit 80 GB). Ends in `kv-model ...`
-# lines. The package installed.
+# (three processes each holding the model: 36 layers would not fit 80 GB), in vLLM's default NHD
+# pages (one WRITE per token where the heads split) and 2 -> 1 again in its HND pages (one per
+# block). Ends in `kv-model ...` lines. The package installed.
 kv_model_runs() {
   local args
   : > "$OUT/kv_model.txt"
-  for args in "--tp 1to1" "--tp 2to1 --layers 18" "--tp 1to2 --layers 18"; do
+  for args in "--tp 1to1" "--tp 2to1 --layers 18" "--tp 1to2 --layers 18" "--tp 2to1 --layers 18 --kv-layout HND"; do
     # shellcheck disable=SC2086
     timeout 600 python3 examples/kv_transfer/real_model.py --device cuda $args >> "$OUT/kv_model.txt" 2>&1 ||
       { status=1; echo "kv-model $args: FAILED" >> "$OUT/kv_model.txt"; }

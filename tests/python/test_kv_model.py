@@ -4,7 +4,8 @@ processes send each decoder layer's K and V (after RoPE) as the layer finishes i
 paged cache of the decode processes, which rebuild a transformers cache from the pages and generate
 greedily. The tokens must equal those of model.generate() in one process, over tcp and shm, at
 prefill TP -> decode TP 1 -> 1, 2 -> 1 (each prefill rank holds half the KV heads) and 1 -> 2 (each
-decode rank receives half). No timing is asserted."""
+decode rank receives half), with vLLM's NHD pages and, split, its HND pages. No timing is
+asserted."""
 
 import os
 import sys
@@ -18,11 +19,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import real_model  # noqa: E402
 
 
-@pytest.mark.parametrize("tp", ["1to1", "2to1", "1to2"])
-@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "shm"])
-def test_a_real_model_decodes_the_same_tokens_from_the_transferred_cache(provider, tp):
+# vLLM's default NHD pages everywhere; its HND pages (what its NIXL connector uses when the TP
+# sizes differ: one WRITE per block instead of one per token) where the heads are split.
+CASES = [(provider, tp, "NHD") for provider in ("tcp;ofi_rxm", "shm") for tp in ("1to1", "2to1", "1to2")]
+CASES += [("tcp;ofi_rxm", "2to1", "HND"), ("tcp;ofi_rxm", "1to2", "HND")]
+
+
+@pytest.mark.parametrize("provider,tp,kv_layout", CASES)
+def test_a_real_model_decodes_the_same_tokens_from_the_transferred_cache(provider, tp, kv_layout):
     # --verbose: each process's phases go to stderr, which pytest shows only when the test fails.
-    a = real_model.parse_args(["--provider", provider, "--tp", tp, "--timeout", "60", "--verbose"])
+    a = real_model.parse_args(["--provider", provider, "--tp", tp, "--kv-layout", kv_layout, "--timeout", "60",
+                               "--verbose"])
     r = real_model.run(a)
     assert r["ok"], r["error"]
     print(real_model.line(r))
