@@ -10,7 +10,8 @@ token ids (fixed seed).
 
 - Prefill (TP P, P processes): a forward over the batch of prompts. A forward hook on each decoder
   layer copies that layer's K and V (after RoPE: what the attention just stored in the transformers
-  cache) into a paged cache laid out as vLLM's FlashAttention backend keeps it, and calls
+  cache) into a paged cache laid out as vLLM's FlashAttention backend keeps it (NHD pages, or HND
+  with --kv-layout HND; see PagedCache), and calls
   KvSender.layer_done for every request: the layer's pages go out while the next layer computes.
   The last-token logits go as the request's extras (the first generated token comes from them).
   Every prefill rank runs the whole model (this example is about the cache, not about splitting the
@@ -184,10 +185,10 @@ class PagedCache:
     [2, num_blocks, block_size, num_kv_heads, head_dim] (FlashAttentionBackend.get_kv_cache_shape,
     vllm/v1/attention/backends/flash_attn.py), K = [0] and V = [1], each contiguous: fabric_lib's
     pages, one per block, K and V as separate tensors. Memory order (vLLM's get_kv_cache_layout):
-    NHD, the default, [.., block_size, kv_heads, head_dim] (PageOrder.TOKEN_MAJOR); HND, what
-    vLLM's NIXL connector asks for when prefill and decode TP differ, [.., kv_heads, block_size,
-    head_dim] (PageOrder.HEAD_MAJOR: a rank's heads of a block are one run, so a TP split is one
-    WRITE per block instead of one per token)."""
+    NHD, the default, [.., block_size, kv_heads, head_dim] (PageOrder.TOKEN_MAJOR); HND, what vLLM
+    switches to under its NIXL connector "for faster transfer" (get_kv_connector_cache_layout),
+    [.., kv_heads, block_size, head_dim] (PageOrder.HEAD_MAJOR: a rank's heads of a block are one
+    run, so where prefill and decode TP differ it is one WRITE per block instead of one per token)."""
 
     def __init__(self, layers: int, blocks: int, heads: int, head_dim: int, dtype, device,
                  order: str = "NHD") -> None:

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 import real_model  # noqa: E402
 
 
-# vLLM's default NHD pages everywhere; its HND pages (what its NIXL connector uses when the TP
-# sizes differ: one WRITE per block instead of one per token) where the heads are split.
+# vLLM's default NHD pages everywhere; its HND pages (what it uses under its NIXL connector: where
+# the TP sizes differ, one WRITE per block instead of one per token) where the heads are split.
 CASES = [(provider, tp, "NHD") for provider in ("tcp;ofi_rxm", "shm") for tp in ("1to1", "2to1", "1to2")]
 CASES += [("tcp;ofi_rxm", "2to1", "HND"), ("tcp;ofi_rxm", "1to2", "HND")]
 
