@@ -247,13 +247,14 @@ void bind_moe(nb::module_& m) {
           "the dispatch's handle.")
       .def(
           "dispatch_recv",
-          [](PyAllToAll& a, const Handle& h, uintptr_t stream) {
+          [](PyAllToAll& a, const Handle& h, uintptr_t stream, uintptr_t wait_ns) {
             AllToAll& obj = a.get();
             nb::gil_scoped_release release;
-            obj.dispatch_recv(h, ptr<void>(stream));
+            obj.dispatch_recv(h, ptr<void>(stream), ptr<int64_t>(wait_ns));
           },
-          "handle"_a, "stream"_a = 0,
-          "Waits for every rank's rows of this dispatch (host kernels block, GIL released).")
+          "handle"_a, "stream"_a = 0, "wait_ns"_a = 0,
+          "Waits for every rank's rows of this dispatch (host kernels block, GIL released). wait_ns: "
+          "0, or an int64 [ranks] the per-source wait (ns) is added to.")
       .def(
           "combine_send",
           [](PyAllToAll& a, const Handle& h, uintptr_t expert_out, uintptr_t stream) {
@@ -268,15 +269,16 @@ void bind_moe(nb::module_& m) {
       .def(
           "combine_recv",
           [](PyAllToAll& a, const Handle& h, uintptr_t topk_weights, uintptr_t out,
-             uintptr_t stream) {
+             uintptr_t stream, uintptr_t wait_ns) {
             AllToAll& obj = a.get();
             const CombineArgs args{.topk_weights = ptr<const float>(topk_weights),
                                    .out = ptr<uint16_t>(out),
-                                   .stream = ptr<void>(stream)};
+                                   .stream = ptr<void>(stream),
+                                   .wait_ns = ptr<int64_t>(wait_ns)};
             nb::gil_scoped_release release;
             obj.combine_recv(h, args);
           },
-          "handle"_a, "topk_weights"_a, "out"_a, "stream"_a = 0,
+          "handle"_a, "topk_weights"_a, "out"_a, "stream"_a = 0, "wait_ns"_a = 0,
           "topk_weights [num_tokens][topk] fp32; out: [num_tokens of the handle][hidden] BF16.")
       .def(
           "output", [](PyAllToAll& a, const Handle& h) { return a.get().output(h); }, "handle"_a,

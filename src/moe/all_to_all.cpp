@@ -525,13 +525,13 @@ Handle AllToAll::dispatch_send(const DispatchArgs& args) {
   return Handle{.buffer = index, .step = b.handle, .num_tokens = args.num_tokens};
 }
 
-void AllToAll::dispatch_recv(const Handle& h, void* stream) {
+void AllToAll::dispatch_recv(const Handle& h, void* stream, int64_t* wait_ns) {
   Impl& s = *impl_;
   BufferSet& b = s.set_of(h, Phase::kDispatchSent, "dispatch receive");
   if (s.cuda())
-    cuda::dispatch_recv(b.views, stream);
+    cuda::dispatch_recv(b.views, stream, wait_ns);
   else
-    s.guarded([&] { host::dispatch_recv(b.views, b.step); },
+    s.guarded([&] { host::dispatch_recv(b.views, b.step, wait_ns); },
               [&] { host::mark_dispatch_failed(b.views); });
   b.phase = Phase::kDispatched;
 }

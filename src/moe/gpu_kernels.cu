@@ -75,6 +75,7 @@ struct Ptrs {
   std::byte* local;
   std::byte* out;
   uint64_t timeout_ns;
+  int64_t* wait_ns;  // optional [ranks]: the receive's per-source wait is added here (one block records)
 };
 
 struct DispatchInput {
@@ -170,17 +171,34 @@ __device__ uint64_t give_up_word(const Ptrs& p, uint32_t poll, uint64_t start, K
 }
 
 // One warp polls every source until all arrived (true), or gives up and reports why (false).
+// record: this warp adds each source's wait to p.wait_ns (when given) as the source arrives.
 template <typename Arrived>
-__device__ bool poll_sources(const Ptrs& p, KernelError timeout, Arrived arrived) {
+__device__ bool poll_sources(const Ptrs& p, KernelError timeout, bool record, Arrived arrived) {
   const uint32_t lane = threadIdx.x % 32, W = p.lay.dims.ranks;
   const uint64_t start = now_ns();
+  record = record && p.wait_ns != nullptr;
+  uint64_t seen = 0;  // bit j: source lane + 32 j arrived (record only; W <= 2048, checked on the host)
   for (uint32_t poll = 0;; ++poll) {
     uint32_t missing = kNone;
-    for (uint32_t s = lane; s < W; s += 32)
-      if (!arrived(s)) {
-        missing = s;
-        break;
+    if (record) {
+      uint32_t j = 0;
+      for (uint32_t s = lane; s < W; s += 32, ++j) {
+        if ((seen >> j) & 1) continue;
+        if (arrived(s)) {
+          seen |= uint64_t{1} << j;
+          atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_ns + s),
+                    static_cast<unsigned long long>(now_ns() - start));
+        } else if (missing == kNone) {
+          missing = s;
+        }
       }
+    } else {
+      for (uint32_t s = lane; s < W; s += 32)
+        if (!arrived(s)) {
+          missing = s;
+          break;
+        }
+    }
     missing = warp_min(missing);
     if (missing == kNone) return true;
     uint64_t word = 0;
@@ -219,7 +237,7 @@ __device__ bool wait_sources(const Ptrs& p, uint64_t step, KernelError timeout, 
   __shared__ uint32_t ready;
   if (p.lay.dims.ranks == p.lay.dims.node_size) {
     if (threadIdx.x < 32) {
-      const bool ok = poll_sources(p, timeout, arrived);
+      const bool ok = poll_sources(p, timeout, blockIdx.x == 0, arrived);
       if (threadIdx.x == 0) ready = ok;
     }
   } else if (threadIdx.x < 32) {
@@ -227,7 +245,7 @@ __device__ bool wait_sources(const Ptrs& p, uint64_t step, KernelError timeout, 
     if (threadIdx.x == 0) ticket = take_ticket(scratch(p, ticket_word));
     ticket = __shfl_sync(kAllLanes, ticket, 0);
     if (ticket == 0) {
-      const bool ok = poll_sources(p, timeout, arrived);
+      const bool ok = poll_sources(p, timeout, true, arrived);
       if (threadIdx.x == 0) {
         store_release_gpu(scratch(p, go_word), (step << 1) | (ok ? 0 : 1));
         ready = ok;
@@ -1015,9 +1033,18 @@ void dispatch_send(const Views& v, const DispatchArgs& a) {
   launched("MoE dispatch_send kernel launch");
 }
 
-void dispatch_recv(const Views& v, void* stream) {
+// The receive's per-source waits go to wait_ns; a lane tracks its sources in one 64-bit mask.
+static Ptrs recv_ptrs(const Views& v, int64_t* wait_ns) {
+  if (wait_ns && v.lay.dims.ranks > 32 * 64)
+    throw Error(ErrorCode::kUnsupported, fmt::format("MoE (CUDA): wait statistics for {} ranks (at most 2048)", v.lay.dims.ranks));
+  Ptrs p = to_ptrs(v);
+  p.wait_ns = wait_ns;
+  return p;
+}
+
+void dispatch_recv(const Views& v, void* stream, int64_t* wait_ns) {
   const Dims& d = v.lay.dims;
-  const Ptrs p = to_ptrs(v);
+  const Ptrs p = recv_ptrs(v, wait_ns);
   const size_t shared = sources_shared_bytes(d);
   const uint32_t blocks = v.max_blocks;  // rows to copy are known only on the device
   with_dispatch_shape(d, [&](auto shape) {
@@ -1049,7 +1076,7 @@ void combine_recv(const Views& v, const CombineArgs& a) {
   const Dims& d = v.lay.dims;
   if (a.out) require_aligned(a.out, 16, "combine out");
   if (a.topk_weights) require_aligned(a.topk_weights, 4, "combine topk_weights");
-  const Ptrs p = to_ptrs(v);
+  const Ptrs p = recv_ptrs(v, a.wait_ns);
   with_combine_shape(d, [&](auto shape) {
     using S = decltype(shape);
     // Tokens are known on the device only: size for max_tokens, up to the grid cap.

@@ -57,15 +57,31 @@ void for_each_source_run(const Views& v, F&& f) {
 }
 
 // Spins, then yields, then sleeps, until every rank's `ready(rank)` holds; throws kTimeout
-// naming the ranks still missing, or the failure the proxy counted.
+// naming the ranks still missing, or the failure the proxy counted. wait_ns (optional, [ranks]):
+// each rank's wait, from the call until its rows were seen, is added to its entry.
 template <typename Ready>
-void wait_all(const Views& v, const char* what, uint64_t step, Ready ready) {
+void wait_all(const Views& v, const char* what, uint64_t step, int64_t* wait_ns, Ready ready) {
   const Dims& d = v.lay.dims;
-  const auto deadline = Clock::now() + std::chrono::nanoseconds(v.timeout_ns);
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::nanoseconds(v.timeout_ns);
   std::atomic<uint64_t>& failed = word(v.signals, v.lay.signals.failed);
+  std::vector<bool> seen(wait_ns ? d.ranks : 0);
   for (uint32_t spins = 0;; ++spins) {
     bool all = true;
-    for (uint32_t s = 0; s < d.ranks && all; ++s) all = ready(s);
+    if (wait_ns) {
+      const auto now = Clock::now();
+      for (uint32_t s = 0; s < d.ranks; ++s) {
+        if (seen[s]) continue;
+        if (ready(s)) {
+          seen[s] = true;
+          wait_ns[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
+        } else {
+          all = false;
+        }
+      }
+    } else {
+      for (uint32_t s = 0; s < d.ranks && all; ++s) all = ready(s);
+    }
     if (all) return;
     const bool late = Clock::now() > deadline;
     if (late || failed.load(std::memory_order_acquire) != 0) {
@@ -196,11 +212,11 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   }
 }
 
-void dispatch_recv(const Views& v, uint64_t step) {
+void dispatch_recv(const Views& v, uint64_t step, int64_t* wait_ns) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
   std::byte* node = own_node(v);
-  wait_all(v, "dispatch", step, [&](uint32_t s) {
+  wait_all(v, "dispatch", step, wait_ns, [&](uint32_t s) {
     if (d.same_node(s, me)) return word(node, v.lay.node.dispatch_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
     return word(v.signals, signal_at(v.lay.signals.route_seen, s)).load(std::memory_order_acquire) >= step &&
            word(v.signals, signal_at(v.lay.signals.dispatch_seen, s)).load(std::memory_order_acquire) >= step;
@@ -271,7 +287,7 @@ void combine_recv(const Views& v, const CombineArgs& a, uint64_t step) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
   std::byte* node = own_node(v);
-  wait_all(v, "combine", step, [&](uint32_t s) {
+  wait_all(v, "combine", step, a.wait_ns, [&](uint32_t s) {
     if (d.same_node(s, me)) return word(node, v.lay.node.combine_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
     return word(v.signals, signal_at(v.lay.signals.combine_seen, s)).load(std::memory_order_acquire) >= step;
   });

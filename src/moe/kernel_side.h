@@ -50,7 +50,7 @@ void check_dispatch_args(const Dims& d, const DispatchArgs& args);
 // Run on the calling thread. `step` counts dispatches from 1. A receive half that times out, or
 // finds the AllToAll failed, throws fabric::Error (kTimeout naming the ranks it waited for).
 void dispatch_send(const Views& v, const DispatchArgs& args, uint64_t step);
-void dispatch_recv(const Views& v, uint64_t step);
+void dispatch_recv(const Views& v, uint64_t step, int64_t* wait_ns);
 void combine_send(const Views& v, const CombineArgs& args, uint64_t step);
 void combine_recv(const Views& v, const CombineArgs& args, uint64_t step);
 // What a failed receive half leaves: counts = kInvalidCount; out = NaN (the last dispatch's tokens).
@@ -64,7 +64,7 @@ namespace cuda {
 // KernelError into signals.kernel_error, marks its outputs invalid (counts = kInvalidCount,
 // combine out = NaN) and ends its kernel. Only in CUDA builds.
 void dispatch_send(const Views& v, const DispatchArgs& args);
-void dispatch_recv(const Views& v, void* stream);
+void dispatch_recv(const Views& v, void* stream, int64_t* wait_ns);
 void combine_send(const Views& v, const CombineArgs& args);
 void combine_recv(const Views& v, const CombineArgs& args);
 // The grid cap for config.num_sms on the current device: num_sms if set, else min(SMs, 16).

@@ -21,7 +21,7 @@ std::unique_ptr<NodeRegion> cuda_node_region(size_t) { needs_cuda("CUDA node reg
 
 namespace cuda {
 void dispatch_send(const Views&, const DispatchArgs&) { needs_cuda("KernelSide::kCuda dispatch send"); }
-void dispatch_recv(const Views&, void*) { needs_cuda("KernelSide::kCuda dispatch receive"); }
+void dispatch_recv(const Views&, void*, int64_t*) { needs_cuda("KernelSide::kCuda dispatch receive"); }
 void combine_send(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine send"); }
 void combine_recv(const Views&, const CombineArgs&) { needs_cuda("KernelSide::kCuda combine receive"); }
 uint32_t blocks_per_half(uint32_t) { needs_cuda("KernelSide::kCuda"); }

@@ -523,11 +523,13 @@ def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
 
     T, E, K, W = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["ranks"]
     bad, dropped = [], []
+    waits = [torch.zeros(W, dtype=torch.int64, device=dev) for _ in range(2)]  # dispatch, combine
     for i in range(6):
         use_fp8, drop, zero_copy = i % 2 == 0, i in (0, 3), i in (2, 5)
         inputs = [make_input(cfg, s, 100 + i) for s in range(W)]
         x, idx, w = (t.to(dev) for t in inputs[rank])
-        got = buf.low_latency_dispatch(x, idx.to(deep_ep.topk_idx_t), T, E, use_fp8=use_fp8)
+        got = buf.low_latency_dispatch(x, idx.to(deep_ep.topk_idx_t), T, E, use_fp8=use_fp8,
+                                       dispatch_wait_recv_cost_stats=waits[0])
         forms = [M.quantize_fp8_tokens(x) if use_fp8 else (x, None) for x, _, _ in inputs]
         tag = f"mixed call {i} ({'fp8' if use_fp8 else 'bf16'})"
         bad += deep_ep_problems(dict(cfg, ue8m0=False), buf, rank, inputs, forms, got, tag)
@@ -539,11 +541,15 @@ def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
         if zero_copy:
             buf.get_next_low_latency_combine_buffer(handle).copy_(y)
             y = torch.empty_like(y)  # what the caller passes is not read with zero_copy
-        out, _, _ = buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy)
+        out, _, _ = buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy, combine_wait_recv_cost_stats=waits[1])
         xq, xs = forms[rank]
         rows = (M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16) if use_fp8 else xq).unsqueeze(1).expand(-1, K, -1)
         if not torch.equal(out.cpu().view(torch.int16), M.reference_combine_rows(idx.cpu(), w.cpu(), rows).view(torch.int16)):
             bad.append(f"{tag}: combine differs from the oracle")
+    for name, t in zip(("dispatch", "combine"), waits):
+        t = t.cpu()
+        if (t < 0).any() or t.sum() <= 0 or t.max() > 600e9:
+            bad.append(f"{name}_wait_recv_cost_stats {t.tolist()}: not a plausible wait in ns per source")
     # Call 0's set was taken by call 4 (the FP8 AllToAll's third dispatch): its handle is spent.
     y = torch.zeros(E // W, W * T, cfg["hidden"], dtype=torch.bfloat16, device=dev)
     x, idx, w = (t.to(dev) for t in make_input(cfg, rank, 100))
@@ -565,8 +571,9 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
     cases = [
         ("ue8m0 without round_scale", ValueError, "use_ue8m0 needs round_scale",
          lambda: buf.low_latency_dispatch(x, idx, T, E, use_ue8m0=True)),
-        ("wait stats", NotImplementedError, "dispatch_wait_recv_cost_stats",
-         lambda: buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1))),
+        ("wait stats of the wrong shape", ValueError, f"dispatch_wait_recv_cost_stats must have shape [{cfg['ranks']}]",
+         lambda: buf.low_latency_dispatch(x, idx, T, E, dispatch_wait_recv_cost_stats=torch.zeros(1, dtype=torch.int64,
+                                                                                                  device=dev))),
         ("other shape", ValueError, "use one Buffer per shape", lambda: buf.low_latency_dispatch(x, idx, T + 1, E)),
         ("fp32 x", TypeError, "x must be torch.bfloat16", lambda: buf.low_latency_dispatch(x.float(), idx, T, E)),
         ("logfmt", NotImplementedError, "use_logfmt", lambda: buf.low_latency_combine(y, idx, w, None, use_logfmt=True)),

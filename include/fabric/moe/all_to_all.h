@@ -52,7 +52,8 @@ class AllToAll {
   // `out` = NaN) and the AllToAll is failed: every later call throws, and a job whose peer died
   // builds a new one.
   Handle dispatch_send(const DispatchArgs& args);
-  void dispatch_recv(const Handle& h, void* stream = nullptr);
+  // wait_ns: optional [ranks] int64 the receive adds its per-source wait to (CombineArgs::wait_ns).
+  void dispatch_recv(const Handle& h, void* stream = nullptr, int64_t* wait_ns = nullptr);
   void combine_send(const Handle& h, const CombineArgs& args);
   void combine_recv(const Handle& h, const CombineArgs& args);
   // Both halves in one call.

@@ -135,6 +135,9 @@ struct CombineArgs {
   const float* topk_weights = nullptr;
   uint16_t* out = nullptr;
   void* stream = nullptr;
+  // Optional [ranks] int64: the receive adds, per source rank, the nanoseconds it waited for that
+  // rank's rows (DeepEP's *_wait_recv_cost_stats, in ns rather than GPU cycles).
+  int64_t* wait_ns = nullptr;
 };
 
 // What one rank's proxy did (for the benchmark): steps, WRITEs and bytes posted, and the time its

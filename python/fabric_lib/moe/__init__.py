@@ -399,7 +399,14 @@ class AllToAll:
         return self._a2a.dispatch_send(x.shape[0], x.data_ptr(), x_scales.data_ptr() if x_scales is not None else 0,
                                        topk_idx.data_ptr(), self._stream(), quantize)
 
-    def dispatch_recv(self, handle: Handle) -> tuple:
+    def _wait_ns(self, wait_ns: Any, name: str = "wait_ns") -> int:
+        """The address of an int64 [world_size] statistics tensor on this AllToAll's device, or 0."""
+        if wait_ns is None:
+            return 0
+        _check_tensor(name, wait_ns, torch.int64, (self.world_size,), self.device)
+        return wait_ns.data_ptr()
+
+    def dispatch_recv(self, handle: Handle, wait_ns: Any = None) -> tuple:
         """Waits for every rank's rows of this dispatch to this rank's experts. Returns
         (recv_x [local_experts, rows_per_expert, hidden], recv_scales [local_experts,
         rows_per_expert, hidden / 128] float32 or None for BF16, recv_counts [local_experts] int32,
@@ -407,10 +414,12 @@ class AllToAll:
         views of the handle's buffer set (valid until that set's next dispatch; never after
         close()): expert e's rows come from source ranks in rank order, each source's by token;
         rows past recv_counts[e] are stale. Host kernels raise FabricError for a timeout; CUDA
-        kernels report it at the next call and check()."""
+        kernels report it at the next call and check(). wait_ns: an int64 [world_size] tensor on
+        this AllToAll's device, or None; each source rank's wait for its rows (ns, from the call or
+        the kernel's start until its rows were seen) is added to its entry."""
         views = self._live()
         self._check_handle(handle)
-        self._a2a.dispatch_recv(handle, self._stream())
+        self._a2a.dispatch_recv(handle, self._stream(), self._wait_ns(wait_ns))
         return views[handle.buffer][:4]
 
     def dispatch(self, x: Any, topk_idx: Any, x_scales: Any = None, round_scale: bool = False) -> tuple:
@@ -438,17 +447,17 @@ class AllToAll:
         _check_tensor("out", out, torch.bfloat16, (n, self.hidden), self.device)
         return out
 
-    def combine_recv(self, topk_weights: Any, handle: Handle, out: Any = None) -> Any:
+    def combine_recv(self, topk_weights: Any, handle: Handle, out: Any = None, wait_ns: Any = None) -> Any:
         """Sums the expert outputs of this rank's tokens of the handle's dispatch into out
         [num_tokens, hidden] BF16 (allocated when None): for each token, the used slots k in slot
         order, topk_weights[t, k] (float32 [num_tokens, top-k]) times the row of (t, k),
         accumulated in fp32 with fused multiply-adds and rounded to BF16 once. For a CUDA graph
         pass `out` (allocated before capture), so the replayed graph writes where the caller
-        reads. Frees the handle's buffer set for the next dispatch."""
+        reads. Frees the handle's buffer set for the next dispatch. wait_ns: as dispatch_recv's."""
         self._live()
         self._check_handle(handle)
         out = self._combine_out(topk_weights, handle, out)
-        self._a2a.combine_recv(handle, topk_weights.data_ptr(), out.data_ptr(), self._stream())
+        self._a2a.combine_recv(handle, topk_weights.data_ptr(), out.data_ptr(), self._stream(), self._wait_ns(wait_ns))
         return out
 
     def combine(self, expert_out: Any, topk_weights: Any, handle: Handle, out: Any = None) -> Any:

@@ -35,8 +35,10 @@ Differences, each raising where the argument would change behaviour:
 - zero_copy=True reads the expert outputs from the tensor get_next_low_latency_combine_buffer
   returned for the handle (one per buffer set, fixed). The combine reads its input in place
   either way (there is no staging copy to save).
-- use_logfmt=True (LogFMT combine), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats:
-  NotImplementedError.
+- use_logfmt=True (LogFMT combine): NotImplementedError.
+- dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats (int64 [num_ranks]): the wait for
+  each source rank's rows is added in nanoseconds (DeepEP adds GPU clock cycles), once per
+  receive and source (DeepEP once per local expert and source).
 - use_ue8m0 without round_scale: ValueError (as DeepEP).
 - DeepEP's normal (high-throughput) mode (dispatch, combine, get_dispatch_layout and the
   intranode_* / internode_* calls): NotImplementedError. set_num_sms is accepted and, as in
@@ -266,8 +268,6 @@ class Buffer:
         """DeepEP's low_latency_dispatch: x [num_tokens, hidden] BF16, topk_idx [num_tokens,
         top-k] int64 (-1: unused). Returns (recv_x, recv_count, handle, event, hook) (module
         docstring)."""
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError("dispatch_wait_recv_cost_stats is not supported")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0 needs round_scale=True (UE8M0 holds power-of-two scales only)")
         if (round_scale or use_ue8m0) and not use_fp8:
@@ -277,6 +277,7 @@ class Buffer:
         if use_ue8m0 and x.shape[1] % 512:
             raise ValueError(f"use_ue8m0 needs hidden {x.shape[1]} to be a multiple of 512 (four scales per int32)")
         a2a = self._all_to_all(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8)
+        a2a._wait_ns(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")  # checked before anything is sent
         h = a2a.dispatch_send(x, topk_idx, round_scale=use_fp8 and round_scale)  # quantized by the send half
         rx, rs, counts, src = a2a.views(h)
         scales = self._scales_tensor((use_fp8, h.buffer, use_ue8m0), rs) if use_fp8 else None
@@ -285,7 +286,7 @@ class Buffer:
         layout_range = a2a.runs(h)  # filled by the receive half
 
         def receive() -> None:
-            a2a.dispatch_recv(h)
+            a2a.dispatch_recv(h, wait_ns=dispatch_wait_recv_cost_stats)
             if scales is not None:
                 scales.copy_(pack_ue8m0(rs) if use_ue8m0 else rs)
             torch.remainder(src, T, out=src_info)
@@ -324,8 +325,6 @@ class Buffer:
         BF16, event, hook)."""
         if use_logfmt:
             raise NotImplementedError("use_logfmt (LogFMT combine) is not supported: combine is BF16")
-        if combine_wait_recv_cost_stats is not None:
-            raise NotImplementedError("combine_wait_recv_cost_stats is not supported")
         h, a2a = self._dispatch_of(handle)
         if tuple(topk_idx.shape) != (h.num_tokens, a2a.topk):
             raise ValueError(f"topk_idx must have shape [{h.num_tokens}, {a2a.topk}] (the dispatch's), "
@@ -341,10 +340,11 @@ class Buffer:
                 raise ValueError(f"x must have shape {list(self._combine_inputs[key].shape)}, got {list(x.shape)}")
             x = self._combine_inputs[key]
         out = a2a._combine_out(topk_weights, h, out)  # checked before anything is sent
+        a2a._wait_ns(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
         a2a.combine_send(x, h)
 
         def receive() -> None:
-            a2a.combine_recv(topk_weights, h, out)
+            a2a.combine_recv(topk_weights, h, out, wait_ns=combine_wait_recv_cost_stats)
 
         hook: Callable[[], None] = _no_hook
         if return_recv_hook:
