@@ -64,9 +64,10 @@ SHAPES = {
                      max_position_embeddings=40960, tie_word_embeddings=False),
 }
 # What a preloaded fork server imports once, so that each role process starts with them (importing
-# torch and transformers costs seconds per process on a small machine).
-PRELOAD = ["numpy", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "fabric_lib",
-           "fabric_lib.kv", "fabric_lib.directory"]
+# torch and transformers costs seconds per process on a small machine). Nothing that could touch
+# CUDA: a process forked after CUDA was initialized cannot use it. fabric_lib (0.2 s) is imported
+# by each role, as a CUDA build's extension might initialize CUDA when loaded.
+PRELOAD = ["numpy", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -547,6 +548,9 @@ def run(a) -> dict:
     a.t0 = time.time()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("forkserver")
+    # torch.cuda.is_available() through NVML, should anything call it in the fork server: the CUDA
+    # runtime's own check would initialize CUDA there, and the forked roles could not use it.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx.set_forkserver_preload(PRELOAD)  # once per launcher process; later calls change nothing
     results = ctx.Queue()
     # Every process passes sync_point once the requests are admitted on every decode rank (and begun
