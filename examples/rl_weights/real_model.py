@@ -70,9 +70,11 @@ SIZES = {
 }
 PROBE_BATCH, PROBE_LEN, GEN_TOKENS = 2, 8, 8
 # What the fork server imports once, so that each rank process starts with them (torch and
-# transformers cost seconds per process on a small machine; the test starts four at once).
+# transformers cost seconds per process on a small machine; the test starts four at once). Nothing
+# that could initialize CUDA, which a forked process could then not use: fabric_lib (a CUDA build's
+# extension) is imported by each rank.
 PRELOAD = ["numpy", "torch", "torch.distributed", "transformers", "transformers.models.qwen3.modeling_qwen3",
-           "transformers.models.qwen3_moe.modeling_qwen3_moe", "fabric_lib", "fabric_lib.weights"]
+           "transformers.models.qwen3_moe.modeling_qwen3_moe"]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -499,6 +501,9 @@ def run(cfg: dict, out=print) -> dict:
     import torch.distributed as dist
 
     ctx = mp.get_context("forkserver")
+    # torch.cuda.is_available() through NVML, should an import call it in the fork server: the CUDA
+    # runtime's own check would initialize CUDA there, and the forked ranks could not use it.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx.set_forkserver_preload(PRELOAD)  # once per launcher process; later calls change nothing
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
