@@ -9,14 +9,15 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="weights-bench weights-model kv-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
+# FABRIC_GPU_ONLY="deep-ep-upstream weights-bench weights-model kv-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
 # cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
 # tests/gpu/weights_bench.sh, with the Python package; the RL weight updates of a real transformers
 # Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; KV-cache
 # transfer between prefill and decode processes running a real transformers Qwen3-8B-shaped model,
 # `kv-model ...` lines, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
-# MoE GPU tests and bench, or either alone; the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
+# MoE GPU tests and bench, or either alone; DeepEP's own low-latency test against the shim
+# (tests/gpu/deep_ep_upstream/run.sh, DEEPEP_RUNS "ranks node_size;..."); the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -180,6 +181,13 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
         timeout 300 python3 bench/python_watcher.py --cxx-bench $BUILD/tests/cuda_ipc_bench > "$OUT/python_watcher.txt" 2>&1 || status=1
         grep -E "python-watcher" "$OUT/python_watcher.txt" || tail -5 "$OUT/python_watcher.txt" ;;
       moe-gpu) moe_steps ;;
+      deep-ep-upstream)  # DeepEP's own low-latency test against the shim (.gpudeps/deepep: fetch_deep_ep.sh)
+        python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
+        mps=0
+        if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; fi
+        tests/gpu/deep_ep_upstream/run.sh "${DEEPEP_RUNS:-2 2;4 2;8 4}" > "$OUT/deep_ep_upstream.txt" 2>&1 || status=1
+        if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
+        grep -E "^moe-deepep-test|^\[rank 0\]" "$OUT/deep_ep_upstream.txt" || tail -20 "$OUT/deep_ep_upstream.txt" ;;
       moe-tests) moe_gpu_tests ;;
       moe-bench) moe_bench_steps ;;
       *) echo "unknown step $step"; status=1 ;;
