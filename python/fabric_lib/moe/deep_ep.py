@@ -164,8 +164,11 @@ class Buffer:
 
     group: the torch.distributed process group of the expert-parallel ranks (None: the default
     group); its store carries the construction. engine: the fabric_lib TransferEngine the
-    inter-node rows go through (None: one is opened with its defaults, and closed with the
-    Buffer). node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The
+    inter-node rows go through (None: one is opened, and closed with the Buffer: where CUDA is
+    available it serves the current GPU with cuda_ipc=True and the regions between nodes are in
+    GPU memory, rdma_buffers="device", as DeepEP's; else the engine's defaults). With an engine
+    given, rdma_buffers stays "host" unless passed (the Buffer cannot tell whether the engine
+    reaches GPU memory). node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The
     other keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
@@ -206,12 +209,18 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._store = store if store is not None else dist.distributed_c10d._get_default_store()
         self._own_engine = engine is None
+        self._options = dict(all_to_all_options)
         if engine is None:
             import fabric_lib as fl
 
-            engine = fl.TransferEngine()
+            if torch.cuda.is_available():
+                # As DeepEP's buffers, the regions between nodes live in GPU memory, written GPU to
+                # GPU: the engine serves this GPU and reaches same-host peers through CUDA IPC.
+                engine = fl.TransferEngine(cuda_device=torch.cuda.current_device(), cuda_ipc=True)
+                self._options.setdefault("rdma_buffers", "device")
+            else:
+                engine = fl.TransferEngine()
         self.engine = engine
-        self._options = dict(all_to_all_options)
         # The jobs of this Buffer's AllToAlls: unique to its group (the group's global ranks name
         # it) and to its place among that group's Buffers, so two EP groups of one world, or two
         # Buffers of one group, never meet under one name in the shared store.
