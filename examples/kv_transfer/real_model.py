@@ -324,8 +324,8 @@ class LayerNotifier:
 def prefill_main(rank: int, a, port: int, results, sync_point, leave) -> None:
     """A prefill rank: waits for the decode side's requests (one per prompt), then one hooked forward
     over the batch; every layer's pages go out as the layer ends, the logits last (extras). It stays
-    in the directory until `leave` is set: a decode rank that admits after the data was sent still
-    needs to find the prefill group there (Decoder.admit counts its ranks)."""
+    in the directory until `leave` is set (every process reported): a decode rank that admits after
+    the data was sent still needs to find the prefill group there (Decoder.admit counts its ranks)."""
     try:
         import torch
 
@@ -424,10 +424,12 @@ def _from_wire(items, device):
             .view(shape).to(device) for dt, shape, raw in items]
 
 
-def decode_main(rank: int, a, port: int, results, sync_point, pipes) -> None:
+def decode_main(rank: int, a, port: int, results, sync_point, leave, pipes) -> None:
     """A decode rank: admits the prompts' requests, waits for every layer and the extras, rebuilds
     the cache; rank 0 gathers the other ranks' heads and generates (pipes: rank 0 reads one per
-    other rank; rank k > 0 writes its own)."""
+    other rank; rank k > 0 writes its own). It stays in the directory, its engine open, until
+    `leave` is set: a prefill rank that saw the group go would end its requests as cancelled, even
+    those whose writes all landed but whose completions it has not seen yet."""
     try:
         import torch
 
@@ -474,24 +476,23 @@ def decode_main(rank: int, a, port: int, results, sync_point, pipes) -> None:
                 raise TimeoutError(f"decode rank {rank}: {len(statuses)} of {a.prompts} requests ended")
             bad = [s.message for s in statuses if not s.ok]
             _log(a, who, "every request landed")
-            dec.close()
-        if bad:
-            raise RuntimeError(f"decode rank {rank}: requests failed: {bad}")
-        received = [cache.read(layer, table, a.prompt_len) for layer in range(a.layers)]
-        del rx, dec, cache  # the pages (copied out above): GPU memory for the model's caches
-        result = dict(role="decode", rank=rank, ok=True, error="", landed_t=max(landed_t))
-        if rank > 0:  # rank 0 runs the model on every head
-            pipes.send(_to_wire([t for kv_ in received for t in kv_]))
+            if bad:
+                raise RuntimeError(f"decode rank {rank}: requests failed: {bad}")
+            received = [cache.read(layer, table, a.prompt_len) for layer in range(a.layers)]
+            result = dict(role="decode", rank=rank, ok=True, error="", landed_t=max(landed_t))
+            if rank > 0:  # rank 0 runs the model on every head
+                pipes.send(_to_wire([t for kv_ in received for t in kv_]))
+            else:
+                for pipe in pipes:  # the other ranks' heads, in rank order: heads [k * H / D, ...)
+                    flat = _from_wire(pipe.recv(), device)
+                    received = [(torch.cat([k, flat[2 * i]], 1), torch.cat([v, flat[2 * i + 1]], 1))
+                                for i, (k, v) in enumerate(received)]
+                _log(a, who, "cache gathered, generating")
+                result.update(generate_and_check(a, model, received, extras))
+                _log(a, who, "generated and checked")
             results.put(result)
-            return
-        for pipe in pipes:  # the other ranks' heads, in rank order: heads [k * H / D, ...)
-            flat = _from_wire(pipe.recv(), device)
-            received = [(torch.cat([k, flat[2 * i]], 1), torch.cat([v, flat[2 * i + 1]], 1))
-                        for i, (k, v) in enumerate(received)]
-        _log(a, who, "cache gathered, generating")
-        result.update(generate_and_check(a, model, received, extras))
-        _log(a, who, "generated and checked")
-        results.put(result)
+            leave.wait(3 * a.timeout)
+            dec.close()
     except Exception:  # noqa: BLE001 - reported to the launcher
         results.put(dict(role="decode", rank=rank, ok=False, error=traceback.format_exc()))
 
@@ -554,13 +555,14 @@ def run(a) -> dict:
     ctx.set_forkserver_preload(PRELOAD)  # once per launcher process; later calls change nothing
     results = ctx.Queue()
     # Every process passes sync_point once the requests are admitted on every decode rank (and begun
-    # on every prefill rank); prefill ranks leave the directory when `leave` is set.
+    # on every prefill rank); they leave the directory and close their engines when `leave` is set,
+    # once every process reported (or one failed).
     sync_point, leave = ctx.Barrier(a.prefill_tp + a.decode_tp), ctx.Event()
     pipes = [ctx.Pipe(duplex=False) for _ in range(a.decode_tp - 1)]  # (rank 0 reads, rank k writes)
     procs = [ctx.Process(target=prefill_main, args=(r, a, store.port, results, sync_point, leave), daemon=True)
              for r in range(a.prefill_tp)]
     procs += [ctx.Process(target=decode_main, daemon=True,
-                          args=(r, a, store.port, results, sync_point,
+                          args=(r, a, store.port, results, sync_point, leave,
                                 [p[0] for p in pipes] if r == 0 else pipes[r - 1][1]))
               for r in range(a.decode_tp)]
     for p in procs:
@@ -574,8 +576,6 @@ def run(a) -> dict:
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 break
-        if sum(g["role"] == "decode" for g in got) == a.decode_tp:
-            leave.set()  # every decode rank is done with the prefill ranks
     leave.set()
     if len(got) < len(procs) or not all(g["ok"] for g in got):
         sync_point.abort()  # a process waiting there gives up (BrokenBarrierError)
