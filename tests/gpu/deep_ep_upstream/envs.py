@@ -9,8 +9,18 @@ import torch
 import torch.distributed as dist
 
 
+_all_gather_into_tensor = dist.all_gather_into_tensor
+
+
+def _all_gather_into_flat_tensor(output, input, group=None, async_op=False):
+    """gloo takes the output of all_gather_into_tensor flat in its first dimension ([W * n, ...]);
+    NCCL, which DeepEP's tests use, also takes [W, n, ...]. Same bytes either way."""
+    return _all_gather_into_tensor(output.view(-1, *input.shape[1:]), input, group=group, async_op=async_op)
+
+
 def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0):
     port = int(os.getenv("MASTER_PORT", "8361"))
+    dist.all_gather_into_tensor = _all_gather_into_flat_tensor
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=num_local_ranks, rank=local_rank)
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda")
