@@ -66,7 +66,7 @@ python_steps() {
   tests/gpu/weights_bench.sh || status=1
   weights_model_runs
 }
-# RL weight updates of a real transformers model (examples/rl_weights/real_model.py): a
+# RL weight updates of a real transformers model (examples/rl_weights/weights_model.py): a
 # Qwen3-MoE-shaped config of 1.3 B parameters (Qwen3-30B-A3B's widths, 4 layers of 32 experts),
 # 4 training processes taking AdamW steps -> 2 inference processes (TP 2, EP 2), all on GPU 0 under
 # MPS where it starts, BF16 and then FP8 linear layers; every step the inference logits equal the
@@ -79,7 +79,7 @@ weights_model_runs() {
   for fp8 in ${WEIGHTS_MODEL_DTYPES:-bf16 fp8}; do
     [ "$fp8" = fp8 ] && fp8=--fp8 || fp8=""
     # shellcheck disable=SC2086
-    timeout 600 python3 examples/rl_weights/real_model.py --device cuda --size gpu --model qwen3_moe \
+    timeout 600 python3 examples/rl_weights/weights_model.py --device cuda --size gpu --model qwen3_moe \
       --trainers 4 --inference 2 --steps 3 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
       { status=1; echo "weights-model ${fp8:-bf16}: FAILED" >> "$OUT/weights_model.txt"; }
   done
@@ -87,7 +87,7 @@ weights_model_runs() {
   echo "weights-model mps=$mps"
   grep -E "^weights-model|FAILED|Error" "$OUT/weights_model.txt" | tail -8 || true
 }
-# Disaggregated prefill/decode of a real transformers model (examples/kv_transfer/real_model.py): a
+# Disaggregated prefill/decode of a real transformers model (examples/kv_transfer/kv_model.py): a
 # Qwen3-8B-shaped config in BF16 (random weights), 8 prompts of 2048 tokens, each layer's K/V sent
 # by cuda_ipc into the decode processes' vLLM-layout paged cache as the layer ends, all processes on
 # GPU 0 (no MPS); decode generates 32 tokens from the received cache and the script fails unless
@@ -104,7 +104,7 @@ kv_model_runs() {
   IFS=';' read -ra runs <<< "${KV_MODEL_RUNS:---tp 1to1;--tp 2to1 --layers 18;--tp 1to2 --layers 18;--tp 2to1 --layers 18 --kv-layout HND}"
   for args in "${runs[@]}"; do
     # shellcheck disable=SC2086
-    timeout 600 python3 examples/kv_transfer/real_model.py --device cuda $args >> "$OUT/kv_model.txt" 2>&1 ||
+    timeout 600 python3 examples/kv_transfer/kv_model.py --device cuda $args >> "$OUT/kv_model.txt" 2>&1 ||
       { status=1; echo "kv-model $args: FAILED" >> "$OUT/kv_model.txt"; }
   done
   grep -E "^kv-model |FAILED|Error" "$OUT/kv_model.txt" | tail -8 || true

@@ -1,4 +1,4 @@
-"""RL weight updates with a real transformers model (examples/rl_weights/real_model.py): 2 training
+"""RL weight updates with a real transformers model (examples/rl_weights/weights_model.py): 2 training
 processes take 3 AdamW steps on a tiny Qwen3 / Qwen3-MoE (2 layers, hidden 256, built from a
 config: nothing downloaded) and push every step's weights through fabric_lib.weights into 1 or 2
 inference processes (TP: fused qkv and gate_up, split o/down, vocab-split embeddings; EP experts),
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rl_weights"))
 
-import real_model as R  # noqa: E402
+import weights_model as R  # noqa: E402
 
 STEPS = 3
 

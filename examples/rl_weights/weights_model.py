@@ -2,7 +2,7 @@
 Qwen3-MoE) model and write the new weights into inference ranks after every step, through
 fabric_lib.weights (Trainer / Inference); the inference ranks' logits must equal the trainer's.
 
-    python3 examples/rl_weights/real_model.py [--provider tcp;ofi_rxm|shm] [--trainers 2] [--inference 2]
+    python3 examples/rl_weights/weights_model.py [--provider tcp;ofi_rxm|shm] [--trainers 2] [--inference 2]
         [--steps 3] [--fp8] [--model qwen3|qwen3_moe] [--size tiny|gpu] [--device cpu|cuda]
 
 The model is built from a config (AutoConfig.for_model, AutoModelForCausalLM.from_config; random

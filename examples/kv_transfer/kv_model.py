@@ -1,8 +1,8 @@
 """Disaggregated prefill/decode with a real transformers model: each layer's K and V go from the
 prefill processes to the decode processes as the layer finishes, and decode generates from them.
 
-    python3 examples/kv_transfer/real_model.py [--provider shm] [--tp 2to1]      # CPU, tiny Qwen3
-    python3 examples/kv_transfer/real_model.py --device cuda [--tp 1to2]         # GPU, Qwen3-8B shape
+    python3 examples/kv_transfer/kv_model.py [--provider shm] [--tp 2to1]      # CPU, tiny Qwen3
+    python3 examples/kv_transfer/kv_model.py --device cuda [--tp 1to2]         # GPU, Qwen3-8B shape
 
 The model is transformers' Qwen3 built from a config with random weights (the same seed in every
 process, so every process holds the same weights; nothing is downloaded). The prompts are random
