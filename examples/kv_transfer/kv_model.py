@@ -21,13 +21,17 @@ token ids (fixed seed).
   (as a block allocator hands them out), waits until every layer and the extras landed, and
   rebuilds a transformers DynamicCache from its pages. At TP 2, rank 1 sends its half of the heads
   to rank 0 (a pipe; not timed), which runs the model: greedy decode of --new-tokens tokens.
-- Check: the tokens equal those of model.generate() run in one process (the decode rank 0) on the
-  same prompts; max_logit_diff is the largest |logit difference| at the first two generated
+- Check, exact: the tokens equal those of model.generate() run in one process (the decode rank 0)
+  on the same prompts; max_logit_diff, the largest |logit difference| at the first two generated
   positions (the prefill's last-position logits that came as extras, and decode's first forward
-  over the received cache).
+  over the received cache), is 0; the received cache equals generate()'s prefill cache bit for bit
+  (kv_identical). For that every process runs the same deterministic kernels with the same inputs
+  (--attn names the attention; see deterministic() and positions()); the script exits 1 otherwise
+  and says which of the three differed.
 
 Prints `kv-model model=... layers=... prompts=... prompt_len=... tp=PtoD tokens_identical=yes|no
-max_logit_diff=... prefill_ms=... exposed_ms=... decode_tok_s=... kv_layout=NHD|HND`: prefill_ms is the slowest
+max_logit_diff=... prefill_ms=... exposed_ms=... decode_tok_s=... kv_layout=NHD|HND kv_identical=yes|no
+attn=sdpa|eager`: prefill_ms is the slowest
 prefill rank's forward (hooks and copies into the pages included), exposed_ms the time from the
 last layer finishing on the last prefill rank to that layer having landed for every request on
 every decode rank (the transfer not hidden behind compute), decode_tok_s the generated tokens per
@@ -84,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-layout", choices=["NHD", "HND"], default="NHD",
                     help="the paged cache's memory order (vLLM's get_kv_cache_layout): NHD token-major, "
                          "HND head-major (one WRITE per block where prefill and decode TP differ)")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                    help="transformers attn_implementation, the same in every process (prefill, decode and the "
+                         "generate() reference); on CUDA, SDPA runs FlashAttention only (see deterministic())")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads per process (the same in every process: results are bit-equal)")
     ap.add_argument("--seed", type=int, default=0)
@@ -128,9 +135,11 @@ def build_model(a):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation=a.attn)
     finally:
         torch.set_default_dtype(previous)
+    # Named, not left to transformers' default: the reference and decode must run the same kernels.
+    assert model.config._attn_implementation == a.attn, model.config._attn_implementation
     model.generation_config.eos_token_id = None  # generate exactly --new-tokens tokens
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -257,12 +266,48 @@ def _log(a, who: str, what: str) -> None:
         print(f"{time.time() - a.t0:8.3f} s  {who}: {what}", file=sys.stderr, flush=True)
 
 
+def deterministic(a) -> None:
+    """Every process computes with the same kernels, each deterministic, so that decode from the
+    received cache is bit for bit the generate() of one process (checked: tokens, logits and the cache
+    itself). On the CPU that held already; on CUDA (an H100, BF16, 2 -> 1 at 18 layers) the tokens
+    and logits differed (max_logit_diff 0.113) while the code paths were the same. What may vary
+    between two processes there, and is pinned here:
+    - SDPA's backend. PyTorch picks among FlashAttention, memory-efficient, cuDNN and math per call
+      (by dtype, strides, mask, shape, and on Hopper it may prefer cuDNN, whose plans come from
+      heuristics over the build and the tensors and whose backward is non-deterministic). Only
+      FlashAttention stays on (math as the fallback, in both processes alike): its forward is
+      deterministic and its choices (split-KV for the single-token steps among them) depend on the
+      shapes alone, which both sides share. --attn eager avoids SDPA altogether.
+    - cuBLAS: a fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when a handle is made: before the
+      first matmul) and torch's deterministic algorithms (warn_only: an op without a deterministic
+      CUDA kernel warns in the output instead of failing the run)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if a.device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def positions(mask):
+    """Position ids as generate() makes them from the attention mask (cumsum - 1), [batch, tokens]:
+    the forward given none would make them [1, tokens] from cache_position, the same values through
+    other shapes (the RoPE tables broadcast over the batch instead of one per row); prefill and
+    decode pass these so that every op sees what it sees under generate()."""
+    return mask.long().cumsum(-1) - 1
+
+
 def _setup(a):
     import torch
 
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
+    deterministic(a)
 
 
 class LayerNotifier:
@@ -348,8 +393,8 @@ def prefill_main(rank: int, a, port: int, results, sync_point, leave) -> None:
         cache = PagedCache(a.layers, a.prompts * per_request, heads, cfg["head_dim"], dtype, device, a.kv_layout)
         extras = torch.zeros(a.prompts, cfg["vocab_size"], dtype=dtype, device=device)  # last-token logits
         kw = cache_kwarg(model)
-        model(ids[:, :BLOCK], attention_mask=mask[:, :BLOCK], **{kw: new_cache(model)}, use_cache=True,
-              logits_to_keep=1)  # warm-up (kernels, allocator): not timed, not sent
+        model(ids[:, :BLOCK], attention_mask=mask[:, :BLOCK], position_ids=positions(mask[:, :BLOCK]),
+              **{kw: new_cache(model)}, use_cache=True, logits_to_keep=1)  # warm-up (kernels, allocator): not timed, not sent
         sync(device)
         with _engine(a) as engine, _directory(a, port) as d:
             tx = kv.KvSender(engine, cache.layout, cache.k, cache.v, group=PREFILL_GROUP, tp_size=a.prefill_tp,
@@ -388,7 +433,8 @@ def prefill_main(rank: int, a, port: int, results, sync_point, leave) -> None:
 
             handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(model.model.layers)]
             t0 = time.time()
-            out = model(ids, attention_mask=mask, **{kw: live}, use_cache=True, logits_to_keep=1)
+            out = model(ids, attention_mask=mask, position_ids=positions(mask), **{kw: live}, use_cache=True,
+                        logits_to_keep=1)
             extras.copy_(out.logits[:, -1])
             notifier.mark("extras")
             sync(device)
@@ -499,7 +545,9 @@ def decode_main(rank: int, a, port: int, results, sync_point, leave, pipes) -> N
 
 def generate_and_check(a, model, received, extras) -> dict:
     """Greedy decode from the received cache, then the same model's generate() on the prompts in
-    this process, compared."""
+    this process, compared: the tokens, the logits at the first two positions, and the received
+    cache against the one generate()'s own prefill made (bit for bit: a difference there is the
+    transfer's or the prefill's, one only in the logits is decode's)."""
     import torch
 
     device, _ = device_dtype(a)
@@ -507,7 +555,7 @@ def generate_and_check(a, model, received, extras) -> dict:
     kw = cache_kwarg(model)
     cache = new_cache(model)
     for layer, (k, v) in enumerate(received):
-        cache.update(k, v, layer)
+        cache.update(k, v, layer)  # contiguous [batch, heads, tokens, head_dim], as generate()'s cache
     received.clear()  # the cache holds its own copy
     first = extras.float()  # the prefill's last-position logits
     token = first.argmax(-1)
@@ -515,8 +563,9 @@ def generate_and_check(a, model, received, extras) -> dict:
     mask = torch.ones(a.prompts, a.prompt_len + 1, dtype=torch.long, device=device)
     sync(device)
     t0 = time.time()
-    for _ in range(a.new_tokens - 1):  # as generate() calls it: the new token, the mask, the cache
-        out = model(token[:, None], attention_mask=mask, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    for _ in range(a.new_tokens - 1):  # as generate() calls it: the new token, the mask, its position, the cache
+        out = model(token[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:].contiguous(),
+                    **{kw: cache}, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
         if not step_logits:
             step_logits.append(logits)
@@ -529,11 +578,23 @@ def generate_and_check(a, model, received, extras) -> dict:
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new_tokens,
                          do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref_tokens = ref.sequences[:, a.prompt_len:]
-    diffs = [(first - ref.logits[0].float()).abs().max().item()]
-    if step_logits:
-        diffs.append((step_logits[0] - ref.logits[1].float()).abs().max().item())
+    first_diff = (first - ref.logits[0].float()).abs().max().item()
+    step_diff = (step_logits[0] - ref.logits[1].float()).abs().max().item() if step_logits else 0.0
+    ref_cache = next((ref[k] for k in ("cache", "past_key_values") if k in ref), None)  # 5.2x: "cache"
+    kv_diff, kv_bad_layers = 0.0, []
+    if ref_cache is not None:
+        P = a.prompt_len
+        for layer in range(a.layers):
+            for x, y in zip(layer_kv(cache, layer), layer_kv(ref_cache, layer)):
+                x, y = x[:, :, :P], y[:, :, :P]
+                if not torch.equal(x, y):
+                    kv_bad_layers.append(layer)
+                    kv_diff = max(kv_diff, (x.float() - y.float()).abs().max().item())
     steps = a.prompts * (a.new_tokens - 1)
-    return dict(tokens_identical=bool(torch.equal(tokens, ref_tokens)), max_logit_diff=max(diffs),
+    return dict(tokens_identical=bool(torch.equal(tokens, ref_tokens)), max_logit_diff=max(first_diff, step_diff),
+                first_logit_diff=first_diff, step_logit_diff=step_diff,
+                kv_identical=None if ref_cache is None else not kv_bad_layers, kv_max_diff=kv_diff,
+                kv_bad_layers=sorted(set(kv_bad_layers)),
                 decode_tok_s=steps / decode_s if decode_s > 0 else 0.0, fingerprint=fingerprint(model),
                 tokens=tokens.tolist(), ref_tokens=ref_tokens.tolist())
 
@@ -608,7 +669,15 @@ def run(a) -> dict:
     out.update(tokens_identical=lead["tokens_identical"], max_logit_diff=lead["max_logit_diff"],
                prefill_ms=max(g["prefill_ms"] for g in pre),
                exposed_ms=(max(g["landed_t"] for g in dec) - max(g["last_layer_t"] for g in pre)) * 1e3,
-               decode_tok_s=lead["decode_tok_s"], tokens=lead["tokens"], ref_tokens=lead["ref_tokens"])
+               decode_tok_s=lead["decode_tok_s"], tokens=lead["tokens"], ref_tokens=lead["ref_tokens"],
+               **{k: lead[k] for k in ("first_logit_diff", "step_logit_diff", "kv_identical", "kv_max_diff",
+                                       "kv_bad_layers")}, attn=a.attn)
+    # Exact, not close: with the same deterministic kernels on both sides (deterministic()) the
+    # transferred cache, the logits and so the tokens are bit for bit generate()'s. A tolerance would
+    # hide what matters here (a wrong head, token or layer moves the logits by little), and with
+    # random weights BF16 logits tie or nearly tie often, so "close" logits need not give the
+    # same greedy tokens anyway.
+    out["exact"] = bool(out["tokens_identical"] and out["max_logit_diff"] == 0 and out["kv_identical"] is not False)
     if len(prints) != 1:
         out.update(ok=False, error=f"the processes' weights differ (fingerprints {sorted(prints)})")
     return out
@@ -618,7 +687,8 @@ def line(r: dict) -> str:
     return (f"kv-model model={r['model']} layers={r['layers']} prompts={r['prompts']} prompt_len={r['prompt_len']} "
             f"tp={r['tp']} tokens_identical={'yes' if r['tokens_identical'] else 'no'} "
             f"max_logit_diff={r['max_logit_diff']:.3g} prefill_ms={r['prefill_ms']:.2f} "
-            f"exposed_ms={r['exposed_ms']:.2f} decode_tok_s={r['decode_tok_s']:.1f} kv_layout={r['kv_layout']}")
+            f"exposed_ms={r['exposed_ms']:.2f} decode_tok_s={r['decode_tok_s']:.1f} kv_layout={r['kv_layout']} "
+            f"kv_identical={ {True: 'yes', False: 'no', None: 'n/a'}[r['kv_identical']] } attn={r['attn']}")
 
 
 def main() -> int:
@@ -631,10 +701,13 @@ def main() -> int:
     if not r["ok"]:
         print(f"kv-model FAILED: {r['error']}", file=sys.stderr)
         return 1
-    if not r["tokens_identical"]:
-        print(f"decode tokens {r['tokens']}\nreference    {r['ref_tokens']}", file=sys.stderr)
+    if not r["exact"]:
+        print(f"kv-model NOT EXACT: first-token logits (prefill's extras vs generate()'s prefill) differ by "
+              f"{r['first_logit_diff']:.3g}, the first decode step's by {r['step_logit_diff']:.3g}; received cache "
+              f"vs generate()'s: layers {r['kv_bad_layers']} differ (max {r['kv_max_diff']:.3g})\n"
+              f"decode tokens {r['tokens']}\nreference    {r['ref_tokens']}", file=sys.stderr)
     print(line(r), flush=True)
-    return 0 if r["tokens_identical"] else 1
+    return 0 if r["exact"] else 1
 
 
 if __name__ == "__main__":
