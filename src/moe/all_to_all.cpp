@@ -316,7 +316,9 @@ struct AllToAll::Impl {
                   fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent ({})",
                               what, cfg.rank, h.step,
                               b.handle == h.step
-                                  ? fmt::format("it was combined; its buffer set {} is free", h.buffer)
+                                  ? fmt::format("it was combined, and a dispatch is combined once; its "
+                                                "buffer set {} is free",
+                                                h.buffer)
                                   : fmt::format("it was combined, or dropped uncombined when dispatch {} "
                                                 "took its buffer set {}",
                                                 b.handle, h.buffer)));
