@@ -62,11 +62,15 @@ SIZES = {
     # The test's: 2 layers, hidden 256 (q 512 rows, kv 256 rows: TP 2 halves stay 128-aligned).
     "tiny": dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=128, inter=512, vocab=1024,
                  experts=8, moe_inter=128, topk=2, batch=2, seq=16),
-    # One shared 78 GiB GPU, 4 training replicas (weights, grads, AdamW state in BF16: ~8 bytes a
-    # parameter each) and 2 inference ranks: Qwen3-30B-A3B's attention and expert widths, 4 layers
-    # of 32 experts instead of 48 of 128 (about 1.3 B parameters with its 151,936-token vocab).
-    "gpu": dict(hidden=2048, layers=4, heads=32, kv_heads=4, head_dim=128, inter=6144, vocab=151936,
-                experts=32, moe_inter=768, topk=4, batch=4, seq=128),
+    # One shared 78 GiB GPU, 4 training replicas and 2 inference ranks under MPS, a run of a few
+    # steps well inside 2 minutes: Qwen3-30B-A3B's attention and expert widths and its 151,936-token
+    # vocab, 2 layers of 16 experts (top 4) instead of 48 of 128. About 0.81 B parameters (0.62 B of
+    # them the embeddings and lm_head), 1.5 GiB per BF16 update, 1.3 GiB with FP8 experts and
+    # projections. (4 layers of 32 experts, 1.3 B, with batch 4 x 128, did not finish 3 steps in 5
+    # minutes on an H100: every step's gradients, 4 bytes a parameter, go through the host to gloo
+    # on every training rank, and so do the inference ranks' buffers for the check.)
+    "gpu": dict(hidden=2048, layers=2, heads=32, kv_heads=4, head_dim=128, inter=6144, vocab=151936,
+                experts=16, moe_inter=768, topk=4, batch=2, seq=64),
 }
 PROBE_BATCH, PROBE_LEN, GEN_TOKENS = 2, 8, 8
 # What the fork server imports once, so that each rank process starts with them (torch and
@@ -86,11 +90,25 @@ def build_model(cfg: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    attn = cfg.get("attn", "eager")
     if cfg["device"].startswith("cuda"):
         # Bit-equal logits in two processes need deterministic kernels: the MoE block's index_add_
-        # adds with atomics on CUDA unless told otherwise, cuBLAS needs a fixed workspace.
+        # adds with atomics on CUDA unless told otherwise, cuBLAS needs a fixed workspace. warn_only:
+        # NLLLoss (the LM loss) has no deterministic CUDA kernel and would fail the step otherwise.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Attention, backward included. Under warn_only, SDPA's fused backwards stay
+        # non-deterministic (cuDNN's, which PyTorch picks on Hopper for the training batch, warned
+        # so; FlashAttention's and the memory-efficient one's switch only under the strict mode,
+        # which the loss rules out). Eager attention (the default here) is matmuls and a float32
+        # softmax, forward and backward, deterministic with the above; with --attn sdpa only SDPA's
+        # math backend stays on, which is the same composite. The training ranks' weights stay
+        # equal either way (each takes the same step on the same all-reduced gradients); this makes
+        # a step itself repeatable.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(True)
 
     s = cfg["size"]
     kw = dict(hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -102,7 +120,8 @@ def build_model(cfg: dict):
     config = AutoConfig.for_model(cfg["model"], **kw)
     torch.manual_seed(cfg["seed"])
     with torch.device(cfg["device"]):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    assert model.config._attn_implementation == attn, model.config._attn_implementation
     return model.eval()
 
 
@@ -268,6 +287,14 @@ def _barrier(store, cfg: dict, step: int) -> None:
     store.wait([key + "/go"])
 
 
+def progress(cfg: dict, who: str, what: str) -> None:
+    """One phase of one rank, to stderr at once, seconds since the launcher started the ranks: a run
+    cut short shows where each rank was (building, training step k, update k, checking k)."""
+    if cfg.get("progress", True):
+        print(f"weights-model progress {time.time() - cfg.get('t0', time.time()):7.1f} s  {who}: {what}",
+              file=sys.stderr, flush=True)
+
+
 def trainer(conn, cfg: dict) -> None:
     try:
         import torch
@@ -277,9 +304,16 @@ def trainer(conn, cfg: dict) -> None:
 
         torch.set_num_threads(cfg.get("threads", 1))
         rank, world, dev = cfg["rank"], cfg["trainers"], cfg["device"]
+        who = f"training rank {rank}"
+        progress(cfg, who, "started")
         store = _store(cfg)
         _group(store, cfg, "train", rank, world)
+        t0 = time.time()
         model = build_model(cfg)
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        progress(cfg, who, f"model built ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
+                           f"{time.time() - t0:.1f} s)")
         es = entries(model, cfg["fp8"])
         mine = {p.param for p in train_pieces(es, rank, world)}
         opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
@@ -288,11 +322,15 @@ def trainer(conn, cfg: dict) -> None:
                           infer_world=cfg["inference"], store=store, job=cfg["job"], window=cfg["window"],
                           device=dev)
             calib = _calibrate(engine, t, store, cfg) if world > 1 and rank in (0, 1) else None
+            progress(cfg, who, "arenas registered, ready")
             conn.send(("ready", sum(p.numel() for p in model.parameters())))
             measured = []
             for step in range(cfg["steps"] + 1):
                 if step > 0:
-                    loss = _train_step(model, opt, cfg, rank, world, step)
+                    t0 = time.time()
+                    loss = _train_step(model, opt, cfg, rank, world, step, who)
+                    if rank == 0:
+                        progress(cfg, who, f"step {step}: trained, loss {float(loss):.4f} ({time.time() - t0:.1f} s)")
                 for e in es:  # publish this rank's shard of the (new) weights
                     if e.key in mine:
                         r0, r1 = W.fsdp_rows(e.shape[0], world, rank) if e.index is None else (0, e.shape[0])
@@ -302,9 +340,13 @@ def trainer(conn, cfg: dict) -> None:
                 _barrier(store, cfg, step)
                 times = t.update(step)
                 measured.append(times)
+                if rank == 0:
+                    progress(cfg, who, f"update {step}: sent ({times['total_ms']:.1f} ms)")
                 ref = None
                 if rank == 0:  # the reference the inference ranks must match
+                    t0 = time.time()
                     ref = _reference(model, es, cfg)
+                    progress(cfg, who, f"update {step}: reference probed ({time.time() - t0:.1f} s)")
                 conn.send(("ok", step, times, ref, float(loss) if step > 0 else None))
             if calib and rank == 0:
                 from moe import predict  # the cost model, fed as examples/rl_weights/run.py feeds it
@@ -318,7 +360,7 @@ def trainer(conn, cfg: dict) -> None:
         conn.send("error " + traceback.format_exc())
 
 
-def _train_step(model, opt, cfg: dict, rank: int, world: int, step: int):
+def _train_step(model, opt, cfg: dict, rank: int, world: int, step: int, who: str = ""):
     """One AdamW step on a language-model loss over this rank's random tokens, the gradients
     averaged over the training ranks (gloo, through host memory: it also serves CUDA ranks)."""
     import torch
@@ -328,9 +370,13 @@ def _train_step(model, opt, cfg: dict, rank: int, world: int, step: int):
     g = torch.Generator().manual_seed(cfg["seed"] * 1000 + step * 16 + rank)
     x = torch.randint(0, s["vocab"], (s["batch"], s["seq"]), generator=g).to(cfg["device"])
     model.train()
+    t0 = time.time()
     loss = model(input_ids=x, labels=x).loss
     opt.zero_grad(set_to_none=False)
     loss.backward()
+    if cfg["device"] != "cpu":
+        torch.cuda.synchronize()
+    t1 = time.time()
     ps = [p for p in model.parameters() if p.grad is not None]
     bucket, size = [], 0
     for i, p in enumerate(ps):  # buckets of up to 64 M values: a GPU-sized model stays light on the host
@@ -345,8 +391,12 @@ def _train_step(model, opt, cfg: dict, rank: int, world: int, step: int):
                 q.grad.copy_(flat[off:off + q.numel()].view_as(q.grad))
                 off += q.numel()
             bucket, size = [], 0
+    t2 = time.time()
     opt.step()
     model.eval()
+    if rank == 0 and step == 1:  # the first step's phases (the later ones repeat them)
+        progress(cfg, who, f"step 1: forward+backward {t1 - t0:.1f} s, gradient all-reduce {t2 - t1:.1f} s, "
+                           f"AdamW {time.time() - t2:.1f} s")
     return loss.detach()
 
 
@@ -414,21 +464,31 @@ def inference(conn, cfg: dict) -> None:
 
         torch.set_num_threads(cfg.get("threads", 1))
         rank, world = cfg["rank"], cfg["inference"]
+        who = f"inference rank {rank}"
+        progress(cfg, who, "started")
         store = _store(cfg)
         if world > 1:
             _group(store, cfg, "infer", rank, world)
+        t0 = time.time()
         model = build_model(cfg)  # the architecture; its weights all come from the training ranks
+        progress(cfg, who, f"model built ({time.time() - t0:.1f} s)")
         es = entries(model, cfg["fp8"])
         with _engine(cfg) as engine:
             inf = W.Inference(engine, params(es), infer_pieces(es, rank, world), rank=rank, world=world,
                               train_world=cfg["trainers"], store=store, job=cfg["job"], device=cfg["device"])
+            progress(cfg, who, "arenas registered, ready")
             conn.send("ready")
             for step in range(cfg["steps"] + 1):
                 inf.ready(step)
                 _barrier(store, cfg, step)
                 s = inf.wait_update(step, timeout_s=120.0)
+                t0 = time.time()
+                if rank == 0:
+                    progress(cfg, who, f"update {step}: landed")
                 _load(model, es, inf, s, rank, world, cfg)
                 conn.send(("ok", step, *probe(model, cfg)) if rank == 0 else ("ok", step, None, None))
+                if rank == 0:
+                    progress(cfg, who, f"update {step}: gathered and probed ({time.time() - t0:.1f} s)")
             inf.close()
         if world > 1:
             dist.destroy_process_group()
@@ -527,7 +587,7 @@ def run(cfg: dict, out=print) -> dict:
 def _run(cfg: dict, store, start, out) -> dict:
     import torch
 
-    base = dict(cfg, port=store.port, job=cfg.get("job") or uuid.uuid4().hex)
+    base = dict(cfg, port=store.port, job=cfg.get("job") or uuid.uuid4().hex, t0=time.time())
     ranks = [("inference", r, *start(inference, dict(base, rank=r))) for r in range(cfg["inference"])]
     ranks += [("training", r, *start(trainer, dict(base, rank=r))) for r in range(cfg["trainers"])]
 
@@ -546,6 +606,7 @@ def _run(cfg: dict, store, start, out) -> dict:
             msg, nparams = msg
         if msg != "ready":
             raise RuntimeError(f"{side} rank {r}: {msg}")
+    progress(base, "launcher", f"every rank ready, {nparams / 1e6:.0f} M parameters; steps next")
     steps = cfg["steps"] + 1
     got = {(side, r): [recv(side, r, conn) for _ in range(steps)] for side, r, conn, _ in ranks}
     predicted = None
@@ -607,7 +668,7 @@ def config(args) -> dict:
             size[k] = getattr(args, k)
     return dict(model=args.model, size=size, trainers=args.trainers, inference=args.inference, steps=args.steps,
                 lr=args.lr, fp8=args.fp8, provider=args.provider, device=args.device, window=args.window,
-                seed=args.seed, threads=args.threads)
+                seed=args.seed, threads=args.threads, attn=args.attn)
 
 
 def main() -> int:
@@ -626,6 +687,9 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
+                    help="transformers attn_implementation in every process (CUDA: sdpa runs its math backend "
+                         "only; both are deterministic, backward included)")
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         args.device = "cuda:0"

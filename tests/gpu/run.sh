@@ -67,10 +67,13 @@ python_steps() {
   weights_model_runs
 }
 # RL weight updates of a real transformers model (examples/rl_weights/weights_model.py): a
-# Qwen3-MoE-shaped config of 1.3 B parameters (Qwen3-30B-A3B's widths, 4 layers of 32 experts),
-# 4 training processes taking AdamW steps -> 2 inference processes (TP 2, EP 2), all on GPU 0 under
-# MPS where it starts, BF16 and then FP8 linear layers; every step the inference logits equal the
-# trainer's (the script fails otherwise). Ends in `weights-model ...` lines. The package installed.
+# Qwen3-MoE-shaped config of 0.81 B parameters (Qwen3-30B-A3B's widths and vocab, 2 layers of 16
+# experts; about 1.5 GiB per BF16 update), 4 training processes taking 2 AdamW steps (eager
+# attention: deterministic, backward included) -> 2 inference processes (TP 2, EP 2), all on GPU 0
+# under MPS where it starts, BF16 and then FP8 linear layers; every step the inference logits equal
+# the trainer's (the script fails otherwise). Each run is bounded at 150 s (estimated well under
+# 2 minutes); every rank prints `weights-model progress` lines (build, each step, each update), so
+# one cut short shows where it was. Ends in `weights-model ...` lines. The package installed.
 weights_model_runs() {
   local mps=0 fp8
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
@@ -79,19 +82,23 @@ weights_model_runs() {
   for fp8 in ${WEIGHTS_MODEL_DTYPES:-bf16 fp8}; do
     [ "$fp8" = fp8 ] && fp8=--fp8 || fp8=""
     # shellcheck disable=SC2086
-    timeout 600 python3 examples/rl_weights/weights_model.py --device cuda --size gpu --model qwen3_moe \
-      --trainers 4 --inference 2 --steps 3 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
+    timeout "${WEIGHTS_MODEL_TIMEOUT:-150}" python3 examples/rl_weights/weights_model.py --device cuda --size gpu \
+      --model qwen3_moe --trainers 4 --inference 2 --steps 2 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
       { status=1; echo "weights-model ${fp8:-bf16}: FAILED" >> "$OUT/weights_model.txt"; }
   done
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
   echo "weights-model mps=$mps"
-  grep -E "^weights-model|FAILED|Error" "$OUT/weights_model.txt" | tail -8 || true
+  grep -E "^weights-model model=|FAILED|Error" "$OUT/weights_model.txt" | tail -8 || true
+  grep -E "^weights-model progress" "$OUT/weights_model.txt" | tail -4 || true  # where the last run was
 }
 # Disaggregated prefill/decode of a real transformers model (examples/kv_transfer/kv_model.py): a
 # Qwen3-8B-shaped config in BF16 (random weights), 8 prompts of 2048 tokens, each layer's K/V sent
 # by cuda_ipc into the decode processes' vLLM-layout paged cache as the layer ends, all processes on
 # GPU 0 (no MPS); decode generates 32 tokens from the received cache and the script fails unless
-# they equal generate()'s in one process. TP 1 -> 1 with all 36 layers (about 55 GB on the GPU);
+# they, the logits and the received cache equal generate()'s in one process bit for bit (every
+# process runs FlashAttention only, deterministic algorithms, the position ids generate() makes; a
+# failure says whether the cache, the prefill's logits or a decode step differed). TP 1 -> 1 with
+# all 36 layers (about 55 GB on the GPU);
 # 2 -> 1 and 1 -> 2 with 18 (a third process on the GPU: at 36 layers 2 -> 1 would need ~80 GB, three
 # copies of the model and their caches), in vLLM's default NHD
 # pages (one WRITE per token where the heads split) and 2 -> 1 again in its HND pages (one per
@@ -107,7 +114,7 @@ kv_model_runs() {
     timeout 600 python3 examples/kv_transfer/kv_model.py --device cuda $args >> "$OUT/kv_model.txt" 2>&1 ||
       { status=1; echo "kv-model $args: FAILED" >> "$OUT/kv_model.txt"; }
   done
-  grep -E "^kv-model |FAILED|Error" "$OUT/kv_model.txt" | tail -8 || true
+  grep -E "^kv-model |NOT EXACT|FAILED|Error" "$OUT/kv_model.txt" | tail -8 || true
 }
 # MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
