@@ -186,13 +186,18 @@ inline uint64_t uint_value(nb::handle v, uint64_t otherwise = 0) {
   return nb::cast<uint64_t>(i);
 }
 
+// "_name": where a checked binding keeps the real one, for the catch-all overload to forward to.
+inline const char* private_name_of(const char* name) {
+  static std::deque<std::string> names;  // nanobind keeps the name pointers
+  return names.emplace_back(std::string("_") + name).c_str();
+}
+
 // Binds `impl` as `name` (and as `_name`, for the forward below), then the overload that
 // diagnoses a call the first did not take.
 template <class Class, class Impl, class... Extra>
 void def_checked(Class& cls, const char* name, std::vector<ArgSpec> spec, size_t positional, Impl&& impl,
                  const Extra&... extra) {
-  static std::deque<std::string> private_names;  // nanobind keeps the name pointers
-  const char* private_name = private_names.emplace_back(std::string("_") + name).c_str();
+  const char* private_name = private_name_of(name);
   // Without its nb::sig, whose name would make it another overload of the public one.
   auto kept = std::tuple_cat([&]() {
     if constexpr (std::is_same_v<Extra, nb::sig>) return std::tuple<>();
@@ -214,8 +219,7 @@ void def_checked(Class& cls, const char* name, std::vector<ArgSpec> spec, size_t
 template <class Impl, class... Extra>
 void def_checked_fn(nb::module_& m, const char* name, std::vector<ArgSpec> spec, size_t positional, Impl&& impl,
                     const Extra&... extra) {
-  static std::deque<std::string> private_names;  // nanobind keeps the name pointers
-  const char* private_name = private_names.emplace_back(std::string("_") + name).c_str();
+  const char* private_name = private_name_of(name);
   m.def(private_name, impl, extra...);
   m.def(name, std::forward<Impl>(impl), extra...);
   m.def(name, [m, private_name, name, spec = std::move(spec), positional](nb::args args, nb::kwargs kwargs) {

@@ -225,8 +225,9 @@ class Buffer:
         # it) and to its place among that group's Buffers, so two EP groups of one world, or two
         # Buffers of one group, never meet under one name in the shared store.
         if "job" not in self._options:
-            n = self._store.add(f"fabric-lib/deep_ep/{_group_id(self.group)}/buffers/{self.rank}", 1)
-            self._options["job"] = f"deep_ep.{_group_id(self.group)}.{n}"
+            group_id = _group_id(self.group)
+            n = self._store.add(f"fabric-lib/deep_ep/{group_id}/buffers/{self.rank}", 1)
+            self._options["job"] = f"deep_ep.{group_id}.{n}"
         self._a2as: dict = {}  # use_fp8 -> AllToAll, built at the first dispatch of that dtype
         self._dims: Optional[tuple] = None
         self._scales: dict = {}  # (use_fp8, buffer set, ue8m0) -> DeepEP-layout scales tensor

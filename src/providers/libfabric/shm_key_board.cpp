@@ -68,18 +68,13 @@ std::unique_ptr<ShmKeyBoard> ShmKeyBoard::open(int pid, int fd) {
 
 uint32_t ShmKeyBoard::take_slot() {
   std::lock_guard lock(mu_);
-  if (!free_.empty()) {
-    const uint32_t s = free_.back();
-    free_.pop_back();
-    return s;
-  }
-  return next_ < kUnboarded ? next_++ : kUnboarded;
+  return free_.take().value_or(kUnboarded);
 }
 
 void ShmKeyBoard::release(uint32_t slot) {
   if (slot >= kUnboarded) return;
   std::lock_guard lock(mu_);
-  free_.push_back(slot);
+  free_.give(slot);
 }
 
 void ShmKeyBoard::publish(uint64_t key) {

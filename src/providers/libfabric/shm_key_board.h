@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "util/free_slots.h"
+
 namespace fabric {
 
 class ShmKeyBoard {
@@ -63,8 +65,7 @@ class ShmKeyBoard {
   int fd_ = -1;
   uint64_t* slots_ = nullptr;  // kSlots entries; the last is the board's magic
   std::mutex mu_;  // owner: the free slots
-  std::vector<uint32_t> free_;
-  uint32_t next_ = 0;
+  util::FreeSlots free_{kUnboarded};
 };
 
 }  // namespace fabric
