@@ -10,14 +10,16 @@
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
 # FABRIC_GPU_ONLY="deep-ep-upstream weights-bench weights-model kv-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
-# cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
+# moe-deepep cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
 # tests/gpu/weights_bench.sh, with the Python package; the RL weight updates of a real transformers
 # Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; KV-cache
 # transfer between prefill and decode processes running a real transformers Qwen3-8B-shaped model,
 # `kv-model ...` lines, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
 # MoE GPU tests and bench, or either alone; DeepEP's own low-latency test against the shim
-# (tests/gpu/deep_ep_upstream/run.sh, DEEPEP_RUNS "ranks node_size;..."); the cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
+# (tests/gpu/deep_ep_upstream/run.sh, DEEPEP_RUNS "ranks node_size;..."); the MoE latency of
+# deep_ep.Buffer timed as DeepEP times it, `moe-deepep ...` lines, with the Python package; the
+# cuda_ipc benchmark; the posting benchmarks; the C++ GPU tests).
 # FABRIC_GPU_QUICK=1: build only the library and the test programs, run the GPU tests and the CPU
 # unit tests (the cuda_ipc namespace cases need root, which the lent machine gives), no loopback
 # suite and no benchmark: for a short lease.
@@ -157,6 +159,28 @@ moe_bench_steps() {
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
   grep -E "^moe-bench" "$OUT/moe_bench.txt" || true
 }
+# MoE latency as DeepEP measures it (bench/deep_ep_bench.py; issue 42, item 6): deep_ep.Buffer with
+# its defaults (its own engine, cuda_ipc, regions between nodes in GPU memory), rank processes
+# sharing GPU 0 under MPS (where it starts) with no SM partition, 128 tokens, hidden 7168, top-8 of
+# 256 experts, FP8 dispatch + BF16 combine: 2 ranks NVLink only, 2 ranks as 2 nodes, 8 ranks as 2
+# nodes of 4. Each first with the ranks' host threads spinning in CUDA's waits (CUDA's default),
+# then sleeping in them (blocking-sync, set before the context; and at 8 ranks set on the running
+# context, as a library could): the host waiting mode of item 5, measured in one run. The package
+# installed. MOE_DEEPEP_RUNS: "ranks node_size host_wait" entries separated by ';'.
+moe_deepep_runs() {
+  local mps=0 run ranks node wait runs
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
+  echo "moe-deepep-run mps=$mps sm_partition=none" | tee "$OUT/moe_deepep.txt"
+  IFS=';' read -ra runs <<< "${MOE_DEEPEP_RUNS:-2 2 spin;2 1 spin;8 4 spin;2 2 blocking-sync;2 1 blocking-sync;8 4 blocking-sync;8 4 blocking-sync-late}"
+  for run in "${runs[@]}"; do
+    read -r ranks node wait <<< "$run"
+    timeout "${MOE_DEEPEP_TIMEOUT:-240}" python3 bench/deep_ep_bench.py --device cuda --ranks "$ranks" --node-size "$node" \
+      --host-wait "$wait" >> "$OUT/moe_deepep.txt" 2>&1 ||
+      { status=1; echo "moe-deepep ranks=$ranks node_size=$node polling=$wait: FAILED" >> "$OUT/moe_deepep.txt"; }
+  done
+  if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
+  grep -E "^moe-deepep " "$OUT/moe_deepep.txt" || true
+}
 weights_bench_steps() {
   python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; return; }
   tests/gpu/weights_bench.sh || status=1
@@ -206,6 +230,9 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
         grep -E "^moe-deepep-test|^\[rank 0\]" "$OUT/deep_ep_upstream.txt" || tail -20 "$OUT/deep_ep_upstream.txt" ;;
       moe-tests) moe_gpu_tests ;;
       moe-bench) moe_bench_steps ;;
+      moe-deepep)  # MoE latency timed as DeepEP times it (installs the Python package first)
+        python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
+        moe_deepep_runs ;;
       *) echo "unknown step $step"; status=1 ;;
     esac
   done
@@ -264,6 +291,7 @@ grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
 python_steps
 kv_model_runs
 moe_steps
+moe_deepep_runs
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 if ! skip cpu; then
   timeout "${FABRIC_GPU_CPU_SUITE_S:-300}" ctest --test-dir $BUILD -LE gpu -j 8 --timeout 300 > "$OUT/cpu_tests.log" 2>&1 || status=1
