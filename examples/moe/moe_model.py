@@ -572,7 +572,7 @@ def config(args) -> dict:
                 threads=args.threads)
 
 
-def main() -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="all_to_all", choices=["all_to_all", "deep_ep"])
     ap.add_argument("--ranks", type=int, default=None, help="EP ranks (4 on the CPU, 8 on CUDA)")
@@ -583,7 +583,11 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     cfg = config(args)
     t0 = time.monotonic()
     print(f"{cfg['ranks']} EP ranks ({cfg['mode']}, node_size {cfg['node_size']}, "
