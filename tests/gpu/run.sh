@@ -9,12 +9,13 @@
 # FABRIC_GPU_SKIP="topo-pass cuda-ipc post cpu": leave those steps out (a short device budget).
 # FABRIC_GPU_WEIGHTS_ONLY=1: build, then only the Python GPU tests and the RL weight-update figures.
 # FABRIC_GPU_MOE_ONLY=1: build, then only the Python package, the MoE GPU tests and the MoE bench.
-# FABRIC_GPU_ONLY="deep-ep-upstream weights-bench weights-model kv-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
+# FABRIC_GPU_ONLY="deep-ep-upstream weights-bench weights-model kv-model moe-model python-install python-gpu python-watcher moe-gpu moe-tests moe-bench
 # moe-deepep cuda-ipc post gpu-tests": build, then only those steps (the RL weight updates at 300 MiB and 2 GiB per step,
 # tests/gpu/weights_bench.sh, with the Python package; the RL weight updates of a real transformers
 # Qwen3-MoE-shaped model, BF16 and FP8, `weights-model ...` lines, with the Python package; KV-cache
 # transfer between prefill and decode processes running a real transformers Qwen3-8B-shaped model,
-# `kv-model ...` lines, with the Python package; the Python package alone; the Python GPU
+# `kv-model ...` lines, with the Python package; a real transformers Qwen3-MoE's MoE blocks expert-parallel
+# over 8 rank processes sharing the GPU, `moe-model ...` lines, with the Python package; the Python package alone; the Python GPU
 # tests; the Python watcher's round trips beside the C++ watcher's, measured in the same run; the
 # MoE GPU tests and bench, or either alone; DeepEP's own low-latency test against the shim
 # (tests/gpu/deep_ep_upstream/run.sh, DEEPEP_RUNS "ranks node_size;..."); the MoE latency of
@@ -118,6 +119,26 @@ kv_model_runs() {
   done
   grep -E "^kv-model |NOT EXACT|FAILED|Error" "$OUT/kv_model.txt" | tail -8 || true
 }
+# The MoE blocks of a real transformers model expert-parallel (examples/moe/moe_model.py): a
+# Qwen3-MoE-shaped config in BF16 (Qwen3-30B-A3B's widths and vocab, 4 layers of 64 experts, top-8,
+# random weights) in 8 rank processes sharing GPU 0 under MPS where it starts (no SM partition),
+# each holding 8 experts of every layer and decoding 4 prompts, through AllToAll and then through
+# deep_ep.Buffer, BF16 and FP8 dispatch, against one process running the unmodified model; the
+# script fails unless the blocks are within their bounds and the BF16 decode's tokens are the
+# model's. Ends in `moe-model ...` lines. The package installed.
+moe_model_runs() {
+  local mps=0 mode
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
+  : > "$OUT/moe_model.txt"
+  # MOE_MODEL_MODES: "all_to_all deep_ep" (a short lease runs one).
+  for mode in ${MOE_MODEL_MODES:-all_to_all deep_ep}; do
+    timeout "${MOE_MODEL_TIMEOUT:-300}" python3 examples/moe/moe_model.py --device cuda --mode "$mode" \
+      >> "$OUT/moe_model.txt" 2>&1 || { status=1; echo "moe-model $mode: FAILED" >> "$OUT/moe_model.txt"; }
+  done
+  if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
+  echo "moe-model mps=$mps"
+  grep -E "^moe-model |FAILED|Error" "$OUT/moe_model.txt" | tail -8 || true
+}
 # MoE dispatch/combine: 2 and 4 rank processes sharing GPU 0 (under MPS where it starts), NVLink
 # only and as 2 "nodes" over shm through host-pinned buffers, checked DeepEP-style and replayed
 # in a CUDA graph; then the benchmark at 128 tokens, hidden 7168, top-8 (both latency definitions).
@@ -208,6 +229,9 @@ if [ -n "${FABRIC_GPU_ONLY:-}" ]; then
       kv-model)  # the real-model KV-cache transfer (installs the Python package first)
         python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
         kv_model_runs ;;
+      moe-model)  # the real-model MoE blocks expert-parallel (installs the Python package first)
+        python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; continue; }
+        moe_model_runs ;;
       python-install) python_install > "$OUT/python_install.txt" 2>&1 || { status=1; tail -20 "$OUT/python_install.txt"; } ;;
       post) post_steps ;;
       cuda-ipc) cuda_ipc_steps ;;
@@ -291,6 +315,7 @@ grep -E "^fabric-kv-bench|^kv " "$OUT/kv.txt" || true
 python_steps
 kv_model_runs
 moe_steps
+moe_model_runs
 moe_deepep_runs
 # The CPU suite last, bounded, so that a slow run cannot cost the figures above.
 if ! skip cpu; then
