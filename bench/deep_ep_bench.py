@@ -94,8 +94,9 @@ def _us(clock, a, b) -> float:
 
 def _flush_l2(device, enabled: bool) -> None:
     """DeepEP's flush_l2_cache: zero 256 MB so the next call starts with a cold L2. Ranks sharing
-    one GPU flush at once, so one rank's flush can overlap another's timed call (--no-flush-l2
-    measures without it)."""
+    one GPU flush at once: in (a), as in DeepEP's loop, one rank's flush can overlap another's
+    timed call (a 256 MB memset takes ~100 us on an H100; --no-flush-l2 measures without it); (b)
+    and (c) align the ranks after the flush."""
     import torch
 
     if enabled and device.type == "cuda":
@@ -128,7 +129,7 @@ def _bench_both(args, device, timer, step) -> list:
 
 
 def _bench_apart(args, device, timer, dispatch, combine) -> tuple:
-    """(b) per iteration: ranks aligned, flush, marks before the dispatch, between it and its
+    """(b) per iteration: flush, ranks aligned, marks before the dispatch, between it and its
     combine, and after; (dispatch us, combine us) lists and the host thread's CPU share (CPU time
     over wall time of the loop: near 1 when it spins in CUDA's waits)."""
     d_us, c_us = [], []
@@ -136,8 +137,9 @@ def _bench_apart(args, device, timer, dispatch, combine) -> tuple:
         combine(dispatch())
     wall0, cpu0 = time.perf_counter(), time.thread_time()
     for _ in range(args.iters):
-        _align(device)
+        # Flush, then align: on a shared GPU the other ranks' flushes are over before the call.
         _flush_l2(device, args.flush_l2)
+        _align(device)
         m0 = timer.mark()
         handle = dispatch()
         m1 = timer.mark()
@@ -160,8 +162,8 @@ def _bench_copy(args, device, timer, nbytes: int) -> list:
         dst.copy_(src)
     us = []
     for _ in range(args.iters):
-        _align(device)
         _flush_l2(device, args.flush_l2)
+        _align(device)
         a = timer.mark()
         dst.copy_(src)
         b = timer.mark()
@@ -236,8 +238,20 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         buf.low_latency_combine(y, idx, w, handle, out=out)
 
     timer = moe_bench._Clock(device)  # CUDA events on the current stream, or perf_counter
-    both = _bench_both(args, device, timer, lambda: combine(dispatch()))
-    d_us, c_us, cpu_share = _bench_apart(args, device, timer, dispatch, combine)
+
+    def phase(name: str, run):
+        """run(), then the Buffer checked (each phase ends synchronized): a CUDA kernel's failure
+        reports at the next call, so without the check it would be blamed on the next phase."""
+        try:
+            result = run()
+            buf.check()
+            return result
+        except Exception as e:
+            print(f"moe-deepep-failed rank={rank} phase={name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            raise
+
+    both = phase("a-both", lambda: _bench_both(args, device, timer, lambda: combine(dispatch())))
+    d_us, c_us, cpu_share = phase("b-apart", lambda: _bench_apart(args, device, timer, dispatch, combine))
     selections = int((idx >= 0).sum())
     copy_d = _bench_copy(args, device, timer, selections * (args.hidden + args.hidden // 32 + 16))
     copy_c = _bench_copy(args, device, timer, selections * args.hidden * 2)
@@ -245,8 +259,7 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
     if args.moe_bench_steps:
         # The engine the Buffer opened (or ours), and the regions where the Buffer keeps them.
         rdma = "device" if cuda and engine is None else "host"
-        moe_d = _moe_bench_dispatch_us(args, rank, world, buf.engine, device, rdma)
-    buf.check()
+        moe_d = phase("d-moe-bench", lambda: _moe_bench_dispatch_us(args, rank, world, buf.engine, device, rdma))
     mine = dict(both=statistics.median(both), dispatch=statistics.median(d_us), combine=statistics.median(c_us),
                 copy_dispatch=statistics.median(copy_d), copy_combine=statistics.median(copy_c),
                 moe_bench_dispatch=moe_d, cpu_share=cpu_share, ctx_flags=ctx_flags)

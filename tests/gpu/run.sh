@@ -187,17 +187,18 @@ moe_bench_steps() {
 # nodes of 4. Each first with the ranks' host threads spinning in CUDA's waits (CUDA's default),
 # then sleeping in them (blocking-sync, set before the context; and at 8 ranks set on the running
 # context, as a library could): the host waiting mode of item 5, measured in one run. The package
-# installed. MOE_DEEPEP_RUNS: "ranks node_size host_wait" entries separated by ';'.
+# installed. MOE_DEEPEP_RUNS: "ranks node_size host_wait [more bench args]" entries separated by ';'.
 moe_deepep_runs() {
-  local mps=0 run ranks node wait runs
+  local mps=0 run ranks node wait extra runs
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
   echo "moe-deepep-run mps=$mps sm_partition=none" | tee "$OUT/moe_deepep.txt"
   IFS=';' read -ra runs <<< "${MOE_DEEPEP_RUNS:-2 2 spin;2 1 spin;8 4 spin;2 2 blocking-sync;2 1 blocking-sync;8 4 blocking-sync;8 4 blocking-sync-late}"
   for run in "${runs[@]}"; do
-    read -r ranks node wait <<< "$run"
+    read -r ranks node wait extra <<< "$run"
+    # shellcheck disable=SC2086
     timeout "${MOE_DEEPEP_TIMEOUT:-240}" python3 bench/deep_ep_bench.py --device cuda --ranks "$ranks" --node-size "$node" \
-      --host-wait "$wait" >> "$OUT/moe_deepep.txt" 2>&1 ||
-      { status=1; echo "moe-deepep ranks=$ranks node_size=$node polling=$wait: FAILED" >> "$OUT/moe_deepep.txt"; }
+      --host-wait "$wait" ${extra:-} >> "$OUT/moe_deepep.txt" 2>&1 ||
+      { status=1; echo "moe-deepep ranks=$ranks node_size=$node polling=$wait ${extra:-}: FAILED" >> "$OUT/moe_deepep.txt"; }
   done
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
   grep -E "^moe-deepep " "$OUT/moe_deepep.txt" || true
