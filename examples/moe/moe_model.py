@@ -22,7 +22,8 @@ Checks (the script exits 1 when one fails):
     output within the BF16 bound: the model (grouped_mm or batched_mm experts) rounds each weighted
     expert output w * y to BF16 before its fp32 sum, the combine does not, so per value
     |ep - model| <= (3 * 2^-8 + 2^-20) * sum_k |w_k y_k| (2^-8: BF16's unit roundoff, once for
-    each product and once for each side's final rounding; 2^-20: the fp32 sums of at most 8 terms).
+    each product and once for each side's final rounding; 2^-20: the fp32 sums of at most 8 terms;
+    eager experts, which add in BF16, get (k + 2) * 2^-8: sum_bound).
     FP8 dispatch: exact against the same with the experts applied to the dequantized tokens
     (quantize_fp8_tokens is what the send half does); against the unquantized model block within
     the FP8 bound: the BF16 bound plus the e4m3 error of the inputs (2^-4 relative, 3 mantissa
@@ -49,7 +50,7 @@ Checks (the script exits 1 when one fails):
     moe-model ranks=<W> mode=<all_to_all|deep_ep> dtype=<bf16|fp8> tokens_identical=<yes|no>
         max_logit_diff=<x> step_ms=<EP decode step p50> single_ms=<single-process step p50>
         ratio=<step/single> block_exact=<yes|no> block_bound=<max |diff| / bound, weights in combine>
-        weights=<expert|combine: the decode's>
+        weights=<expert|combine: the decode's> experts=<transformers' experts implementation>
     step_ms: per decode step the slowest rank's time, p50 over the steps; single_ms: the
     unmodified model's step over all the prompts in one process, p50.
 
@@ -438,6 +439,16 @@ def fp8_input_error(experts, x, idx, weights):
     return out
 
 
+def sum_bound(model, k: int) -> float:
+    """How far, relative to sum_k |w_k y_k|, the model's weighted sum of its experts' outputs may be
+    from the combine's: grouped_mm and batched_mm (transformers' defaults) round each w * y to BF16
+    and sum in fp32 (3 roundings of 2^-8: the products, each side's final one; 2^-20 for fp32
+    sums of up to 8 terms); eager (index_add_ in BF16, expert by expert) rounds after every add:
+    k + 2 of them."""
+    impl = getattr(model.config, "_experts_implementation", None)
+    return (3 if impl in ("grouped_mm", "batched_mm") else k + 2) * U_BF16 + 2.0 ** -20
+
+
 def block_reference(model, x, dtype: str) -> dict:
     """Check (a)'s reference on the model's first MoE block, all tokens in one process:
     `model`: the unmodified block's output; `exact`: reference_combine_rows over the block's experts
@@ -451,7 +462,7 @@ def block_reference(model, x, dtype: str) -> dict:
     xin = fp8_round_trip(x) if dtype == "fp8" else x
     rows = slot_outputs(block.experts, xin, idx)
     exact = M.reference_combine_rows(idx, w, rows)
-    bound = (3 * U_BF16 + 2.0 ** -20) * (w.unsqueeze(2).cpu() * rows.float().abs().cpu()).sum(1)
+    bound = sum_bound(model, idx.shape[1]) * (w.unsqueeze(2).cpu() * rows.float().abs().cpu()).sum(1)
     if dtype == "fp8":
         bound += fp8_input_error(block.experts, x, idx, w).cpu()
     return dict(model=block(x[None])[0].cpu(), exact=exact.cpu(), bound=bound)
@@ -473,10 +484,12 @@ def reference(cfg: dict) -> dict:
     ids, P, N = prompts(cfg).to(dev), cfg["size"]["prompts"], cfg["size"]["new_tokens"]
     per_rank = [greedy(model, ids[r * P:(r + 1) * P], N, sync) for r in range(cfg["ranks"])]
     step_ms = greedy(model, ids, N, sync)[2]
+    experts = getattr(model.config, "_experts_implementation", None)
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(blocks=blocks, tokens=torch.cat([t for t, _, _ in per_rank]),
+    return dict(blocks=blocks, experts=experts,
+                tokens=torch.cat([t for t, _, _ in per_rank]),
                 logits=torch.cat([lg for _, lg, _ in per_rank]), step_ms=step_ms)
 
 
@@ -565,7 +578,7 @@ def verdict(cfg: dict, ref: dict, got: list, dtype: str, out) -> dict:
     line = (f"moe-model ranks={W} mode={cfg['mode']} dtype={dtype} tokens_identical={'yes' if same_tokens else 'no'} "
             f"max_logit_diff={max_logit_diff:.4g} step_ms={step_ms:.2f} single_ms={single_ms:.2f} "
             f"ratio={step_ms / single_ms:.2f} block_exact={'yes' if block_exact else 'no'} "
-            f"block_bound={block_ratio:.3f} weights={decode_placement(dtype)}")
+            f"block_bound={block_ratio:.3f} weights={decode_placement(dtype)} experts={ref['experts']}")
     out(line)
     problems = []
     if block_ratio > 1:
@@ -607,7 +620,9 @@ def main() -> int:
     args = parse_args()
     cfg = config(args)
     t0 = time.monotonic()
-    print(f"{cfg['ranks']} EP ranks ({cfg['mode']}, node_size {cfg['node_size']}, "
+    import transformers
+
+    print(f"transformers {transformers.__version__}; {cfg['ranks']} EP ranks ({cfg['mode']}, node_size {cfg['node_size']}, "
           f"{'GPU 0' if args.device == 'cuda' else cfg['provider']}), qwen3_moe {cfg['size']}")
     try:
         run(cfg)
