@@ -28,7 +28,7 @@ enum class Phase { kIdle, kDispatchSent, kDispatched, kCombineSent };
 const char* phase_name(Phase p) {
   switch (p) {
     case Phase::kIdle:
-      return "combined";
+      return "unused";
     case Phase::kDispatchSent:
       return "dispatch sent";
     case Phase::kDispatched:
@@ -181,7 +181,8 @@ struct BufferSet {
   Views views;                    // what the kernel side uses
   std::unique_ptr<Proxy> proxy;
   Phase phase = Phase::kIdle;
-  uint64_t step = 0;    // this set's dispatches: the protocol's step (host kernels)
+  uint64_t step = 0;      // this set's dispatches: the protocol's step (host kernels)
+  uint64_t combines = 0;  // this set's combines: the combine sequence (host kernels; layout.h)
   uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
   uint32_t tokens = 0;  // of that dispatch
 
@@ -311,17 +312,11 @@ struct AllToAll::Impl {
                               "buffer set {}; {} dispatches so far)",
                               what, cfg.rank, h.step, h.buffer, dispatches));
     BufferSet& b = *sets[h.buffer];
-    if (h.step != b.handle || b.phase == Phase::kIdle)
+    if (h.step != b.handle)
       throw Error(ErrorCode::kInvalidArgument,
-                  fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent ({})",
-                              what, cfg.rank, h.step,
-                              b.handle == h.step
-                                  ? fmt::format("it was combined, and a dispatch is combined once; its "
-                                                "buffer set {} is free",
-                                                h.buffer)
-                                  : fmt::format("it was combined, or dropped uncombined when dispatch {} "
-                                                "took its buffer set {}",
-                                                b.handle, h.buffer)));
+                  fmt::format("MoE {} on rank {}: the handle of dispatch {} is spent (dispatch {} took its "
+                              "buffer set {}: a handle is valid until its set is taken, {} dispatches later)",
+                              what, cfg.rank, h.step, b.handle, h.buffer, cfg.buffers));
     if (b.phase != want)
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("MoE {} on rank {}: out of order for dispatch {} (it is at '{}'; "
@@ -503,10 +498,10 @@ Handle AllToAll::dispatch_send(const DispatchArgs& args) {
   s.check_before("dispatch send");
   const uint32_t index = static_cast<uint32_t>(s.dispatches % s.cfg.buffers);
   BufferSet& b = *s.sets[index];
-  // A dispatch that was received and never combined is dropped, as DeepEP drops it: its set is
-  // reused (every rank makes the same calls, so every rank's set moves on at once), and its handle
-  // is refused from now on. One whose receive or combine is under way still owns the set: its
-  // peers' rows may still be landing there.
+  // The dispatch holding the set goes, combined or not, as DeepEP drops it: its set is reused
+  // (every rank makes the same calls, so every rank's set moves on at once), and its handle is
+  // refused from now on. One whose receive or combine is under way still owns the set: its peers'
+  // rows may still be landing there.
   if (b.phase == Phase::kDispatchSent || b.phase == Phase::kCombineSent)
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("MoE dispatch send on rank {}: at most {} dispatches in flight "
@@ -546,7 +541,8 @@ void AllToAll::combine_send(const Handle& h, const CombineArgs& args) {
   if (s.cuda())
     cuda::combine_send(b.views, args);
   else
-    s.guarded([&] { host::combine_send(b.views, args, b.step); }, [] {});
+    s.guarded([&] { host::combine_send(b.views, args, b.combines + 1); }, [] {});
+  ++b.combines;
   b.phase = Phase::kCombineSent;
 }
 
@@ -557,9 +553,9 @@ void AllToAll::combine_recv(const Handle& h, const CombineArgs& args) {
   if (s.cuda())
     cuda::combine_recv(b.views, args);
   else
-    s.guarded([&] { host::combine_recv(b.views, args, b.step); },
+    s.guarded([&] { host::combine_recv(b.views, args, b.combines); },
               [&] { host::mark_combine_failed(b.views, args); });
-  b.phase = Phase::kIdle;
+  b.phase = Phase::kDispatched;  // combined; it may be combined again (DeepEP's test does) until its set is taken
 }
 
 Handle AllToAll::dispatch(const DispatchArgs& args) {

@@ -23,7 +23,8 @@
 //
 // The step: dispatch_send reads local.step and works with step + 1; its last block stores step + 1
 // back once every block has read the old value. The later kernels on the stream read it there, so
-// a captured graph replays with the right step. The grid counters live in local.scratch (the CUDA
+// a captured graph replays with the right step. The combine sequence (layout.h) is kept alike in
+// local.combines by combine_send. The grid counters live in local.scratch (the CUDA
 // side has no other use for it), and the kernel that counts resets them for the next launch.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
@@ -128,6 +129,9 @@ __device__ __forceinline__ std::byte* scratch(const Ptrs& p, ScratchWord w) { re
 __device__ __forceinline__ std::byte* own_node(const Ptrs& p) { return p.node[p.rank % p.lay.dims.node_size]; }
 __device__ __forceinline__ uint64_t current_step(const Ptrs& p) {
   return *reinterpret_cast<const uint64_t*>(p.local + p.lay.local.step);
+}
+__device__ __forceinline__ uint64_t current_combine(const Ptrs& p) {
+  return *reinterpret_cast<const uint64_t*>(p.local + p.lay.local.combines);
 }
 
 // A ticket of this launch (0 for the first block to ask). The last block to ask resets the
@@ -265,10 +269,10 @@ __device__ bool dispatch_arrived(const Ptrs& p, uint32_t s, uint64_t step) {
          load_acquire_sys(p.signals + signal_at(p.lay.signals.dispatch_seen, s)) >= step;
 }
 
-__device__ bool combine_arrived(const Ptrs& p, uint32_t s, uint64_t step) {
+__device__ bool combine_arrived(const Ptrs& p, uint32_t s, uint64_t seq) {
   const Dims& d = p.lay.dims;
-  if (d.same_node(s, p.rank)) return load_acquire_sys(own_node(p) + p.lay.node.combine_flag + kLine * (s % d.node_size)) >= step;
-  return load_acquire_sys(p.signals + signal_at(p.lay.signals.combine_seen, s)) >= step;
+  if (d.same_node(s, p.rank)) return load_acquire_sys(own_node(p) + p.lay.node.combine_flag + kLine * (s % d.node_size)) >= seq;
+  return load_acquire_sys(p.signals + signal_at(p.lay.signals.combine_seen, s)) >= seq;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -746,11 +750,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
 // ---------------------------------------------------------------------------------------------
 // Combine send.
 
-__device__ void raise_combine_flags(const Ptrs& p, uint64_t step) {
+__device__ void raise_combine_flags(const Ptrs& p, uint64_t seq) {
   const Dims& d = p.lay.dims;
   const uint32_t N = d.node_size;
-  if (threadIdx.x < N) store_release_sys(p.node[threadIdx.x] + p.lay.node.combine_flag + kLine * (p.rank % N), step);
-  if (threadIdx.x == 0 && d.ranks > N) store_release_sys(p.signals + p.lay.signals.combine_sent, step);
+  if (threadIdx.x < N) store_release_sys(p.node[threadIdx.x] + p.lay.node.combine_flag + kLine * (p.rank % N), seq);
+  if (threadIdx.x == 0) {
+    if (d.ranks > N) store_release_sys(p.signals + p.lay.signals.combine_sent, seq);
+    *reinterpret_cast<uint64_t*>(p.local + p.lay.local.combines) = seq;  // every block has read the old one
+  }
 }
 
 // One warp per expert-output row: to the source's node region (node-mates) or into the combine
@@ -759,7 +766,7 @@ template <uint32_t kHidden>
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ptrs p, const uint16_t* expert_out) {
   extern __shared__ uint32_t smem[];
   const Dims& d = p.lay.dims;
-  const uint64_t step = current_step(p);
+  const uint64_t seq = current_combine(p) + 1;
   const Sources t = build_sources(p, smem, true);
   const uint32_t B = 2 * (kHidden != 0 ? kHidden : d.hidden);
   const uint64_t M = d.rows_per_expert();
@@ -767,11 +774,12 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ptrs p, const ui
   for (uint32_t flat = blockIdx.x * kWarps + threadIdx.x / 32; flat < rows; flat += gridDim.x * kWarps) {
     const RowAt a = locate(t, d, flat);
     const uint64_t position = uint64_t{t.dest_base[a.s]} + t.start[uint64_t{a.el} * d.ranks + a.s] + a.j;
-    std::byte* dst = d.same_node(a.s, p.rank) ? p.node[a.s % d.node_size] + p.lay.node.combine : p.send + p.lay.send.cstage;
+    std::byte* dst = d.same_node(a.s, p.rank) ? p.node[a.s % d.node_size] + p.lay.node.combine + combine_half(d, seq)
+                                              : p.send + p.lay.send.cstage + cstage_half(d, seq);
     const auto* src = reinterpret_cast<const std::byte*>(expert_out) + (a.el * M + a.m) * B;
     warp_copy<uint4>(dst + position * B, src, B, lane);
   }
-  if (finish_block(scratch(p, kCombineSendDone))) raise_combine_flags(p, step);
+  if (finish_block(scratch(p, kCombineSendDone))) raise_combine_flags(p, seq);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -798,8 +806,8 @@ __device__ __forceinline__ uint4 to_bf16(const float (&acc)[8]) {
 // Values [seg * 256, (seg + 1) * 256) of token t: the used slots' rows weighted and summed in slot
 // order in fp32 with fmaf, rounded to BF16 once (as host_kernels.cpp does). Every slot's load is
 // issued before the sum starts, so a warp waits one memory latency, not topk of them.
-__device__ void combine_segment(const Ptrs& p, uint16_t* out, const float* topk_weights, uint32_t hidden, uint32_t t, uint32_t seg,
-                                uint32_t lane) {
+__device__ void combine_segment(const Ptrs& p, uint64_t half, uint16_t* out, const float* topk_weights, uint32_t hidden, uint32_t t,
+                                uint32_t seg, uint32_t lane) {
   const Dims& d = p.lay.dims;
   const int32_t* pos = reinterpret_cast<const int32_t*>(p.local + p.lay.local.pos) + uint64_t{t} * d.topk;
   const int32_t* dst_of = reinterpret_cast<const int32_t*>(p.local + p.lay.local.dst) + uint64_t{t} * d.topk;
@@ -814,8 +822,8 @@ __device__ void combine_segment(const Ptrs& p, uint16_t* out, const float* topk_
     const int32_t at = k < d.topk ? pos[k] : -1;
     used[k] = at >= 0;
     if (used[k] && mine) {
-      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[k]), p.rank) ? own_node(p) + p.lay.node.combine
-                                                                                   : p.recv + p.lay.recv.combine;
+      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[k]), p.rank) ? own_node(p) + p.lay.node.combine + half
+                                                                                   : p.recv + p.lay.recv.combine + half;
       v[k] = *reinterpret_cast<const uint4*>(base + uint64_t(at) * B + 2ull * h);
     }
   }
@@ -834,16 +842,16 @@ __host__ __device__ inline uint32_t combine_segments(uint32_t hidden) { return (
 template <uint32_t kHidden>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t* out, const float* topk_weights) {
   const Dims& d = p.lay.dims;
-  const uint64_t step = current_step(p);
-  const bool ok = wait_sources(p, step, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
-                               [&](uint32_t s) { return combine_arrived(p, s, step); });
+  const uint64_t seq = current_combine(p);
+  const bool ok = wait_sources(p, seq, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
+                               [&](uint32_t s) { return combine_arrived(p, s, seq); });
   const uint32_t hidden = kHidden != 0 ? kHidden : d.hidden, segs = combine_segments(hidden);
   // The caller gives no `out` only for a dispatch of no tokens (all_to_all.cpp checks).
   const uint32_t tokens = out ? *reinterpret_cast<const uint32_t*>(p.local + p.lay.local.tokens) : 0;
   const uint32_t lane = threadIdx.x % 32;
   if (ok)
     for (uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32; item < tokens * segs; item += gridDim.x * kWarps)
-      combine_segment(p, out, topk_weights, hidden, item / segs, item % segs, lane);
+      combine_segment(p, combine_half(d, seq), out, topk_weights, hidden, item / segs, item % segs, lane);
   if (finish_block(scratch(p, kCombineRecvDone)) && (!ok || kernel_failed(p))) {
     const uint32_t nan2 = uint32_t{kInvalidBf16} | (uint32_t{kInvalidBf16} << 16);
     auto* words = reinterpret_cast<uint32_t*>(out);  // hidden is a multiple of 128: whole words

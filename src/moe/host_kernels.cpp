@@ -252,7 +252,7 @@ void dispatch_recv(const Views& v, uint64_t step, int64_t* wait_ns) {
   });
 }
 
-void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
+void combine_send(const Views& v, const CombineArgs& a, uint64_t seq) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
   const uint64_t B = d.combine_row_bytes(), M = d.rows_per_expert();
@@ -261,13 +261,13 @@ void combine_send(const Views& v, const CombineArgs& a, uint64_t step) {
     const uint64_t first = expert_start(d, row_s, e);
     std::byte* dst;
     if (d.same_node(s, me))
-      dst = v.node[s % N] + v.lay.node.combine + (combine_base(d, row_s, me) + first) * B;
+      dst = v.node[s % N] + v.lay.node.combine + combine_half(d, seq) + (combine_base(d, row_s, me) + first) * B;
     else
-      dst = v.send + v.lay.send.cstage + (cstage_base(d, routing, s, me) + first) * B;
+      dst = v.send + v.lay.send.cstage + cstage_half(d, seq) + (cstage_base(d, routing, s, me) + first) * B;
     std::memcpy(dst, a.expert_out + (uint64_t{el} * M + m) * d.hidden, c * B);
   });
-  for (uint32_t i = 0; i < N; ++i) word(v.node[i], v.lay.node.combine_flag + kLine * (me % N)).store(step, std::memory_order_release);
-  if (d.ranks > N) word(v.signals, v.lay.signals.combine_sent).store(step, std::memory_order_release);
+  for (uint32_t i = 0; i < N; ++i) word(v.node[i], v.lay.node.combine_flag + kLine * (me % N)).store(seq, std::memory_order_release);
+  if (d.ranks > N) word(v.signals, v.lay.signals.combine_sent).store(seq, std::memory_order_release);
 }
 
 void mark_dispatch_failed(const Views& v) {
@@ -283,26 +283,27 @@ void mark_combine_failed(const Views& v, const CombineArgs& a) {
   std::fill(a.out, a.out + n, kInvalidBf16);
 }
 
-void combine_recv(const Views& v, const CombineArgs& a, uint64_t step) {
+void combine_recv(const Views& v, const CombineArgs& a, uint64_t seq) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
   std::byte* node = own_node(v);
-  wait_all(v, "combine", step, a.wait_ns, [&](uint32_t s) {
-    if (d.same_node(s, me)) return word(node, v.lay.node.combine_flag + kLine * (s % N)).load(std::memory_order_acquire) >= step;
-    return word(v.signals, signal_at(v.lay.signals.combine_seen, s)).load(std::memory_order_acquire) >= step;
+  wait_all(v, "combine", seq, a.wait_ns, [&](uint32_t s) {
+    if (d.same_node(s, me)) return word(node, v.lay.node.combine_flag + kLine * (s % N)).load(std::memory_order_acquire) >= seq;
+    return word(v.signals, signal_at(v.lay.signals.combine_seen, s)).load(std::memory_order_acquire) >= seq;
   });
   const uint32_t tokens = *at<uint32_t>(v.local, v.lay.local.tokens);
   const int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
   const int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
   const float* weights = a.topk_weights;
   float* acc = at<float>(v.local, v.lay.local.scratch);
+  const uint64_t half = combine_half(d, seq);
   for (uint32_t t = 0; t < tokens; ++t) {
     std::fill(acc, acc + d.hidden, 0.0f);
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
       if (pos[slot] < 0) continue;
-      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[slot]), me) ? node + v.lay.node.combine
-                                                                                   : v.recv + v.lay.recv.combine;
+      const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[slot]), me) ? node + v.lay.node.combine + half
+                                                                                   : v.recv + v.lay.recv.combine + half;
       const uint16_t* row = reinterpret_cast<const uint16_t*>(base + uint64_t(pos[slot]) * d.combine_row_bytes());
       const float w = weights[slot];
       for (uint32_t h = 0; h < d.hidden; ++h) acc[h] = std::fma(w, bf16_to_float(row[h]), acc[h]);

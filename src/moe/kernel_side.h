@@ -47,20 +47,22 @@ namespace host {
 // Throws kInvalidArgument for a dispatch the host kernels cannot run (too many tokens, an expert
 // out of range or repeated within a token, missing pointers); call before dispatch_send.
 void check_dispatch_args(const Dims& d, const DispatchArgs& args);
-// Run on the calling thread. `step` counts dispatches from 1. A receive half that times out, or
+// Run on the calling thread. `step` counts the set's dispatches from 1, `seq` its combines
+// (layout.h). A receive half that times out, or
 // finds the AllToAll failed, throws fabric::Error (kTimeout naming the ranks it waited for).
 void dispatch_send(const Views& v, const DispatchArgs& args, uint64_t step);
 void dispatch_recv(const Views& v, uint64_t step, int64_t* wait_ns);
-void combine_send(const Views& v, const CombineArgs& args, uint64_t step);
-void combine_recv(const Views& v, const CombineArgs& args, uint64_t step);
+void combine_send(const Views& v, const CombineArgs& args, uint64_t seq);
+void combine_recv(const Views& v, const CombineArgs& args, uint64_t seq);
 // What a failed receive half leaves: counts = kInvalidCount; out = NaN (the last dispatch's tokens).
 void mark_dispatch_failed(const Views& v);
 void mark_combine_failed(const Views& v, const CombineArgs& args);
 }  // namespace host
 
 namespace cuda {
-// Enqueue kernels on args.stream; the step lives in device memory (local.step: dispatch_send
-// increments it), so a captured graph replays correctly. A wait that times out stores
+// Enqueue kernels on args.stream; the step and the combine sequence live in device memory
+// (local.step, local.combines: the send halves increment them), so a captured graph replays
+// correctly. A wait that times out stores
 // KernelError into signals.kernel_error, marks its outputs invalid (counts = kInvalidCount,
 // combine out = NaN) and ends its kernel. Only in CUDA builds.
 void dispatch_send(const Views& v, const DispatchArgs& args);

@@ -33,6 +33,14 @@
 // packed contiguously in rdma_send.cstage and written in one WRITE (COMBINE imm) to
 // rdma.combine[cbase(s, d)]. s then sums sum_k w[t][k] * row(pos[t][k]) in fp32, k in order,
 // with fmaf, rounding to BF16 once.
+//
+// A dispatch may be combined more than once (DeepEP's test combines each dispatch twice). The
+// combine therefore counts its own sequence c (per buffer set, from 1, on every rank alike as
+// every rank makes the same calls): the combine flags, combine_sent, combine_seen and the COMBINE
+// immediate carry c, not the dispatch step, and the combine rows (node.combine, rdma.combine,
+// rdma_send.cstage) have two halves, c taking half c % 2. A rank that finished combine c and
+// starts c + 1 then writes the half its slower peers are not reading; it can reach c + 2 only
+// once every peer sent c + 1, which each does after it received c.
 #pragma once
 
 #include <cstddef>
@@ -101,7 +109,7 @@ struct NodeLayout {
   uint64_t combine_flag = 0;   // [N] u64, kLine apart
   uint64_t counts = 0;         // [N][E] u32: the node-mates' counts rows
   uint64_t rows = 0;           // [L][N][T] rows of row_bytes
-  uint64_t combine = 0;        // [T * K] combine rows
+  uint64_t combine = 0;        // [2][T * K] combine rows, a half per combine parity
   uint64_t bytes = 0;
 };
 
@@ -110,7 +118,7 @@ struct RecvLayout {
   uint64_t routing = 0;  // [W][E] u32
   uint64_t priv = 0;     // [W][P] rows
   uint64_t shared = 0;   // [W - N][slot_rows] rows: a slot per rank of the other nodes
-  uint64_t combine = 0;  // [T * K] combine rows
+  uint64_t combine = 0;  // [2][T * K] combine rows, a half per combine parity
   uint64_t bytes = 0;
 };
 
@@ -118,7 +126,7 @@ struct RecvLayout {
 struct SendLayout {
   uint64_t route_row = 0;  // [E] u32: this rank's counts
   uint64_t stage = 0;      // [T * K] rows for the other nodes, by destination rank
-  uint64_t cstage = 0;     // [cstage_rows] combine rows for the other nodes, by source rank
+  uint64_t cstage = 0;     // [2][cstage_rows] combine rows for the other nodes, by source rank
   uint64_t bytes = 0;
 };
 
@@ -126,13 +134,13 @@ struct SendLayout {
 // pinned and device-mapped). Each is a u64 on its own line; the arrays are [W].
 struct SignalLayout {
   uint64_t dispatch_sent = 0;  // kernel -> proxy: dispatch step whose rows are staged
-  uint64_t combine_sent = 0;   // kernel -> proxy: combine step whose rows are staged
+  uint64_t combine_sent = 0;   // kernel -> proxy: combine sequence whose rows are staged
   uint64_t failed = 0;         // nonzero once a transfer or expectation failed (proxy counts)
   uint64_t kernel_error = 0;   // a kernel's failure: KernelError << 32 | (rank it waited for + 1)
   uint64_t writes_done = 0;    // the proxy's scatters that completed (diagnostics)
   uint64_t route_seen = 0;     // [W] proxy -> kernel: steps whose counts row from rank s arrived
   uint64_t dispatch_seen = 0;  // [W] steps whose rows from remote rank s all arrived
-  uint64_t combine_seen = 0;   // [W] the last step whose combine rows from remote rank s arrived
+  uint64_t combine_seen = 0;   // [W] the last combine sequence whose rows from remote rank s arrived
   uint64_t route_row = 0;      // [E] u32: this rank's counts row, for the proxy (a copy of
                                // send.route_row, which may be device memory)
   uint64_t routing = 0;        // [W][E] u32: the other nodes' counts rows, for the proxy's
@@ -147,6 +155,7 @@ struct LocalLayout {
   uint64_t pos = 0;        // [T][K] i32: combine position of (t, k), -1 for a masked slot
   uint64_t dst = 0;        // [T][K] i32: rank holding slot (t, k)'s expert, -1 for a masked slot
   uint64_t step = 0;       // u64: the last dispatch step (GPU kernels keep it here)
+  uint64_t combines = 0;   // u64: the last combine sequence (GPU kernels keep it here)
   uint64_t tokens = 0;     // u32: tokens of the last dispatch
   uint64_t scratch = 0;    // [max(3E, H)] 4-byte words for host kernels (nothing allocated per call)
   uint64_t bytes = 0;
@@ -186,20 +195,20 @@ inline Layout make_layout(const Dims& d) {
   l.node.combine_flag = take(kLine * d.node_size);
   l.node.counts = take(4ull * d.node_size * d.experts);
   l.node.rows = take(R * d.local_experts * d.node_size * d.max_tokens);
-  l.node.combine = take(B * TK);
+  l.node.combine = take(2 * B * TK);
   l.node.bytes = align_up(o, 4096);
 
   o = 0;
   l.recv.routing = take(4ull * d.ranks * d.experts);
   l.recv.priv = take(R * d.ranks * d.private_rows);
   l.recv.shared = take(R * d.remote_ranks() * d.slot_rows());
-  l.recv.combine = take(B * TK);
+  l.recv.combine = take(2 * B * TK);
   l.recv.bytes = align_up(o, 4096);
 
   o = 0;
   l.send.route_row = take(4ull * d.experts);
   l.send.stage = take(R * TK);
-  l.send.cstage = take(B * d.cstage_rows());
+  l.send.cstage = take(2 * B * d.cstage_rows());
   l.send.bytes = align_up(o, 4096);
 
   o = 0;
@@ -220,6 +229,7 @@ inline Layout make_layout(const Dims& d) {
   l.local.pos = take(4 * TK);
   l.local.dst = take(4 * TK);
   l.local.step = take(8);
+  l.local.combines = take(8);
   l.local.tokens = take(4);
   l.local.scratch = take(4ull * (3ull * d.experts > d.hidden ? 3ull * d.experts : d.hidden));
   l.local.bytes = align_up(o, 256);
@@ -260,6 +270,13 @@ FABRIC_HD uint16_t float_to_bf16(float f) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+// Where combine `seq`'s half of the combine rows starts, from node.combine / recv.combine
+// (combine_half) and from send.cstage (cstage_half).
+FABRIC_HD uint64_t combine_half(const Dims& d, uint64_t seq) {
+  return (seq & 1) * d.combine_row_bytes() * d.max_tokens * d.topk;
+}
+FABRIC_HD uint64_t cstage_half(const Dims& d, uint64_t seq) { return (seq & 1) * d.combine_row_bytes() * d.cstage_rows(); }
 
 // Signal word i of an array at `offset` in the signal region.
 FABRIC_HD uint64_t signal_at(uint64_t offset, uint32_t i) { return offset + kLine * i; }

@@ -45,7 +45,7 @@ Proxy::Proxy(TransferEngine& engine, ProxyConfig config)
                                                   .dst_offset = l.recv.routing + uint64_t{me} * dims_.experts * 4});
   remote_slices_.assign(remotes_.size(), GroupSlice{});
   shared_slices_.assign(remotes_.size(), GroupSlice{});
-  pending_.reserve(3 * dims_.ranks);
+  pending_.reserve(4 * dims_.ranks);  // a dispatch and two combines of it (DeepEP's test) without growing
   thread_ = std::thread([this] { run(); });
 }
 
@@ -108,8 +108,8 @@ void Proxy::run() {
 void Proxy::loop() {
   const SignalLayout& sig = cfg_.views.lay.signals;
   uint64_t dispatched = 0, combined = 0;
-  // The step whose rows from the other nodes are still being counted (0: none), and when this
-  // rank's first post of that half went out.
+  // The dispatch step / combine sequence whose rows from the other nodes are still being counted
+  // (0: none), and when this rank's first post of that half went out.
   uint64_t dispatch_arriving = 0, combine_arriving = 0, dispatch_t0 = 0, combine_t0 = 0;
   uint32_t idle = 0;
   while (!stop_.load(std::memory_order_acquire)) {
@@ -122,10 +122,10 @@ void Proxy::loop() {
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
       worked = true;
     }
-    if (const uint64_t step = signal(sig.combine_sent).load(std::memory_order_acquire); step > combined) {
+    if (const uint64_t seq = signal(sig.combine_sent).load(std::memory_order_acquire); seq > combined) {
       const uint64_t t0 = now_ns();
-      start_combine(step);
-      combined = combine_arriving = step;
+      start_combine(seq);
+      combined = combine_arriving = seq;
       combine_t0 = t0;
       steps_.fetch_add(1, std::memory_order_relaxed);
       work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
@@ -195,26 +195,28 @@ bool Proxy::remotes_arrived(uint64_t counter_offset, uint64_t step) const {
   return true;
 }
 
-// Step `step`'s combine rows for the other nodes are staged in cstage, by source rank.
-void Proxy::start_combine(uint64_t step) {
+// Combine `seq`'s rows for the other nodes are staged in its half of cstage, by source rank
+// (layout.h: a dispatch may be combined more than once, each combine with its own sequence).
+void Proxy::start_combine(uint64_t seq) {
   const Layout& l = cfg_.views.lay;
   const uint32_t me = cfg_.views.rank;
   const uint64_t B = dims_.combine_row_bytes();
-  for (uint32_t d : remotes_) expect(ImmKind::kCombine, step, d, 1, l.signals.combine_seen);
+  for (uint32_t d : remotes_) expect(ImmKind::kCombine, seq, d, 1, l.signals.combine_seen);
   // The other nodes' counts rows, as this rank's dispatch receive half copied them (layout.h).
   const auto* routing = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.routing);
+  const uint64_t cstage = l.send.cstage + cstage_half(dims_, seq), combine = l.recv.combine + combine_half(dims_, seq);
   uint64_t bytes = 0;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t s = remotes_[i];
     const uint32_t* row_s = routing + uint64_t{s} * dims_.experts;
     remote_slices_[i] = GroupSlice{.len = rows_to(dims_, row_s, me) * B,
-                                   .src_offset = l.send.cstage + cstage_base(dims_, routing, s, me) * B,
-                                   .dst_offset = l.recv.combine + uint64_t{combine_base(dims_, row_s, me)} * B};
+                                   .src_offset = cstage + cstage_base(dims_, routing, s, me) * B,
+                                   .dst_offset = combine + uint64_t{combine_base(dims_, row_s, me)} * B};
     bytes += remote_slices_[i].len;
   }
   post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-       .imm = moe_imm(ImmKind::kCombine, step, me)});
-  log::debug("MoE proxy of rank {}: step {}: combine rows posted", me, step);
+       .imm = moe_imm(ImmKind::kCombine, seq, me)});
+  log::debug("MoE proxy of rank {}: combine {}: rows posted", me, seq);
   writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
 }

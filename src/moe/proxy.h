@@ -40,7 +40,7 @@ class Proxy {
   void start_dispatch(uint64_t step);
   // Every remote rank's counter at `counter_offset` has reached `step` (its rows of the step counted).
   bool remotes_arrived(uint64_t counter_offset, uint64_t step) const;
-  void start_combine(uint64_t step);
+  void start_combine(uint64_t seq);
   void expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset);
   OnDone on_write();
   template <typename Request>

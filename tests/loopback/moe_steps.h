@@ -197,13 +197,22 @@ inline void quantize_tokens(const AllToAllConfig& c, moe::Quantize q, const std:
 // every step (two instances that share engines route differently); overlap, two dispatches in
 // flight (send A, send B, receive A, receive B, then combine A and B, received in the opposite
 // order), else one at a time with every other step's halves as separate calls; quantize, FP8
-// dispatches of BF16 tokens that the send half quantizes (checked against quantize_tokens).
+// dispatches of BF16 tokens that the send half quantizes (checked against quantize_tokens);
+// recombine, every dispatch combined a second time with the expert outputs negated (as DeepEP's
+// test combines each dispatch twice; a row of the first combine read by the second shows).
 struct StepRun {
   std::vector<TransferEngine*> shared{};
   uint32_t seed = 0;
   bool overlap = false;
   moe::Quantize quantize = moe::Quantize::kNone;
+  bool recombine = false;
 };
+
+// The expert outputs with every value's sign flipped (exact in BF16).
+inline std::vector<uint16_t> negated(std::vector<uint16_t> y) {
+  for (uint16_t& v : y) v ^= 0x8000;
+  return y;
+}
 
 // Runs `steps` steps on every rank (a thread each) and checks each rank's dispatch output and
 // combine output against the reference. Returns per rank the first failure ("" when none).
@@ -325,10 +334,14 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
       }
       sync.arrive_and_wait();            // every rank's expert outputs are in expert_outs
       if (any_failed.load()) return "";  // another rank failed: its failure is the one to report
-      std::vector<std::vector<uint16_t>> want(batch), combined(batch);
+      std::vector<std::vector<uint16_t>> want(batch), want_again(batch), combined(batch);
       for (uint32_t b = 0; b < batch; ++b) {
         want[b] = moe::reference_combine(cfg, inputs[b], r, expert_outs[b]);
-        combined[b].assign(uint64_t{inputs[b][r].num_tokens} * mc.hidden, 0xFFFF);
+        if (run.recombine) {
+          std::vector<std::vector<uint16_t>> flipped;
+          for (const auto& y : expert_outs[b]) flipped.push_back(negated(y));
+          want_again[b] = moe::reference_combine(cfg, inputs[b], r, flipped);
+        }
       }
       sync.arrive_and_wait();  // nobody overwrites expert_outs before every rank took its reference
       auto cargs_of = [&](uint32_t b) {
@@ -336,18 +349,25 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
                                 .topk_weights = inputs[b][r].topk_weights.data(),
                                 .out = combined[b].data()};
       };
-      if (run.overlap) {
-        for (uint32_t b = 0; b < batch; ++b) a2a.combine_send(handles[b], cargs_of(b));
-        for (uint32_t b = batch; b-- > 0;) a2a.combine_recv(handles[b], cargs_of(b));
-      } else if (first % 2 == 0) {
-        a2a.combine_send(handles[0], cargs_of(0));
-        a2a.combine_recv(handles[0], cargs_of(0));
-      } else {
-        a2a.combine(handles[0], cargs_of(0));
+      for (uint32_t round = 0; round < (run.recombine ? 2u : 1u); ++round) {
+        for (uint32_t b = 0; b < batch; ++b) {
+          combined[b].assign(uint64_t{inputs[b][r].num_tokens} * mc.hidden, 0xFFFF);
+          if (round == 1) ys[b] = negated(ys[b]);
+        }
+        if (run.overlap) {
+          for (uint32_t b = 0; b < batch; ++b) a2a.combine_send(handles[b], cargs_of(b));
+          for (uint32_t b = batch; b-- > 0;) a2a.combine_recv(handles[b], cargs_of(b));
+        } else if ((first + round) % 2 == 0) {
+          a2a.combine_send(handles[0], cargs_of(0));
+          a2a.combine_recv(handles[0], cargs_of(0));
+        } else {
+          a2a.combine(handles[0], cargs_of(0));
+        }
+        for (uint32_t b = 0; b < batch; ++b)
+          if (combined[b] != (round == 0 ? want[b] : want_again[b]))
+            return fmt::format("step {}: {} combine differs from the reference", first + b,
+                               round == 0 ? "the" : "the second");
       }
-      for (uint32_t b = 0; b < batch; ++b)
-        if (combined[b] != want[b])
-          return fmt::format("step {}: combine differs from the reference", first + b);
     }
     a2a.check();
     return "";

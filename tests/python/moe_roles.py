@@ -516,9 +516,9 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
 
 def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
     """DeepEP's test habits on one Buffer: use_fp8 switched every call, some dispatches never
-    combined (their buffer set is reused two dispatches later), the expert outputs written into
-    get_next_low_latency_combine_buffer and combined with zero_copy; a late combine of a dropped
-    dispatch raises. Every dispatch and combine against the oracle."""
+    combined (their buffer set is reused two dispatches later), some combined twice (the second
+    time with the expert outputs written into get_next_low_latency_combine_buffer and zero_copy);
+    a late combine of a dropped dispatch raises. Every dispatch and combine against the oracle."""
     from fabric_lib.moe import deep_ep
 
     T, E, K, W = cfg["max_tokens"], cfg["experts"], cfg["topk"], cfg["ranks"]
@@ -538,14 +538,20 @@ def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
             dropped.append(handle)
             continue
         y = M.dequantize_fp8_tokens(*got[0]).to(torch.bfloat16) if use_fp8 else got[0].clone()
-        if zero_copy:
-            buf.get_next_low_latency_combine_buffer(handle).copy_(y)
-            y = torch.empty_like(y)  # what the caller passes is not read with zero_copy
-        out, _, _ = buf.low_latency_combine(y, idx, w, handle, zero_copy=zero_copy, combine_wait_recv_cost_stats=waits[1])
         xq, xs = forms[rank]
         rows = (M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16) if use_fp8 else xq).unsqueeze(1).expand(-1, K, -1)
-        if not torch.equal(out.cpu().view(torch.int16), M.reference_combine_rows(idx.cpu(), w.cpu(), rows).view(torch.int16)):
-            bad.append(f"{tag}: combine differs from the oracle")
+        # As DeepEP's test: combined without zero_copy, then again with it (other values: negated).
+        for again in ((False, True) if zero_copy else (False,)):
+            sign = -1 if again else 1
+            expert_out = sign * y
+            if again:
+                buf.get_next_low_latency_combine_buffer(handle).copy_(expert_out)
+                expert_out = torch.empty_like(y)  # what the caller passes is not read with zero_copy
+            out, _, _ = buf.low_latency_combine(expert_out, idx, w, handle, zero_copy=again,
+                                                combine_wait_recv_cost_stats=waits[1])
+            want = M.reference_combine_rows(idx.cpu(), w.cpu(), sign * rows)
+            if not torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)):
+                bad.append(f"{tag}: {'the second' if again else 'the'} combine differs from the oracle")
     for name, t in zip(("dispatch", "combine"), waits):
         t = t.cpu()
         if (t < 0).any() or t.sum() <= 0 or t.max() > 600e9:
@@ -553,7 +559,7 @@ def deep_ep_mixed_steps(cfg: dict, buf, rank: int, dev: torch.device) -> list:
     # Call 0's set was taken by call 4 (the FP8 AllToAll's third dispatch): its handle is spent.
     y = torch.zeros(E // W, W * T, cfg["hidden"], dtype=torch.bfloat16, device=dev)
     x, idx, w = (t.to(dev) for t in make_input(cfg, rank, 100))
-    bad.append(_expect("late combine of a dropped dispatch", fl.FabricError, "dropped uncombined",
+    bad.append(_expect("late combine of a dropped dispatch", fl.FabricError, "took its buffer set",
                        lambda: buf.low_latency_combine(y, idx, w, dropped[0])))
     return [b for b in bad if b]
 

@@ -38,13 +38,14 @@ class AllToAll {
   // The four halves of one dispatch/combine, in this order for each handle: dispatch_send
   // stages and posts this rank's rows and returns the dispatch's handle; dispatch_recv waits for
   // every rank's rows to this rank and fills output(handle); combine_send sends the expert
-  // outputs back; combine_recv sums them into args.out, and frees the handle's buffer set. Up to
-  // config.buffers dispatches are in flight (dispatch(A), dispatch(B), combine(A), combine(B)).
-  // Dispatch n takes buffer set n % buffers; a dispatch that was received and never combined is
-  // dropped when its set is next taken (DeepEP's alternating buffers: every rank makes the same
-  // calls), and its handle is spent from then on. A call out of order for its handle, a spent
-  // handle, or a dispatch whose set still holds a dispatch not yet received (or a combine not yet
-  // received) is refused (kInvalidArgument) and changes nothing.
+  // outputs back; combine_recv sums them into args.out. A received dispatch may be combined again
+  // (combine_send, combine_recv once more: DeepEP's test combines each dispatch twice), or not at
+  // all. Up to config.buffers dispatches are in flight (dispatch(A), dispatch(B), combine(A),
+  // combine(B)). Dispatch n takes buffer set n % buffers, and the dispatch that held the set goes
+  // then, combined or not (DeepEP's alternating buffers: every rank makes the same calls): its
+  // handle is spent from then on. A call out of order for its handle, a spent handle, or a
+  // dispatch whose set still holds a dispatch not yet received (or a combine not yet received) is
+  // refused (kInvalidArgument) and changes nothing.
   //
   // Failures: host kernels throw kTimeout naming the ranks whose rows are missing after
   // config.timeout; CUDA kernels give up on the device and every later call (and check()) throws
