@@ -250,7 +250,7 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
             print(f"moe-deepep-failed rank={rank} phase={name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             raise
 
-    both = phase("a-both", lambda: _bench_both(args, device, timer, lambda: combine(dispatch())))
+    both = phase("a-both", lambda: _bench_both(args, device, timer, lambda: combine(dispatch()))) if args.both else None
     d_us, c_us, cpu_share = phase("b-apart", lambda: _bench_apart(args, device, timer, dispatch, combine))
     selections = int((idx >= 0).sum())
     copy_d = _bench_copy(args, device, timer, selections * (args.hidden + args.hidden // 32 + 16))
@@ -260,7 +260,7 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         # The engine the Buffer opened (or ours), and the regions where the Buffer keeps them.
         rdma = "device" if cuda and engine is None else "host"
         moe_d = phase("d-moe-bench", lambda: _moe_bench_dispatch_us(args, rank, world, buf.engine, device, rdma))
-    mine = dict(both=statistics.median(both), dispatch=statistics.median(d_us), combine=statistics.median(c_us),
+    mine = dict(both=statistics.median(both) if both else None, dispatch=statistics.median(d_us), combine=statistics.median(c_us),
                 copy_dispatch=statistics.median(copy_d), copy_combine=statistics.median(copy_c),
                 moe_bench_dispatch=moe_d, cpu_share=cpu_share, ctx_flags=ctx_flags)
     gathered = [None] * world
@@ -276,7 +276,8 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
 
 def _report(args, world: int, per_rank: list) -> None:
     nodes = world // args.node_size
-    slowest = {k: max(r[k] for r in per_rank) for k in ("dispatch", "combine", "both", "copy_dispatch", "copy_combine")}
+    slowest = {k: max(r[k] for r in per_rank) for k in ("dispatch", "combine", "copy_dispatch", "copy_combine")}
+    both = "-" if per_rank[0]["both"] is None else f"{max(r['both'] for r in per_rank):.1f}"
     moe_d = "-" if per_rank[0]["moe_bench_dispatch"] is None else f"{max(r['moe_bench_dispatch'] for r in per_rank):.1f}"
     polling = args.host_wait if args.device == "cuda" else "host-kernel"
     per = lambda k: ",".join(f"{r[k]:.1f}" for r in per_rank)  # noqa: E731
@@ -285,11 +286,12 @@ def _report(args, world: int, per_rank: list) -> None:
           f"flush_l2={'yes' if args.flush_l2 and args.device == 'cuda' else 'no'} "
           f"cuda_connections={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'default') if args.device == 'cuda' else '-'} "
           f"ctx_sched_flags={per_rank[0]['ctx_flags'] & _SCHED_MASK} "
-          f"dispatch_us={per('dispatch')} combine_us={per('combine')} both_us={per('both')} "
+          f"dispatch_us={per('dispatch')} combine_us={per('combine')} "
+          f"both_us={per('both') if both != '-' else '-'} "
           f"copy_dispatch_us={per('copy_dispatch')} copy_combine_us={per('copy_combine')} "
           f"host_cpu_share={','.join('%.2f' % r['cpu_share'] for r in per_rank)}")
     print(f"moe-deepep ranks={world} nodes={nodes} path={'nvlink' if nodes == 1 else f'{nodes}nodes'} "
-          f"dispatch_us={slowest['dispatch']:.1f} combine_us={slowest['combine']:.1f} both_us={slowest['both']:.1f} "
+          f"dispatch_us={slowest['dispatch']:.1f} combine_us={slowest['combine']:.1f} both_us={both} "
           f"copy_dispatch_us={slowest['copy_dispatch']:.1f} copy_combine_us={slowest['copy_combine']:.1f} "
           f"dispatch_vs_copy={slowest['dispatch'] / max(slowest['copy_dispatch'], 1e-3):.2f} "
           f"combine_vs_copy={slowest['combine'] / max(slowest['copy_combine'], 1e-3):.2f} "
@@ -316,6 +318,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50, help="timed iterations of each kind (DeepEP's bench: 50)")
     ap.add_argument("--flush-l2", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: zero 256 MB before each timed iteration, as DeepEP's bench")
+    ap.add_argument("--both", action=argparse.BooleanOptionalAction, default=True,
+                    help="time (a), DeepEP's loop of back-to-back calls (--no-both: both_us is '-')")
     ap.add_argument("--host-wait", choices=list(_SCHED_FLAGS), default="spin",
                     help="CUDA: how each rank's host thread waits for the GPU (the context's scheduling flag)")
     ap.add_argument("--provider", default=None,
