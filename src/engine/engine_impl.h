@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "cuda/gpu_signals.h"
-#include "engine/callback_thread.h"
 #include "engine/imm_registry.h"
-#include "engine/mr_table.h"
-#include "engine/remote_table.h"
 #include "fabric/transfer_engine.h"
+#include "shared_state/callback_thread.h"
+#include "shared_state/mr_table.h"
+#include "shared_state/remote_table.h"
 #include "worker/worker.h"
 
 namespace fabric {

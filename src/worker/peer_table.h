@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/remote_table.h"
+#include "shared_state/remote_table.h"
 #include "worker/domain_group.h"
 #include "worker/request.h"
 #include "worker/transfer.h"

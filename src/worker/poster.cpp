@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/mr_table.h"
+#include "shared_state/mr_table.h"
 
 namespace fabric {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "domain/domain.h"
-#include "engine/callback_thread.h"
+#include "shared_state/callback_thread.h"
 #include "worker/domain_group.h"
 #include "worker/request.h"
 

@@ -1,5 +1,5 @@
-// Requests from application threads to the worker and events from the worker to the callback
-// thread: plain data moved through lock-free queues.
+// Requests from application threads to the worker: plain data moved through a lock-free queue
+// (the events going back to the callback thread are in shared_state/event.h).
 #pragma once
 
 #include <chrono>
@@ -83,14 +83,5 @@ struct ControlRequest {
 struct StopRequest {};
 
 using Request = std::variant<TransferRequest, ExpectRequest, ControlRequest, StopRequest>;
-
-// Work for the callback thread.
-struct Event {
-  OnDone::Callback done;  // with status
-  Status status;
-  std::shared_ptr<TransferEngine::RecvCallback> on_recv;  // with data
-  std::vector<std::byte>* data = nullptr;  // CallbackThread::take_buffer(); given back after the call
-  bool stop = false;
-};
 
 }  // namespace fabric

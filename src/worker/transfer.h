@@ -8,21 +8,12 @@
 #include <vector>
 
 #include "domain/domain.h"
+#include "shared_state/resolved_target.h"
 #include "worker/request.h"
 
 namespace fabric {
 
 struct RegionSlot;
-
-// Where one destination region is reached through each NIC (rail-aligned: NIC k to NIC k), or,
-// when `local`, through the local (cuda_ipc) domain at the worker's local index.
-struct ResolvedTarget {
-  std::array<PeerId, kMaxDomains> peer{};
-  std::array<RemoteKey, kMaxDomains> key{};
-  uint32_t record = UINT32_MAX;  // the worker's peer record (its state says whether it is usable)
-  bool local = false;
-  uint32_t imm_base = 0;  // the region's immediate range (MrDesc::imms): WRITEs carry imm_base + imm
-};
 
 // A peer group as the worker holds it: per member, its route (peer and key per domain), which is
 // the WRITE template a group scatter or barrier patches (length, offsets, immediate) and posts.

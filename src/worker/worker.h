@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "domain/domain.h"
-#include "engine/callback_thread.h"
-#include "engine/mr_table.h"
-#include "engine/remote_table.h"
+#include "shared_state/callback_thread.h"
+#include "shared_state/mr_table.h"
+#include "shared_state/remote_table.h"
 #include "util/mpsc_queue.h"
 #include "util/object_pool.h"
 #include "util/ring.h"

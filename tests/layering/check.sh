@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 APPS='"(kv|weights|moe)/|"fabric/(kv|weights|moe)/'
-CORE_INTERNALS='"(engine|worker|domain|providers|imm)/'
+CORE_INTERNALS='"(engine|worker|shared_state|domain|providers|imm)/'
 fail=0
 check() {  # check <what> <extended regex of forbidden include targets> <files...>
   local what=$1 forbidden=$2; shift 2
@@ -27,7 +27,7 @@ check "include/fabric/moe" '"fabric/(kv|weights)/' $(src include/fabric/moe)
 # fabric_base: value types, errors, logging.
 check "src/util" "$APPS|$CORE_INTERNALS|\"(cuda|topology)/" $(src src/util) src/engine/types.cpp
 # fabric_core: no application, no topology internals.
-check "fabric_core" "$APPS|\"topology/" $(src src/engine src/worker src/domain src/providers src/cuda src/imm)
+check "fabric_core" "$APPS|\"topology/" $(src src/engine src/worker src/shared_state src/domain src/providers src/cuda src/imm)
 # fabric_topology: the base and its own files.
 check "fabric_topology" "$APPS|$CORE_INTERNALS|\"cuda/" $(src src/topology)
 # The applications: the public API, the base's helpers, cuda_check.h, their own files.

@@ -6,9 +6,9 @@
 #include <thread>
 
 #include "fabric/config.h"
+#include "shared_state/event.h"
 #include "util/mpsc_queue.h"
 #include "util/shared_pool.h"
-#include "worker/request.h"
 
 namespace fabric {
 

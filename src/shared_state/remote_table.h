@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "fabric/types.h"
+#include "shared_state/resolved_target.h"
 #include "util/free_slots.h"
-#include "worker/transfer.h"
 
 namespace fabric {
 

@@ -1,5 +1,5 @@
 // Callback thread: pops events, runs them, reports exceptions thrown by user callbacks.
-#include "engine/callback_thread.h"
+#include "shared_state/callback_thread.h"
 
 #include <exception>
 
