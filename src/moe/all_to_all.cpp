@@ -68,6 +68,9 @@ void check_config(const AllToAllConfig& c) {
     fail_config(fmt::format("buffers {} (1 to {})", c.buffers, kMaxBuffers));
   if (c.rdma_buffers == RdmaBuffers::kDevice && c.side != KernelSide::kCuda)
     fail_config("rdma_buffers kDevice needs side kCuda (host kernels cannot reach device memory)");
+  if (c.shrink && c.side == KernelSide::kCuda)
+    throw Error(ErrorCode::kUnsupported,
+                "MoE: shrink mode runs on the host kernels only for now (the CUDA kernels do not mask a rank yet)");
   if (c.num_sms > 1024)
     fail_config(fmt::format("num_sms {} (0: the default, else 1 to 1024)", c.num_sms));
   if (c.imm_base &&
@@ -84,12 +87,12 @@ void check_config(const AllToAllConfig& c) {
 // What every rank publishes: the dimensions (all ranks must agree), and for each buffer set its
 // receive region and the handle of its node region.
 struct Blob {
-  std::array<uint32_t, 10> dims{};
+  std::array<uint32_t, 11> dims{};
   std::vector<std::vector<uint8_t>> recv_desc;
   std::vector<std::vector<std::byte>> node_handle;
 };
 
-std::array<uint32_t, 10> dims_of(const AllToAllConfig& c) {
+std::array<uint32_t, 11> dims_of(const AllToAllConfig& c) {
   return {c.ranks,
           c.node_size,
           c.experts,
@@ -99,7 +102,8 @@ std::array<uint32_t, 10> dims_of(const AllToAllConfig& c) {
           static_cast<uint32_t>(c.dispatch_dtype),
           c.private_rows,
           static_cast<uint32_t>(c.side),
-          c.buffers};
+          c.buffers,
+          c.shrink ? 1u : 0u};
 }
 
 template <typename T>
@@ -237,6 +241,7 @@ struct AllToAll::Impl {
     v.rank = cfg.rank;
     v.timeout_ns = static_cast<uint64_t>(std::chrono::nanoseconds(cfg.timeout).count());
     v.max_blocks = device && cuda() ? cuda::blocks_per_half(cfg.num_sms) : 0;
+    v.shrink = cfg.shrink;
     auto pick = [device](const Block& blk) {
       return device && blk.device() ? blk.device() : blk.host();
     };
@@ -302,9 +307,24 @@ struct AllToAll::Impl {
     }
   }
 
+  std::atomic<uint64_t>& mask_word(BufferSet& b, uint32_t rank) const {
+    return *reinterpret_cast<std::atomic<uint64_t>*>(b.signals->host() + signal_at(lay.signals.mask, rank));
+  }
+  // Shrink mode: a rank one buffer set masked is masked in all (each set has its own words, which
+  // its receive halves and proxy set).
+  void share_masks() {
+    if (!cfg.shrink) return;
+    for (uint32_t r = 0; r < cfg.ranks; ++r) {
+      const bool any = std::any_of(sets.begin(), sets.end(), [&](const auto& b) { return mask_word(*b, r).load() != 0; });
+      if (any)
+        for (auto& b : sets) mask_word(*b, r).store(1, std::memory_order_release);
+    }
+  }
+
   // The set a handle names, once the handle is one of this AllToAll's, not spent, and at `want`.
   BufferSet& set_of(const Handle& h, Phase want, const char* what) {
     check_before(what);
+    share_masks();
     const uint32_t B = cfg.buffers;
     if (h.step == 0 || h.step > dispatches || h.buffer >= B || (h.step - 1) % B != h.buffer)
       throw Error(ErrorCode::kInvalidArgument,
@@ -451,7 +471,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
       throw Error(ErrorCode::kInvalidArgument,
                   fmt::format("MoE: rank {} was built with other dimensions than rank {} (ranks, "
                               "node_size, experts, topk, hidden, "
-                              "max_tokens, dtype, private_rows, kernel side, buffers differ)",
+                              "max_tokens, dtype, private_rows, kernel side, buffers, shrink differ)",
                               r, c.rank));
   }
   const uint32_t first = c.rank / c.node_size * c.node_size;
@@ -496,6 +516,7 @@ AllToAll::~AllToAll() = default;
 Handle AllToAll::dispatch_send(const DispatchArgs& args) {
   Impl& s = *impl_;
   s.check_before("dispatch send");
+  s.share_masks();
   const uint32_t index = static_cast<uint32_t>(s.dispatches % s.cfg.buffers);
   BufferSet& b = *s.sets[index];
   // The dispatch holding the set goes, combined or not, as DeepEP drops it: its set is reused
@@ -591,6 +612,24 @@ DispatchOutput AllToAll::output(const Handle& h) const {
 }
 
 void AllToAll::check() const { impl_->check_before("check"); }
+
+std::vector<uint32_t> AllToAll::masked_ranks() const {
+  Impl& s = *impl_;
+  s.share_masks();
+  std::vector<uint32_t> out;
+  for (uint32_t r = 0; r < s.cfg.ranks; ++r)
+    if (s.mask_word(*s.sets[0], r).load(std::memory_order_acquire) != 0) out.push_back(r);
+  return out;
+}
+
+void AllToAll::set_masked(uint32_t rank, bool masked) {
+  Impl& s = *impl_;
+  if (!s.cfg.shrink)
+    throw Error(ErrorCode::kInvalidArgument, "MoE set_masked: this AllToAll was built without shrink mode");
+  if (rank >= s.cfg.ranks)
+    throw Error(ErrorCode::kInvalidArgument, fmt::format("MoE set_masked: rank {} of {}", rank, s.cfg.ranks));
+  for (auto& b : s.sets) s.mask_word(*b, rank).store(masked ? 1 : 0, std::memory_order_release);
+}
 
 ProxyStats AllToAll::proxy_stats() const {
   ProxyStats sum;

@@ -15,6 +15,7 @@
 #include "fabric/e4m3.h"
 #include "fabric/error.h"
 #include "kernel_side.h"
+#include "util/log.h"
 
 namespace fabric::moe::detail::host {
 
@@ -41,23 +42,31 @@ const uint32_t* counts_of(const Views& v, uint32_t s) {
 }
 
 // Calls f(el, e, s, row_s, c, m) for every local expert el (global e) and source s in rank
-// order: s's counts row, its c rows of e, and m, the first of them among e's output rows.
+// order: s's counts row, its c rows of e, and m, the first of them among e's output rows. A
+// source the last dispatch receive left out (local.live, shrink mode) has no rows.
 template <typename F>
 void for_each_source_run(const Views& v, F&& f) {
   const Dims& d = v.lay.dims;
+  const uint32_t* live = at<uint32_t>(v.local, v.lay.local.live);
   for (uint32_t el = 0; el < d.local_experts; ++el) {
     const uint32_t e = v.rank * d.local_experts + el;
     uint64_t m = 0;
     for (uint32_t s = 0; s < d.ranks; ++s) {
       const uint32_t* row_s = counts_of(v, s);
-      f(el, e, s, row_s, row_s[e], m);
-      m += row_s[e];
+      const uint32_t c = live[s] ? row_s[e] : 0;
+      f(el, e, s, row_s, c, m);
+      m += c;
     }
   }
 }
 
-// Spins, then yields, then sleeps, until every rank's `ready(rank)` holds; throws kTimeout
-// naming the ranks still missing, or the failure the proxy counted. wait_ns (optional, [ranks]):
+void mask_rank(const Views& v, uint32_t s) {
+  word(v.signals, signal_at(v.lay.signals.mask, s)).store(1, std::memory_order_release);
+}
+
+// Spins, then yields, then sleeps, until every rank's `ready(rank)` holds (or it is masked);
+// throws kTimeout naming the ranks still missing (shrink mode: masks them and returns), or the
+// failure the proxy counted. wait_ns (optional, [ranks]):
 // each rank's wait, from the call until its rows were seen, is added to its entry.
 template <typename Ready>
 void wait_all(const Views& v, const char* what, uint64_t step, int64_t* wait_ns, Ready ready) {
@@ -72,7 +81,7 @@ void wait_all(const Views& v, const char* what, uint64_t step, int64_t* wait_ns,
       const auto now = Clock::now();
       for (uint32_t s = 0; s < d.ranks; ++s) {
         if (seen[s]) continue;
-        if (ready(s)) {
+        if (ready(s) || rank_masked(v, s)) {
           seen[s] = true;
           wait_ns[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count();
         } else {
@@ -80,14 +89,20 @@ void wait_all(const Views& v, const char* what, uint64_t step, int64_t* wait_ns,
         }
       }
     } else {
-      for (uint32_t s = 0; s < d.ranks && all; ++s) all = ready(s);
+      for (uint32_t s = 0; s < d.ranks && all; ++s) all = ready(s) || rank_masked(v, s);
     }
     if (all) return;
     const bool late = Clock::now() > deadline;
     if (late || failed.load(std::memory_order_acquire) != 0) {
       std::vector<uint32_t> missing;
       for (uint32_t s = 0; s < d.ranks; ++s)
-        if (!ready(s)) missing.push_back(s);
+        if (!ready(s) && !rank_masked(v, s)) missing.push_back(s);
+      if (late && v.shrink) {
+        log::warn("MoE {} step {} on rank {}: rows from ranks {} missing after {} ms: masked (shrink mode)", what, step,
+                  v.rank, missing, v.timeout_ns / 1000000);
+        for (uint32_t s : missing) mask_rank(v, s);
+        return;
+      }
       if (late)
         throw Error(ErrorCode::kTimeout, fmt::format("MoE {} step {} on rank {}: rows from ranks {} missing after {} ms (peer dead or stalled?)",
                                                      what, step, v.rank, missing, v.timeout_ns / 1000000));
@@ -160,9 +175,11 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
   uint32_t* counts = at<uint32_t>(v.local, v.lay.local.counts);
   int32_t* pos = at<int32_t>(v.local, v.lay.local.pos);
   int32_t* dst_of = at<int32_t>(v.local, v.lay.local.dst);
+  // A slot whose expert lives on a masked rank is dropped here, as an unused one (shrink mode).
+  auto used = [&](int64_t e) { return e >= 0 && !rank_masked(v, d.rank_of_expert(static_cast<uint32_t>(e))); };
   std::memset(counts, 0, 4ull * d.experts);
   for (uint64_t i = 0; i < uint64_t{a.num_tokens} * d.topk; ++i)
-    if (a.topk_idx[i] >= 0) ++counts[a.topk_idx[i]];
+    if (used(a.topk_idx[i])) ++counts[a.topk_idx[i]];
   *at<uint64_t>(v.local, v.lay.local.step) = step;
   *at<uint32_t>(v.local, v.lay.local.tokens) = a.num_tokens;
 
@@ -183,7 +200,7 @@ void dispatch_send(const Views& v, const DispatchArgs& a, uint64_t step) {
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
       const int64_t e64 = a.topk_idx[slot];
-      if (e64 < 0) {
+      if (!used(e64)) {
         pos[slot] = dst_of[slot] = -1;
         continue;
       }
@@ -221,10 +238,17 @@ void dispatch_recv(const Views& v, uint64_t step, int64_t* wait_ns) {
     return word(v.signals, signal_at(v.lay.signals.route_seen, s)).load(std::memory_order_acquire) >= step &&
            word(v.signals, signal_at(v.lay.signals.dispatch_seen, s)).load(std::memory_order_acquire) >= step;
   });
-  // The other nodes' counts rows for this rank's proxy (its combine), published by combine_sent.
-  for (uint32_t s = 0; s < d.ranks; ++s)
-    if (!d.same_node(s, me))
-      std::memcpy(at<uint32_t>(v.signals, v.lay.signals.routing) + uint64_t{s} * d.experts, counts_of(v, s), 4ull * d.experts);
+  // The sources this dispatch takes rows from (shrink mode: not the masked ones), fixed for its
+  // combines; the other nodes' counts rows for this rank's proxy and combine (zeros for a source
+  // left out), published by combine_sent.
+  uint32_t* live = at<uint32_t>(v.local, v.lay.local.live);
+  for (uint32_t s = 0; s < d.ranks; ++s) {
+    live[s] = rank_masked(v, s) ? 0 : 1;
+    if (d.same_node(s, me)) continue;
+    uint32_t* routing = at<uint32_t>(v.signals, v.lay.signals.routing) + uint64_t{s} * d.experts;
+    if (live[s]) std::memcpy(routing, counts_of(v, s), 4ull * d.experts);
+    else std::memset(routing, 0, 4ull * d.experts);
+  }
   const uint64_t R = d.row_bytes(), pb = d.payload_bytes(), sb = 4 * d.scales_per_row(), M = d.rows_per_expert();
   int32_t* out_counts = at<int32_t>(v.out, v.lay.out.counts);
   int32_t* out_src = at<int32_t>(v.out, v.lay.out.src);
@@ -256,8 +280,9 @@ void combine_send(const Views& v, const CombineArgs& a, uint64_t seq) {
   const Dims& d = v.lay.dims;
   const uint32_t N = d.node_size, me = v.rank;
   const uint64_t B = d.combine_row_bytes(), M = d.rows_per_expert();
-  const uint32_t* routing = at<uint32_t>(v.recv, v.lay.recv.routing);
+  const uint32_t* routing = at<uint32_t>(v.signals, v.lay.signals.routing);  // as the proxy reads it
   for_each_source_run(v, [&](uint32_t el, uint32_t e, uint32_t s, const uint32_t* row_s, uint32_t c, uint64_t m) {
+    if (c == 0 || rank_masked(v, s)) return;  // nothing for it, or it went since (shrink mode)
     const uint64_t first = expert_start(d, row_s, e);
     std::byte* dst;
     if (d.same_node(s, me))
@@ -301,7 +326,7 @@ void combine_recv(const Views& v, const CombineArgs& a, uint64_t seq) {
     std::fill(acc, acc + d.hidden, 0.0f);
     for (uint32_t k = 0; k < d.topk; ++k) {
       const uint64_t slot = uint64_t{t} * d.topk + k;
-      if (pos[slot] < 0) continue;
+      if (pos[slot] < 0 || rank_masked(v, static_cast<uint32_t>(dst_of[slot]))) continue;  // masked: weight 0
       const std::byte* base = d.same_node(static_cast<uint32_t>(dst_of[slot]), me) ? node + v.lay.node.combine + half
                                                                                    : v.recv + v.lay.recv.combine + half;
       const uint16_t* row = reinterpret_cast<const uint16_t*>(base + uint64_t(pos[slot]) * d.combine_row_bytes());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -27,7 +28,14 @@ struct Views {
   std::byte* out = nullptr;
   uint64_t timeout_ns = 0;  // a receive half waiting longer gives up
   uint32_t max_blocks = 0;  // CUDA: the most blocks a half's grid takes (AllToAllConfig::num_sms)
+  bool shrink = false;      // AllToAllConfig::shrink: a missing rank is masked, not a failure
 };
+
+// Whether rank s is masked (signals.mask; only shrink mode ever sets it).
+inline bool rank_masked(const Views& v, uint32_t s) {
+  return reinterpret_cast<const std::atomic<uint64_t>*>(v.signals + signal_at(v.lay.signals.mask, s))
+             ->load(std::memory_order_acquire) != 0;
+}
 
 // What is wrong with a dispatch's pointers and quantize choice (nullptr: nothing), the part of
 // the checks both kernel sides make alike.

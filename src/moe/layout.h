@@ -141,6 +141,8 @@ struct SignalLayout {
   uint64_t route_seen = 0;     // [W] proxy -> kernel: steps whose counts row from rank s arrived
   uint64_t dispatch_seen = 0;  // [W] steps whose rows from remote rank s all arrived
   uint64_t combine_seen = 0;   // [W] the last combine sequence whose rows from remote rank s arrived
+  uint64_t mask = 0;           // [W] nonzero: rank s is masked (shrink mode: it timed out, a WRITE
+                               // to it or an expectation of it failed, or set_masked)
   uint64_t route_row = 0;      // [E] u32: this rank's counts row, for the proxy (a copy of
                                // send.route_row, which may be device memory)
   uint64_t routing = 0;        // [W][E] u32: the other nodes' counts rows, for the proxy's
@@ -157,6 +159,9 @@ struct LocalLayout {
   uint64_t step = 0;       // u64: the last dispatch step (GPU kernels keep it here)
   uint64_t combines = 0;   // u64: the last combine sequence (GPU kernels keep it here)
   uint64_t tokens = 0;     // u32: tokens of the last dispatch
+  uint64_t live = 0;       // [W] u32: 1 for the sources the last dispatch receive took rows from
+                           // (0: masked then; the combine's row positions follow this, not the
+                           // mask of the moment)
   uint64_t scratch = 0;    // [max(3E, H)] 4-byte words for host kernels (nothing allocated per call)
   uint64_t bytes = 0;
 };
@@ -220,6 +225,7 @@ inline Layout make_layout(const Dims& d) {
   l.signals.route_seen = take(kLine * d.ranks);
   l.signals.dispatch_seen = take(kLine * d.ranks);
   l.signals.combine_seen = take(kLine * d.ranks);
+  l.signals.mask = take(kLine * d.ranks);
   l.signals.route_row = take(4ull * d.experts);
   l.signals.routing = take(4ull * d.ranks * d.experts);
   l.signals.bytes = align_up(o, 4096);
@@ -231,6 +237,7 @@ inline Layout make_layout(const Dims& d) {
   l.local.step = take(8);
   l.local.combines = take(8);
   l.local.tokens = take(4);
+  l.local.live = take(4ull * d.ranks);
   l.local.scratch = take(4ull * (3ull * d.experts > d.hidden ? 3ull * d.experts : d.hidden));
   l.local.bytes = align_up(o, 256);
 

@@ -85,11 +85,42 @@ OnDone Proxy::on_write() {
       .keep_alive(cfg_.signals);
 }
 
+bool Proxy::masked(uint32_t rank) const { return rank_masked(cfg_.views, rank); }
+
+void Proxy::post_each(const std::vector<uint32_t>& ranks, const std::vector<GroupSlice>& slices, uint32_t imm) {
+  const SignalLayout& sig = cfg_.views.lay.signals;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const uint32_t r = ranks[i];
+    if (masked(r)) continue;
+    std::atomic<uint64_t>* done = &signal(sig.writes_done);
+    std::atomic<uint64_t>* mask = &signal(signal_at(sig.mask, r));
+    OnDone on_done = OnDone::callback([done, mask, keep = cfg_.signals](const Status& status) {
+                       if (!status.ok()) mask->store(1, std::memory_order_release);
+                       done->fetch_add(1, std::memory_order_release);  // completed, either way
+                     });
+    try {
+      engine_.submit(SingleWrite{.len = slices[i].len,
+                                 .src = {cfg_.send_mr, slices[i].src_offset},
+                                 .dst = {cfg_.recv[r], slices[i].dst_offset},
+                                 .imm = imm},
+                     std::move(on_done));
+      posted_.fetch_add(1, std::memory_order_relaxed);
+    } catch (const Error& e) {
+      log::warn("MoE proxy of rank {}: a WRITE to rank {} was refused ({}): masked (shrink mode)", cfg_.views.rank, r,
+                e.what());
+      mask->store(1, std::memory_order_release);
+    }
+  }
+}
+
 // The word is raised to the step (not counted): a dispatch dropped without its combine leaves no
-// gap that later steps would wait behind.
+// gap that later steps would wait behind. In shrink mode an expectation that fails masks its rank
+// instead of failing the AllToAll.
 void Proxy::expect(ImmKind kind, uint64_t step, uint32_t src, uint64_t count, uint64_t counter_offset) {
-  OnDone done = OnDone::raise(&signal(signal_at(counter_offset, src)), step, &signal(cfg_.views.lay.signals.failed))
-                    .keep_alive(cfg_.signals);
+  if (cfg_.views.shrink && masked(src)) return;
+  const SignalLayout& sig = cfg_.views.lay.signals;
+  std::atomic<uint64_t>* on_failure = &signal(cfg_.views.shrink ? signal_at(sig.mask, src) : sig.failed);
+  OnDone done = OnDone::raise(&signal(signal_at(counter_offset, src)), step, on_failure).keep_alive(cfg_.signals);
   pending_.push_back(cfg_.imms->expect(moe_imm(kind, step, src), count, std::move(done),
                                        ExpectOptions{.timeout = std::chrono::milliseconds(cfg_.views.timeout_ns / 1000000)}));
 }
@@ -162,8 +193,9 @@ void Proxy::start_dispatch(uint64_t step) {
   for (uint32_t s : remotes_) expect(ImmKind::kDispatch, step, s, 2, l.signals.dispatch_seen);
 
   const auto* counts = reinterpret_cast<const uint32_t*>(cfg_.views.signals + l.signals.route_row);
-  post(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
-       .imm = moe_imm(ImmKind::kRoute, step, me)});
+  if (cfg_.views.shrink) post_each(others_, route_slices_, moe_imm(ImmKind::kRoute, step, me));
+  else post(GroupScatter{.group = others_group_, .src = cfg_.send_mr, .slices = route_slices_,
+            .imm = moe_imm(ImmKind::kRoute, step, me)});
   uint64_t bytes = route_slices_.size() * 4ull * dims_.experts;
   for (size_t i = 0; i < remotes_.size(); ++i) {
     const uint32_t d = remotes_[i];
@@ -180,10 +212,15 @@ void Proxy::start_dispatch(uint64_t step) {
         .dst_offset = received_row_offset(dims_, l.recv, me, d, static_cast<uint32_t>(priv))};
     bytes += n * R;
   }
-  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-       .imm = moe_imm(ImmKind::kDispatch, step, me)});
-  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = shared_slices_,
-       .imm = moe_imm(ImmKind::kDispatch, step, me)});
+  if (cfg_.views.shrink) {
+    post_each(remotes_, remote_slices_, moe_imm(ImmKind::kDispatch, step, me));
+    post_each(remotes_, shared_slices_, moe_imm(ImmKind::kDispatch, step, me));
+  } else {
+    post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+         .imm = moe_imm(ImmKind::kDispatch, step, me)});
+    post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = shared_slices_,
+         .imm = moe_imm(ImmKind::kDispatch, step, me)});
+  }
   log::debug("MoE proxy of rank {}: step {}: counts, private and shared rows posted", me, step);
   writes_.fetch_add(route_slices_.size() + 2 * remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);
@@ -191,7 +228,7 @@ void Proxy::start_dispatch(uint64_t step) {
 
 bool Proxy::remotes_arrived(uint64_t counter_offset, uint64_t step) const {
   for (uint32_t s : remotes_)
-    if (signal(signal_at(counter_offset, s)).load(std::memory_order_acquire) < step) return false;
+    if (signal(signal_at(counter_offset, s)).load(std::memory_order_acquire) < step && !masked(s)) return false;
   return true;
 }
 
@@ -214,8 +251,11 @@ void Proxy::start_combine(uint64_t seq) {
                                    .dst_offset = combine + uint64_t{combine_base(dims_, row_s, me)} * B};
     bytes += remote_slices_[i].len;
   }
-  post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
-       .imm = moe_imm(ImmKind::kCombine, seq, me)});
+  if (cfg_.views.shrink)
+    post_each(remotes_, remote_slices_, moe_imm(ImmKind::kCombine, seq, me));
+  else
+    post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
+         .imm = moe_imm(ImmKind::kCombine, seq, me)});
   log::debug("MoE proxy of rank {}: combine {}: rows posted", me, seq);
   writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
   bytes_.fetch_add(bytes, std::memory_order_relaxed);

@@ -45,6 +45,10 @@ class Proxy {
   OnDone on_write();
   template <typename Request>
   void post(const Request& request);  // submits a scatter with on_write() and counts it
+  // Shrink mode: every rank gets its own WRITEs, so that a failed one (or a refused submit)
+  // masks that rank alone; a masked rank gets nothing. slices[i] goes to ranks[i].
+  void post_each(const std::vector<uint32_t>& ranks, const std::vector<GroupSlice>& slices, uint32_t imm);
+  bool masked(uint32_t rank) const;
   std::atomic<uint64_t>& signal(uint64_t offset) const;
 
   TransferEngine& engine_;

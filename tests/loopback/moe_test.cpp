@@ -3,6 +3,7 @@
 // other nodes reached through the proxy over tcp or shm. Every received row and every combined
 // value is checked against the CPU reference (moe_reference.h).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -203,6 +204,87 @@ INSTANTIATE_TEST_SUITE_P(Loopback, MoeFailure, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) {
                            return i.param ? "AtCombine" : "AtDispatch";
                          });
+
+// Shrink mode (DeepEP's enable_shrink): rank 3 stops taking part before step 2 (alive and
+// silent). The others mask it after one timeout at step 2's dispatch receive, go on without it,
+// and steps 2-4 are exact against the reference of the survivors' routing: rank 3 sends nothing,
+// and the slots the survivors routed to its experts are left out of combine (weight zero) at step
+// 2 and not sent at all from step 3 on. Over tcp, 2 nodes of 2: a node-mate (rank 2) and two
+// ranks of the other node (through the proxy) lose it. Then set_masked unmasks and masks.
+TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
+  const MoeCase mc{{"tcp;ofi_rxm", 1, false}, 4, 2, 16, 4, 512, 8, 2, moe::Dtype::kBf16};
+  constexpr uint32_t kGone = 3, kSteps = 4;
+  ThreadGather gather(mc.ranks);
+  const std::vector<std::unique_ptr<TransferEngine>> engines = engines_for(mc);
+  std::vector<std::vector<uint16_t>> expert_outs(mc.ranks);
+  // Rank 3's expert outputs are never read from step 2 on (no slot names its experts).
+  expert_outs[kGone].assign(uint64_t{mc.experts} * mc.max_tokens * mc.hidden, 0);
+  std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
+  std::vector<std::string> failures(mc.ranks);
+  auto rank_main = [&](uint32_t r) -> std::string {
+    AllToAllConfig cfg = config_of(mc, r, "moe-shrink");
+    cfg.timeout = std::chrono::milliseconds(1500);
+    cfg.shrink = true;
+    AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
+    for (uint32_t step = 1; step <= kSteps; ++step) {
+      std::vector<ReferenceInput> inputs;
+      for (uint32_t s = 0; s < mc.ranks; ++s) inputs.push_back(make_input(cfg, s, step));
+      if (r == kGone && step == 2) {
+        sync.arrive_and_drop();  // silent from here on; its engine and regions stay
+        return "";
+      }
+      // What the survivors' outputs must equal: rank 3 sends nothing, and (for combine) no slot
+      // names one of its experts.
+      std::vector<ReferenceInput> survivors = inputs;
+      if (step >= 2) {
+        survivors[kGone] = ReferenceInput{};
+        for (ReferenceInput& in : survivors)
+          for (int64_t& e : in.topk_idx)
+            if (e >= 0 && static_cast<uint32_t>(e) / (mc.experts / mc.ranks) == kGone) e = -1;
+      }
+      const ReferenceInput& in = inputs[r];
+      const auto t0 = std::chrono::steady_clock::now();
+      const moe::Handle h = a2a.dispatch({.num_tokens = in.num_tokens, .x = in.x.data(), .topk_idx = in.topk_idx.data()});
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (step == 2 && (a2a.masked_ranks() != std::vector<uint32_t>{kGone} || waited > 30))
+        return fmt::format("step 2: masked {} after {:.1f} s", fmt::join(a2a.masked_ranks(), ","), waited);
+      const moe::DispatchOutput o = a2a.output(h);
+      const moe::ReferenceDispatch want = moe::reference_dispatch(cfg, survivors)[r];
+      const uint64_t M = o.rows_per_expert, row = 2ull * mc.hidden;
+      for (uint32_t el = 0; el < o.local_experts; ++el)
+        if (o.counts[el] != want.counts[el] ||
+            std::memcmp(static_cast<const std::byte*>(o.x) + el * M * row, want.x.data() + el * M * row,
+                        uint64_t(want.counts[el]) * row) != 0 ||
+            std::memcmp(o.src + el * M, want.src.data() + el * M, uint64_t(want.counts[el]) * 4) != 0)
+          return fmt::format("step {}: expert {}'s rows differ from the survivors' reference", step, el);
+      expert_outs[r] = expert_output(cfg, r, o);
+      sync.arrive_and_wait();  // every survivor's expert outputs are in
+      const std::vector<uint16_t> want_out = moe::reference_combine(cfg, survivors, r, expert_outs);
+      sync.arrive_and_wait();
+      std::vector<uint16_t> out(uint64_t{in.num_tokens} * mc.hidden, 0xFFFF);
+      a2a.combine(h, {.expert_out = expert_outs[r].data(), .topk_weights = in.topk_weights.data(), .out = out.data()});
+      if (out != want_out) return fmt::format("step {}: combine differs from the survivors' reference", step);
+    }
+    a2a.set_masked(kGone, false);
+    if (!a2a.masked_ranks().empty()) return "set_masked(3, false) left it masked";
+    a2a.set_masked(kGone, true);
+    if (a2a.masked_ranks() != std::vector<uint32_t>{kGone}) return "set_masked(3, true) did not mask it";
+    a2a.check();  // not failed
+    return "";
+  };
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < mc.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        failures[r] = rank_main(r);
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+      if (!failures[r].empty()) sync.arrive_and_drop();
+    });
+  for (auto& t : threads) t.join();
+  for (uint32_t r = 0; r < mc.ranks; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
 
 // Input the kernel side cannot run is refused before anything is written: the same AllToAll then
 // runs a correct step. Calls out of order and mismatched ranks are refused with a clear error.

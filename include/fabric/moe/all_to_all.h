@@ -19,6 +19,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "fabric/moe/types.h"
 #include "fabric/transfer_engine.h"
@@ -52,6 +53,10 @@ class AllToAll {
   // it. Either way the receive half marks its outputs invalid (counts = kInvalidCount, combine
   // `out` = NaN) and the AllToAll is failed: every later call throws, and a job whose peer died
   // builds a new one.
+  //
+  // Shrink mode (AllToAllConfig::shrink): a missing or failing rank is masked instead (types.h).
+  // masked_ranks() lists the masked ranks; set_masked(rank, masked) masks or unmasks one on this
+  // rank (DeepEP's low_latency_update_mask_buffer; every rank should do the same, between steps).
   Handle dispatch_send(const DispatchArgs& args);
   // wait_ns: optional [ranks] int64 the receive adds its per-source wait to (CombineArgs::wait_ns).
   void dispatch_recv(const Handle& h, void* stream = nullptr, int64_t* wait_ns = nullptr);
@@ -66,6 +71,8 @@ class AllToAll {
 
   // Throws the first failure seen (a proxy's transfer or expectation, a kernel's timed-out wait).
   void check() const;
+  std::vector<uint32_t> masked_ranks() const;
+  void set_masked(uint32_t rank, bool masked);
   ProxyStats proxy_stats() const;
   const AllToAllConfig& config() const;
 

@@ -56,6 +56,12 @@ struct AllToAllConfig {
   // ranks on one GPU, or experts running beside a wait). 0: min(SMs, 16).
   uint32_t num_sms = 0;
   RdmaBuffers rdma_buffers = RdmaBuffers::kHost;
+  // Shrink mode (DeepEP's enable_shrink; host kernels): a rank whose rows are missing after
+  // `timeout`, or whose WRITEs or immediates fail, is masked instead of failing the AllToAll.
+  // Nothing more is sent to it or waited for; its rows count as none, and combine leaves out the
+  // slots its experts held (their weight counts as zero). AllToAll::masked_ranks / set_masked
+  // read and change the mask. Without it a missing rank fails the AllToAll (kTimeout naming it).
+  bool shrink = false;
 };
 
 // What dispatch_send returns and the later halves of that dispatch take: which buffer set holds
