@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "fabric/config.h"
 #include "fabric/error.h"
@@ -173,13 +174,11 @@ class Domain {
   virtual InjectedFaults injected_faults() const { return {}; }
 };
 
-// NIC `nic_index` of the configured provider (wrapped for fault injection where configured).
-std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index);
-// The local domain for same-host peers: cuda_ipc (GPU memory) or host_ipc (host memory), as the
-// configuration asks. Its address is "<host scope>/<endpoint>":
-// two local domains reach each other exactly when their host scopes are equal.
-std::unique_ptr<Domain> open_local_domain(const EngineConfig& config);
-// The host scope of a local address (the part before the first '/').
-std::string_view local_scope(std::string_view local_address);
+// A local domain's (cuda_ipc, host_ipc) address is "<host scope>/<endpoint>": two local domains
+// reach each other exactly when their host scopes are equal. The host scope of such an address
+// (the part before the first '/'). Domains are opened by the factory, providers/open_domain.h.
+inline std::string_view local_scope(std::string_view local_address) {
+  return local_address.substr(0, local_address.find('/'));
+}
 
 }  // namespace fabric

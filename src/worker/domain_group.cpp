@@ -2,6 +2,7 @@
 // one of them. The posting side is inline in the header (it runs for every WRITE).
 #include "worker/domain_group.h"
 
+#include "providers/open_domain.h"
 #include "util/log.h"
 
 namespace fabric {

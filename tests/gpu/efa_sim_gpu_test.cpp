@@ -8,6 +8,7 @@
 #include "domain/domain.h"
 #include "gpu_support.h"
 #include "providers/efa_sim/efa_sim.h"
+#include "providers/open_domain.h"
 
 namespace fabric::testing {
 namespace {

@@ -16,6 +16,7 @@
 #include "domain/domain.h"
 #include "providers/efa_sim/efa_sim.h"
 #include "providers/libfabric/fi_compat.h"
+#include "providers/open_domain.h"
 #include "test_support.h"
 
 namespace fabric::testing {

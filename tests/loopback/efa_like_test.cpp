@@ -11,6 +11,7 @@
 #include "domain/domain.h"
 #include "fabric/fabric.h"
 #include "providers/efa_sim/efa_sim.h"
+#include "providers/open_domain.h"
 #include "test_support.h"
 
 namespace fabric::testing {

@@ -18,7 +18,7 @@
 
 #include <fmt/format.h>
 
-#include "../../src/domain/domain.h"  // the Domain tests drive the provider itself
+#include "../../src/providers/open_domain.h"  // the Domain tests drive the provider itself
 #include "fabric/fabric.h"
 #include "util/log.h"
 #include "process_pair.h"

@@ -1,5 +1,7 @@
-// The one place where providers are chosen. Adding a NIC type means adding a line here.
-#include "domain/domain.h"
+// The one place where providers are chosen (providers/open_domain.h). Adding a NIC type means
+// adding a line here.
+#include "providers/open_domain.h"
+
 #include "providers/fault/fault_domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
@@ -64,10 +66,6 @@ std::unique_ptr<Domain> open_local_domain(const EngineConfig& config) {
               "EngineConfig::cuda_ipc: this fabric-lib was built without CUDA (nvcc not found at "
               "configure time); rebuild with the CUDA toolkit installed");
 #endif
-}
-
-std::string_view local_scope(std::string_view local_address) {
-  return local_address.substr(0, local_address.find('/'));
 }
 
 }  // namespace fabric
