@@ -5,6 +5,9 @@
 #include "providers/fault/fault_domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
+#ifdef FABRIC_TEST_PROVIDERS
+#include "providers/efa_sim/efa_sim.h"
+#endif
 #ifdef FABRIC_WITH_VERBS
 #include "providers/verbs/verbs_domain.h"
 #endif
@@ -38,7 +41,8 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
 #endif
   } else if (config.provider == "efa-sim") {
 #ifdef FABRIC_TEST_PROVIDERS
-    domain = open_efa_sim_domain(config, nic_index);  // EFA's attributes over tcp, for tests
+    // EFA's attributes over tcp, for tests: the libfabric domain with efa-sim's shim under it.
+    domain = open_libfabric_domain(config, nic_index, &efa_sim::libfabric_hook());
 #else
     throw Error(ErrorCode::kUnsupported,
                 "provider 'efa-sim' is a test provider, left out of this build (configure with "

@@ -55,17 +55,14 @@ check "src/providers (factory)" '"(engine|worker|shared_state|imm)/' $(find src/
 # shared helpers (each a one-way include, so no cycle):
 #   cuda_ipc, host_ipc -> ipc/: the shared-memory endpoint and local-domain glue both local domains
 #     are built on (ipc/ is a helper folder, not a provider: the factory opens nothing from it).
-#   efa_sim -> libfabric/{fi_compat,provider_attrs}.h: efa_sim is a shim below the libfabric
-#     domain's fi_* calls; it rewrites the ProviderAttrs that domain runs on and needs the same
-#     libfabric-version shims.
-#   libfabric -> efa_sim/efa_sim.h: the `sim_` flag in the production provider. NOT a helper but
-#     the one include still going the wrong way (issue 44 item 1: efa_sim injected from the
-#     factory removes it); listed in KNOWN_BACK_EDGES below so that the cycle check still runs.
+#   efa_sim -> libfabric/{libfabric_domain,fi_compat,provider_attrs}.h: efa_sim is a test shim
+#     below the libfabric domain's fi_* calls, handed to it by the factory as a LibfabricHook; it
+#     rewrites the ProviderAttrs that domain runs on and needs the same libfabric-version shims.
+#     The libfabric provider never includes efa_sim.
 declare -A SHARED_HELPERS=(
   [cuda_ipc]='"providers/ipc/'
   [host_ipc]='"providers/ipc/'
-  [efa_sim]='"providers/libfabric/(fi_compat|provider_attrs)\.h"'
-  [libfabric]='"providers/efa_sim/efa_sim\.h"'
+  [efa_sim]='"providers/libfabric/(libfabric_domain|fi_compat|provider_attrs)\.h"'
 )
 for dir in src/providers/*/; do
   p=$(basename "$dir")
@@ -78,12 +75,10 @@ done
 # node, the factory files directly in src/providers/ another; include/fabric and each of its
 # application folders one each); an edge per #include "folder/..." line between two nodes (a
 # bare "file.h" stays in its folder). Each cycle found is printed as a path.
-# KNOWN_BACK_EDGES: file:include pairs left out of the graph, each one an open item named above.
-KNOWN_BACK_EDGES='^src/providers/libfabric/libfabric_domain\.cpp:providers/efa_sim/efa_sim\.h$'
 cycles=$(
   { find src include -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \) -print0 |
       xargs -0 grep -HE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' || true; } |
-    awk -v known="$KNOWN_BACK_EDGES" '
+    awk '
       function node_of(path,   n, p) {  # a path below src/ or include/, without that prefix
         n = split(path, p, "/")
         if (n < 2) return ""
@@ -93,7 +88,6 @@ cycles=$(
       {
         file = $0; sub(/:.*/, "", file)
         target = $0; sub(/^[^"]*"/, "", target); sub(/".*/, "", target)
-        if ((file ":" target) ~ known) next
         sub(/^(src|include)\//, "", file)
         from = node_of(file)
         to = (index(target, "/") ? node_of(target) : from)

@@ -722,4 +722,10 @@ void offer_hmem(bool on) { global().offer_hmem = on; }
 void fail_write_post(uint64_t nth) { global().fail_post_countdown = nth; }
 void fail_write_completion(uint64_t nth) { global().fail_completion_countdown = nth; }
 
+const LibfabricHook& libfabric_hook() {
+  static const LibfabricHook hook{kName, kUnderlying, " (efa-sim presents its own attributes)",
+                                  present_as_efa, open_domain};
+  return hook;
+}
+
 }  // namespace fabric::efa_sim

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <string>
 
+#include "providers/libfabric/libfabric_domain.h"
 #include "providers/libfabric/provider_attrs.h"
 
 namespace fabric::efa_sim {
@@ -56,6 +57,10 @@ void present_as_efa(ProviderAttrs& attrs, bool hmem_wanted);
 
 // fi_domain on the tcp fabric, wrapped (see above). Same contract as fi_domain.
 int open_domain(fid_fabric* fabric, fi_info* info, fid_domain** domain);
+
+// All of the above as the libfabric domain takes it: the factory opens provider "efa-sim" as
+// open_libfabric_domain(config, nic, &efa_sim::libfabric_hook()).
+const LibfabricHook& libfabric_hook();
 
 // What the shim saw, process-wide (tests read them; they count from process start).
 struct Stats {

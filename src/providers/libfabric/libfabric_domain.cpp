@@ -19,7 +19,6 @@
 #include <unordered_map>
 #include <vector>
 
-#include "providers/efa_sim/efa_sim.h"
 #include "providers/libfabric/fi_compat.h"
 #include "providers/libfabric/provider_attrs.h"
 #include "providers/libfabric/shm_key_board.h"
@@ -45,7 +44,6 @@ constexpr size_t kScratchLen = 64;
 constexpr size_t kMaxSplits = 256;
 constexpr size_t kMaxPieces = 1024;
 
-enum class Backend { kLibfabric, kEfaSim };
 
 std::string fi_message(const char* call, long rc) {
   return fmt::format("{} failed: {} ({})", call, fi_strerror(static_cast<int>(-rc)), rc);
@@ -57,8 +55,8 @@ void check(const char* call, long rc) {
 
 class LibfabricDomain final : public Domain {
  public:
-  LibfabricDomain(const EngineConfig& config, size_t nic_index, Backend backend)
-      : sim_(backend == Backend::kEfaSim) {
+  LibfabricDomain(const EngineConfig& config, size_t nic_index, const LibfabricHook* hook)
+      : hook_(hook) {
     try {
       open(config, nic_index);
     } catch (...) {
@@ -247,7 +245,7 @@ class LibfabricDomain final : public Domain {
 
   void open(const EngineConfig& config, size_t nic_index) {
     const NicConfig& nic = config.nics.at(nic_index);
-    const std::string prov = sim_ ? efa_sim::kUnderlying : config.provider;
+    const std::string prov = hook_ ? hook_->underlying : config.provider;
     // An engine that serves a GPU asks for FI_HMEM (GPU memory registration, EFA and verbs-based
     // providers have it); a provider without it still serves host memory.
     if (config.cuda_device) {
@@ -255,14 +253,14 @@ class LibfabricDomain final : public Domain {
         info_ = pick_info(prov, nic, FI_HMEM);
       } catch (const Error&) {
         log::info("nic {}: provider {} offers no FI_HMEM{}", nic_index, prov,
-                  sim_ ? " (efa-sim presents its own attributes)" : ": host memory only");
+                  hook_ ? hook_->hmem_note : ": host memory only");
       }
     }
     if (!info_) info_ = pick_info(prov, nic, 0);
     attrs_ = ProviderAttrs::of(info_);
     // From here on the domain sees EFA's attributes.
-    if (sim_) efa_sim::present_as_efa(attrs_, config.cuda_device.has_value());
-    provider_ = sim_ ? efa_sim::kName : attrs_.prov_name;
+    if (hook_) hook_->present(attrs_, config.cuda_device.has_value());
+    provider_ = hook_ ? hook_->name : attrs_.prov_name;
     const bool efa = attrs_.prov_name == "efa";
     if (attrs_.mode & FI_RX_CQ_DATA)
       throw Error(ErrorCode::kUnsupported,
@@ -286,8 +284,8 @@ class LibfabricDomain final : public Domain {
     caps_.manual_progress = attrs_.data_progress == FI_PROGRESS_MANUAL;
 
     check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric_, nullptr));
-    check("fi_domain", sim_ ? efa_sim::open_domain(fabric_, info_, &domain_)
-                            : fi_domain(fabric_, info_, &domain_, nullptr));
+    check("fi_domain", hook_ ? hook_->open_domain(fabric_, info_, &domain_)
+                             : fi_domain(fabric_, info_, &domain_, nullptr));
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.size = 16384;
@@ -703,7 +701,7 @@ class LibfabricDomain final : public Domain {
     return 1;
   }
 
-  const bool sim_;
+  const LibfabricHook* const hook_;  // efa-sim's shim, or null
   fi_info* info_ = nullptr;
   ProviderAttrs attrs_;
   fid_fabric* fabric_ = nullptr;
@@ -732,12 +730,9 @@ class LibfabricDomain final : public Domain {
 
 }  // namespace
 
-std::unique_ptr<Domain> open_libfabric_domain(const EngineConfig& config, size_t nic_index) {
-  return std::make_unique<LibfabricDomain>(config, nic_index, Backend::kLibfabric);
-}
-
-std::unique_ptr<Domain> open_efa_sim_domain(const EngineConfig& config, size_t nic_index) {
-  return std::make_unique<LibfabricDomain>(config, nic_index, Backend::kEfaSim);
+std::unique_ptr<Domain> open_libfabric_domain(const EngineConfig& config, size_t nic_index,
+                                              const LibfabricHook* hook) {
+  return std::make_unique<LibfabricDomain>(config, nic_index, hook);
 }
 
 }  // namespace fabric
