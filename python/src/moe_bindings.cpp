@@ -98,7 +98,7 @@ void bind_moe(nb::module_& m) {
              uint32_t topk, uint32_t hidden, uint32_t max_tokens, Dtype dispatch_dtype,
              uint32_t private_rows, double timeout_s, KernelSide side, int cuda_device,
              std::string job, bool proxy_busy_poll, std::optional<uint32_t> imm_base,
-             uint32_t buffers, uint32_t num_sms, RdmaBuffers rdma_buffers) {
+             uint32_t buffers, uint32_t num_sms, RdmaBuffers rdma_buffers, bool shrink) {
             new (c) AllToAllConfig{
                 .rank = rank,
                 .ranks = ranks,
@@ -117,14 +117,15 @@ void bind_moe(nb::module_& m) {
                 .imm_base = imm_base,
                 .buffers = buffers,
                 .num_sms = num_sms,
-                .rdma_buffers = rdma_buffers};
+                .rdma_buffers = rdma_buffers,
+                .shrink = shrink};
           },
           nb::kw_only(), "rank"_a = 0, "ranks"_a = 1, "node_size"_a = 1, "experts"_a = 0,
           "topk"_a = 8, "hidden"_a = 7168, "max_tokens"_a = 128, "dispatch_dtype"_a = Dtype::kFp8,
           "private_rows"_a = 32, "timeout_s"_a = 10.0, "side"_a = KernelSide::kHost,
           "cuda_device"_a = 0, "job"_a = "moe", "proxy_busy_poll"_a = false,
           "imm_base"_a = nb::none(), "buffers"_a = 2, "num_sms"_a = 0,
-          "rdma_buffers"_a = RdmaBuffers::kHost)
+          "rdma_buffers"_a = RdmaBuffers::kHost, "shrink"_a = false)
       .def_rw("rank", &AllToAllConfig::rank)
       .def_rw("ranks", &AllToAllConfig::ranks)
       .def_rw("node_size", &AllToAllConfig::node_size, "ranks per NVLink domain (1-8)")
@@ -149,6 +150,7 @@ void bind_moe(nb::module_& m) {
               "at imm_base + i * 2**28 "
               "(None: the highest free blocks)")
       .def_rw("rdma_buffers", &AllToAllConfig::rdma_buffers)
+      .def_rw("shrink", &AllToAllConfig::shrink, "a missing or failing rank is masked, not a failure")
       .def_rw("buffers", &AllToAllConfig::buffers,
               "buffer sets (1-4): dispatches in flight at once")
       .def_rw("num_sms", &AllToAllConfig::num_sms,
@@ -297,6 +299,10 @@ void bind_moe(nb::module_& m) {
           "Raises FabricError for the first failure seen (a proxy's transfer, a kernel's timed-out "
           "wait).")
       .def("proxy_stats", [](PyAllToAll& a) { return a.get().proxy_stats(); })
+      .def("masked_ranks", [](PyAllToAll& a) { return a.get().masked_ranks(); },
+           "Shrink mode: the ranks masked on this rank (timed out, failed, or set_masked).")
+      .def("set_masked", [](PyAllToAll& a, uint32_t rank, bool masked) { a.get().set_masked(rank, masked); },
+           "rank"_a, "masked"_a, "Shrink mode: masks (or unmasks) `rank` on this rank.")
       .def_prop_ro("config", [](PyAllToAll& a) { return a.get().config(); })
       .def_prop_ro("closed", [](PyAllToAll& a) { return !a.h->obj; })
       .def(

@@ -590,14 +590,19 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         # DeepEP's constructor keywords: what cannot be honoured raises at construction, naming it.
         ("unknown keyword", TypeError, "'num_qp_per_rank'",
          lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, num_qp_per_rank=4, engine=buf.engine)),
-        ("shrink mode", NotImplementedError, "enable_shrink",
-         lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, enable_shrink=True, engine=buf.engine)),
+        ("mask without shrink mode", RuntimeError, "enable_shrink=True",
+         lambda: buf.low_latency_query_mask_buffer(torch.zeros(cfg["ranks"], dtype=torch.int))),
+        ("mask update without shrink mode", RuntimeError, "enable_shrink=True",
+         lambda: buf.low_latency_update_mask_buffer(0, True)),
         ("fabric memory", NotImplementedError, "use_fabric",
          lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, use_fabric=True, engine=buf.engine)),
         ("mpi comm", NotImplementedError, "comm", lambda: deep_ep.Buffer(None, comm=object(), engine=buf.engine)),
         ("destroy without explicitly_destroy", RuntimeError, "explicitly_destroy=True",
          lambda: deep_ep.Buffer(None, engine=buf.engine, node_size=buf.node_size).destroy()),
     ]
+    if dev.type == "cuda":  # shrink mode runs on the host kernels only, for now
+        cases.append(("shrink mode on CUDA", NotImplementedError, "enable_shrink",
+                      lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, enable_shrink=True)))
     return [f for f in (_expect(*c) for c in cases) if f]
 
 
@@ -644,6 +649,91 @@ def deep_ep_groups_rank_main(conn, cfg: dict) -> None:
             conn.send(("refusals", []))
             del twin
             del buf
+        dist.destroy_process_group()
+        conn.send("bye")
+    except Exception:  # noqa: BLE001 - the failure goes back to the test
+        conn.send("error " + traceback.format_exc())
+
+
+def deep_ep_shrink_rank_main(conn, cfg: dict) -> None:
+    """One rank of a 4-rank DeepEP job (host kernels, 2 nodes of 2) in which rank 3 kills itself
+    (SIGKILL) after step 1. With enable_shrink the survivors mask it after one timeout at step 2's
+    dispatch, as DeepEP's shrink test expects (low_latency_query_mask_buffer shows it on every
+    survivor), and steps 2 and 3 are exact against the oracle of the survivors' routing (rank 3
+    sends nothing; combine leaves out its experts' slots); clean_low_latency_buffer, the mask
+    updates and low_latency_clean_mask_buffer then work as DeepEP documents them. Without
+    enable_shrink the survivors' step 2 raises naming rank 3."""
+    import re
+    import signal
+
+    import torch.distributed as dist
+
+    from fabric_lib.moe import deep_ep
+
+    try:
+        torch.set_num_threads(1)
+        rank, W, T, E = cfg["rank"], cfg["ranks"], cfg["max_tokens"], cfg["experts"]
+        L, gone, shrink = E // W, cfg["gone"], cfg["shrink"]
+        store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=W)
+        with engine_of(cfg) as engine:
+            buf = deep_ep.Buffer(None, engine=engine, node_size=cfg["node_size"], timeout_s=cfg["timeout_s"],
+                                 explicitly_destroy=True, enable_shrink=shrink)
+            conn.send("ready")
+            bad, mask = [], torch.zeros(W, dtype=torch.int)
+            for step in (1, 2, 3):
+                if step == 2 and rank == gone:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # FP8 at step 2 in shrink mode (both AllToAlls were built at step 1); without it a
+                # new dtype would build its AllToAll collectively, waiting init_timeout_s for rank 3.
+                use_fp8 = shrink and step == 2
+                inputs = [make_input(cfg, s, step) for s in range(W)]
+                if step >= 2:  # what the survivors' outputs must equal: rank 3 sent nothing
+                    x3, idx3, w3 = inputs[gone]
+                    inputs[gone] = (x3[:0], idx3[:0], w3[:0])
+                x, idx, w = inputs[rank]
+                forms = [M.quantize_fp8_tokens(xs) if use_fp8 else (xs, None) for xs, _, _ in inputs]
+                tag = f"step {step}"
+                try:
+                    got = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8)
+                except fl.FabricError as e:
+                    if not shrink and step == 2 and re.search(r"ranks? \[?3\b", str(e)):  # names it
+                        conn.send(("ok", bad))
+                        conn.send(("refusals", []))
+                        conn.send("bye")
+                        os._exit(0)  # a failed AllToAll: nothing more to check or to release cleanly
+                    raise
+                if not shrink and step == 2:
+                    bad.append("step 2 without shrink mode did not raise")
+                if shrink:
+                    buf.low_latency_query_mask_buffer(mask)
+                    want = [1 if (r == gone and step >= 2) else 0 for r in range(W)]
+                    if mask.tolist() != want:
+                        bad.append(f"{tag}: mask {mask.tolist()} != {want}")
+                bad += deep_ep_problems(dict(cfg, ue8m0=False), buf, rank, inputs, forms, got, tag)
+                y = M.dequantize_fp8_tokens(*got[0]).to(torch.bfloat16) if use_fp8 else got[0].clone()
+                out, _, _ = buf.low_latency_combine(y, idx, w, got[2])
+                xq, xs = forms[rank]
+                rows = (M.dequantize_fp8_tokens(xq, xs).to(torch.bfloat16) if use_fp8 else xq)
+                live_idx = idx.clone()
+                if step >= 2:
+                    live_idx[(idx >= 0) & (idx // L == gone)] = -1  # its experts' slots count as weight 0
+                want_out = M.reference_combine_rows(live_idx, w, rows.unsqueeze(1).expand(-1, idx.shape[1], -1))
+                if not torch.equal(out.view(torch.int16), want_out.view(torch.int16)):
+                    bad.append(f"{tag}: combine differs from the survivors' oracle")
+            buf.clean_low_latency_buffer(T, cfg["hidden"], E)  # the survivors all arrive
+            for masked, want in ((False, [0] * W), (True, [int(r == gone) for r in range(W)])):
+                buf.low_latency_update_mask_buffer(gone, masked)
+                buf.low_latency_query_mask_buffer(mask)
+                if mask.tolist() != want:
+                    bad.append(f"update_mask_buffer({gone}, {masked}): mask {mask.tolist()}")
+            buf.low_latency_clean_mask_buffer()
+            buf.low_latency_query_mask_buffer(mask)
+            if mask.tolist() != [0] * W:
+                bad.append(f"after clean_mask_buffer: mask {mask.tolist()}")
+            conn.send(("ok", bad))
+            conn.send(("refusals", []))
+            buf.destroy()
         dist.destroy_process_group()
         conn.send("bye")
     except Exception:  # noqa: BLE001 - the failure goes back to the test

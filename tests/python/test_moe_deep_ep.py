@@ -43,3 +43,31 @@ def test_two_ep_groups_of_one_world_never_exchange_tokens(peer, node_size):
     procs = [peer(R.deep_ep_groups_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
     R.deep_ep_results(procs)
     del store
+
+
+@pytest.mark.parametrize("shrink", [True, False], ids=["shrink", "no-shrink"])
+def test_a_rank_killed_mid_run_is_masked_in_shrink_mode_and_named_without_it(peer, shrink):
+    """4 ranks as 2 nodes over tcp (deep_ep.Buffer, host kernels); rank 3 SIGKILLs itself after
+    step 1. enable_shrink: the survivors mask it after one 2 s timeout and stay exact (DeepEP's
+    shrink semantics, moe_roles.deep_ep_shrink_rank_main); without it their step 2 raises naming it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cfg = dict(provider="tcp;ofi_rxm", ranks=4, node_size=2, experts=16, topk=4, hidden=256, max_tokens=8,
+               dtype="bf16", port=store.port, gone=3, shrink=shrink, timeout_s=2.0, transfer_timeout_s=5.0)
+    procs = [peer(R.deep_ep_shrink_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
+    for r, (conn, _) in enumerate(procs):
+        assert conn.poll(120), f"rank {r} did not start"
+        assert conn.recv() == "ready"
+    _, p3 = procs[3]
+    p3.join(timeout=120)
+    assert p3.exitcode == -9, f"rank 3 ended with {p3.exitcode}, not by its SIGKILL"
+    for r, (conn, _) in enumerate(procs[:3]):
+        got = {}
+        while True:
+            assert conn.poll(120), f"rank {r}: no message after {list(got)}"
+            msg = conn.recv()
+            assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
+            if msg == "bye":
+                break
+            got[msg[0]] = msg[1]
+        assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
+    del store

@@ -233,7 +233,10 @@ class AllToAll:
     cuda_ipc=True and cuda_device on one host, a NIC with FI_HMEM elsewhere). timeout_s: a receive half waiting longer fails, naming the ranks whose rows
     are missing (a dead or stalled peer); its outputs are marked invalid (recv_counts all
     MOE_INVALID_COUNT, combine out NaN), the AllToAll is failed and every later call raises
-    (build a new one under a new job name). init_timeout_s: how long construction waits for the
+    (build a new one under a new job name). shrink: DeepEP's shrink mode (host kernels): a rank
+    missing after timeout_s, or whose transfers fail, is masked instead (masked_ranks,
+    set_masked): nothing more goes to it or is awaited from it, its rows count as none, and
+    combine leaves out the slots its experts held (weight zero). init_timeout_s: how long construction waits for the
     other ranks. device: "cpu" (host kernels) or a CUDA device (CUDA kernels on torch's current
     stream).
     """
@@ -242,7 +245,7 @@ class AllToAll:
                  experts_per_token: int, hidden: int, max_tokens: int, dispatch_dtype: str = "fp8",
                  private_rows: int = 32, timeout_s: float = 10.0, device: Any = "cpu", store: Any = None,
                  job: Optional[str] = None, proxy_busy_poll: bool = False, init_timeout_s: float = 300.0,
-                 buffers: int = 2, num_sms: int = 0, rdma_buffers: str = "host") -> None:
+                 buffers: int = 2, num_sms: int = 0, rdma_buffers: str = "host", shrink: bool = False) -> None:
         if dispatch_dtype not in _DTYPES:
             raise ValueError(f"dispatch_dtype must be 'fp8' or 'bf16', got {dispatch_dtype!r}")
         if rdma_buffers not in ("host", "device"):
@@ -265,7 +268,8 @@ class AllToAll:
                              timeout_s=timeout_s, side=KernelSide.CUDA if cuda else KernelSide.HOST,
                              cuda_device=self.device.index if cuda else 0, job=job,
                              proxy_busy_poll=proxy_busy_poll, buffers=buffers, num_sms=num_sms,
-                             rdma_buffers=RdmaBuffers.DEVICE if rdma_buffers == "device" else RdmaBuffers.HOST)
+                             rdma_buffers=RdmaBuffers.DEVICE if rdma_buffers == "device" else RdmaBuffers.HOST,
+                             shrink=shrink)
         self._hold_job()
         try:
             gather = _StoreAllGather(self._store, job, rank, world_size, init_timeout_s)
@@ -483,6 +487,17 @@ class AllToAll:
         timed-out wait or bad expert index)."""
         self._live()
         self._a2a.check()
+
+    def masked_ranks(self) -> list:
+        """Shrink mode: the ranks this rank has masked (timed out, failed, or set_masked)."""
+        self._live()
+        return self._a2a.masked_ranks()
+
+    def set_masked(self, rank: int, masked: bool = True) -> None:
+        """Shrink mode: masks (masked=False: unmasks) `rank` on this rank; every rank should do
+        the same between steps (DeepEP's low_latency_update_mask_buffer)."""
+        self._live()
+        self._a2a.set_masked(rank, masked)
 
     def proxy_stats(self) -> ProxyStats:
         """Steps, writes posted, bytes and CPU ms of this rank's proxies (zeros with one node)."""

@@ -46,9 +46,14 @@ Differences, each raising where the argument would change behaviour:
 - async_finish: accepted; the kernels run on the caller's current stream (there is no separate
   communication stream), so the event is complete when the stream reaches it.
 - topk_idx at combine is checked for shape only: the routing is kept from the dispatch.
-- Constructor: DeepEP's keywords; allow_mnnvl=True, use_fabric=True, enable_shrink=True and an
-  mpi4py comm raise NotImplementedError at construction, and a keyword neither DeepEP nor this
-  Buffer has raises TypeError naming it. explicitly_destroy as DeepEP's (destroy() only then).
+- Constructor: DeepEP's keywords; allow_mnnvl=True, use_fabric=True, enable_shrink=True on a
+  machine with CUDA (shrink mode runs on the host kernels only for now) and an mpi4py comm raise
+  NotImplementedError at construction, and a keyword neither DeepEP nor this Buffer has raises
+  TypeError naming it. explicitly_destroy as DeepEP's (destroy() only then).
+- Shrink mode (enable_shrink=True): a rank missing after timeout_s is masked on the ranks that
+  waited for it (DeepEP masks on its kernels' timeout alike); low_latency_query_mask_buffer,
+  low_latency_update_mask_buffer, low_latency_clean_mask_buffer and clean_low_latency_buffer (a
+  barrier through the group's store that masks who does not arrive) as DeepEP's.
 - num_nvl_bytes / num_rdma_bytes / num_qps_per_rank: accepted and not needed (buffers are sized
   from the dispatch's dimensions). allow_nvlink_for_low_latency_mode=False puts every rank on a
   node of its own (every row through the proxy and the NIC).
@@ -158,7 +163,7 @@ class Buffer:
     num_rdma_bytes, low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
     allow_mnnvl, use_fabric, explicitly_destroy, enable_shrink, comm. What this Buffer cannot do
     raises here, at construction, naming the keyword (allow_mnnvl=True, use_fabric=True,
-    enable_shrink=True, a comm instead of a group); a keyword DeepEP does not have and this Buffer
+    enable_shrink=True with CUDA, a comm instead of a group); a keyword DeepEP does not have and this Buffer
     does not take raises TypeError naming it. explicitly_destroy as DeepEP: with True, destroy()
     must be called (and may be called only then); with False, the resources go with the Buffer.
 
@@ -190,9 +195,9 @@ class Buffer:
         if use_fabric:
             raise NotImplementedError("use_fabric: fabric (cuMem) memory for the NVLink buffers is not supported; "
                                       "node-mates map each other's buffers through CUDA IPC")
-        if enable_shrink:
-            raise NotImplementedError("enable_shrink: shrink mode (masking a failed rank) is not supported yet; "
-                                      "without it a failed rank makes the survivors raise naming it")
+        if enable_shrink and torch.cuda.is_available() and engine is None:
+            raise NotImplementedError("enable_shrink: shrink mode (masking a failed rank) runs on the host kernels "
+                                      "only for now; the CUDA kernels do not mask a rank yet")
         if comm is not None:
             raise NotImplementedError("comm: an mpi4py communicator is not supported; pass the torch.distributed "
                                       "group of the expert-parallel ranks")
@@ -228,6 +233,11 @@ class Buffer:
             group_id = _group_id(self.group)
             n = self._store.add(f"fabric-lib/deep_ep/{group_id}/buffers/{self.rank}", 1)
             self._options["job"] = f"deep_ep.{group_id}.{n}"
+        self.enable_shrink = enable_shrink
+        if enable_shrink:
+            self._options["shrink"] = True
+        self._masked: set = set()  # shrink mode: the ranks masked in any of this Buffer's AllToAlls
+        self._cleans = 0  # clean_low_latency_buffer calls (each a barrier of its own)
         self._a2as: dict = {}  # use_fp8 -> AllToAll, built at the first dispatch of that dtype
         self._dims: Optional[tuple] = None
         self._scales: dict = {}  # (use_fp8, buffer set, ue8m0) -> DeepEP-layout scales tensor
@@ -250,23 +260,29 @@ class Buffer:
 
     def _all_to_all(self, x: torch.Tensor, topk_idx: torch.Tensor, T: int, E: int, use_fp8: bool) -> AllToAll:
         """The AllToAll of this dtype: one per dispatch dtype, each built (collectively, as every
-        rank makes the same calls) at the first dispatch of that dtype, so use_fp8 may change
-        from call to call as DeepEP allows; the other dimensions are the Buffer's."""
+        rank makes the same calls) at the first dispatch of that dtype (in shrink mode both at the
+        first dispatch), so use_fp8 may change from call to call as DeepEP allows; the other
+        dimensions are the Buffer's."""
         dims = (T, E, x.shape[1], topk_idx.shape[1], x.device)
         if self._dims is not None and dims != self._dims:
             raise ValueError(f"low_latency_dispatch with (tokens per rank, experts, hidden, top-k) = {dims[:4]} on "
                              f"{dims[4]}, but this Buffer was built for {self._dims[:4]} on {self._dims[4]}: use one "
                              f"Buffer per shape")
-        a2a = self._a2as.get(use_fp8)
-        if a2a is None:
-            options = dict(self._options, job=f"{self._options['job']}.{'fp8' if use_fp8 else 'bf16'}")
+        # Shrink mode builds both at the first dispatch: a construction is collective, and a rank
+        # may be gone by the time the other dtype is first asked for.
+        for fp8 in ((use_fp8, not use_fp8) if self.enable_shrink else (use_fp8,)):
+            if fp8 in self._a2as:
+                continue
+            options = dict(self._options, job=f"{self._options['job']}.{'fp8' if fp8 else 'bf16'}")
             a2a = AllToAll(self.engine, rank=self.rank, world_size=self.group_size, node_size=self.node_size,
                            num_experts=E, experts_per_token=topk_idx.shape[1], hidden=x.shape[1], max_tokens=T,
-                           dispatch_dtype="fp8" if use_fp8 else "bf16", device=x.device, store=self._store,
+                           dispatch_dtype="fp8" if fp8 else "bf16", device=x.device, store=self._store,
                            **options)
-            self._a2as[use_fp8] = a2a
+            self._a2as[fp8] = a2a
             self._dims = dims
-        return a2a
+            for r in self._masked:
+                a2a.set_masked(r, True)
+        return self._a2as[use_fp8]
 
     # ---- dispatch ----
 
@@ -297,6 +313,7 @@ class Buffer:
 
         def receive() -> None:
             a2a.dispatch_recv(h, wait_ns=dispatch_wait_recv_cost_stats)
+            self._share_masks()
             if scales is not None:
                 scales.copy_(pack_ue8m0(rs) if use_ue8m0 else rs)
             torch.remainder(src, T, out=src_info)
@@ -355,6 +372,7 @@ class Buffer:
 
         def receive() -> None:
             a2a.combine_recv(topk_weights, h, out, wait_ns=combine_wait_recv_cost_stats)
+            self._share_masks()
 
         hook: Callable[[], None] = _no_hook
         if return_recv_hook:
@@ -404,8 +422,77 @@ class Buffer:
     intranode_dispatch = intranode_combine = _normal_mode
 
 
+    # ---- shrink mode (enable_shrink=True) ----
+
+    def _share_masks(self) -> None:
+        """A rank one of this Buffer's AllToAlls masked is masked in all of them (shrink mode)."""
+        if not self.enable_shrink:
+            return
+        for a2a in self._a2as.values():
+            self._masked.update(a2a.masked_ranks())
+        for a2a in self._a2as.values():
+            for r in self._masked - set(a2a.masked_ranks()):
+                a2a.set_masked(r, True)
+
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise RuntimeError(f"{what} needs a Buffer built with enable_shrink=True (as in DeepEP)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's: masks (mask=True) or unmasks `rank_to_mask` on this rank: nothing is sent to
+        or awaited from a masked rank, and combine leaves out the slots its experts held."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        if not 0 <= rank_to_mask < self.group_size:
+            raise ValueError(f"rank_to_mask {rank_to_mask} is not a rank of this group of {self.group_size}")
+        self._share_masks()
+        (self._masked.add if mask else self._masked.discard)(rank_to_mask)
+        for a2a in self._a2as.values():
+            a2a.set_masked(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """DeepEP's: mask_status [num_ranks] torch.int gets 1 for each masked rank, 0 otherwise."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        if mask_status.dtype != torch.int or tuple(mask_status.shape) != (self.group_size,):
+            raise ValueError(f"mask_status must be a torch.int tensor of shape [{self.group_size}], "
+                             f"got {mask_status.dtype} {list(mask_status.shape)}")
+        self._share_masks()
+        status = torch.zeros(self.group_size, dtype=torch.int)
+        status[sorted(self._masked)] = 1
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP's: unmasks every rank on this rank."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        for r in sorted(self._masked):
+            for a2a in self._a2as.values():
+                a2a.set_masked(r, False)
+        self._masked.clear()
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Nothing to clean: every receive waits for this step's flags, never for zeroed memory."""
+        """DeepEP's: nothing needs zeroing here (every receive waits for this step's flags, never
+        for zeroed memory), so this is DeepEP's barrier alone: every rank of the group (not masked)
+        arrives, through the group's store, within timeout_s. A rank that does not is masked in
+        shrink mode; without it, the call raises naming it."""
+        import datetime
+
+        self._share_masks()
+        self._cleans += 1
+        job, timeout = self._options["job"], float(self._options.get("timeout_s", 10.0))
+        key = lambda r: f"fabric-lib/deep_ep/{job}/clean/{self._cleans}/{r}"  # noqa: E731
+        self._store.set(key(self.rank), b"1")
+        waiting = [r for r in range(self.group_size) if r != self.rank and r not in self._masked]
+        try:
+            self._store.wait([key(r) for r in waiting], datetime.timedelta(seconds=timeout))
+            return
+        except Exception:  # noqa: BLE001 - the store says only that it timed out; find out who
+            missing = [r for r in waiting if not self._store.check([key(r)])]
+        if not missing:
+            return
+        if not self.enable_shrink:
+            raise TimeoutError(f"clean_low_latency_buffer on rank {self.rank}: ranks {missing} did not arrive "
+                               f"within {timeout} s (dead or stalled?)")
+        for r in missing:
+            self.low_latency_update_mask_buffer(r, True)
 
     def check(self) -> None:
         """Raises FabricError for the first failure seen (a CUDA kernel's timed-out wait)."""
@@ -434,6 +521,13 @@ class Buffer:
 
     def _release(self) -> None:
         self._destroyed = True
+        # This rank's clean_low_latency_buffer keys, but the last: a slower rank may still be
+        # about to read that one (it read the earlier ones before it set its last).
+        for n in range(1, self._cleans):
+            try:
+                self._store.delete_key(f"fabric-lib/deep_ep/{self._options['job']}/clean/{n}/{self.rank}")
+            except Exception:  # noqa: BLE001 - the store may be gone with its master; nothing to free then
+                pass
         for a2a in self._a2as.values():
             a2a.close()
         self._a2as = {}
