@@ -547,7 +547,7 @@ __device__ void raise_dispatch_flags(const Ptrs& p, uint64_t step) {
 }
 
 template <uint32_t kHidden, bool kFp8, typename Vec>
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ptrs p, DispatchInput in) {
+__device__ void dispatch_send_phase(const Ptrs& p, const DispatchInput& in) {
   extern __shared__ uint32_t smem[];
   const uint64_t step = current_step(p) + 1;
   const Routing r = build_routing(p, in, smem);
@@ -724,7 +724,7 @@ __device__ void publish_routing(const Ptrs& p) {
 // (and no row was stale), else kInvalidCount / kInvalidRun, so a failed step never leaves
 // plausible outputs behind.
 template <uint32_t kHidden, bool kFp8, typename Vec>
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ptrs p) {
+__device__ void dispatch_recv_phase(const Ptrs& p) {
   extern __shared__ uint32_t smem[];
   const Dims& d = p.lay.dims;
   const uint64_t step = current_step(p);
@@ -763,7 +763,7 @@ __device__ void raise_combine_flags(const Ptrs& p, uint64_t seq) {
 // One warp per expert-output row: to the source's node region (node-mates) or into the combine
 // stage (other nodes), at the row's combine position.
 template <uint32_t kHidden>
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(Ptrs p, const uint16_t* expert_out) {
+__device__ void combine_send_phase(const Ptrs& p, const uint16_t* expert_out) {
   extern __shared__ uint32_t smem[];
   const Dims& d = p.lay.dims;
   const uint64_t seq = current_combine(p) + 1;
@@ -840,7 +840,7 @@ __host__ __device__ inline uint32_t combine_segments(uint32_t hidden) { return (
 // The blocks whose wait succeeded sum their segments; the last block to finish overwrites all of
 // `out` with NaN when a block of this rank gave up, so a failed step leaves no plausible sums.
 template <uint32_t kHidden>
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t* out, const float* topk_weights) {
+__device__ void combine_recv_phase(const Ptrs& p, uint16_t* out, const float* topk_weights) {
   const Dims& d = p.lay.dims;
   const uint64_t seq = current_combine(p);
   const bool ok = wait_sources(p, seq, KernelError::kCombineTimeout, kCombineRecvTicket, kCombineRecvGo,
@@ -857,6 +857,32 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ptrs p, uint16_t
     auto* words = reinterpret_cast<uint32_t*>(out);  // hidden is a multiple of 128: whole words
     for (uint64_t i = threadIdx.x; i < uint64_t{tokens} * hidden / 2; i += kThreads) words[i] = nan2;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels: one `dispatch` and one `combine`, each launched once per phase (send, then
+// receive), as DeepEP's are. DeepEP's own test profiles its kernels by name (bench_kineto:
+// exactly one profile row holding "dispatch" and one holding "combine", and in the hook mode two
+// "::dispatch" launches per call), so the names are part of the compatibility.
+
+enum class Phase : uint32_t { kSend = 0, kRecv = 1 };
+
+struct CombineKernelArgs {
+  const uint16_t* expert_out = nullptr;  // send
+  uint16_t* out = nullptr;               // receive
+  const float* topk_weights = nullptr;   // receive
+};
+
+template <uint32_t kHidden, bool kFp8, typename Vec>
+__global__ void __launch_bounds__(kThreads) dispatch(Ptrs p, DispatchInput in, Phase phase) {
+  if (phase == Phase::kSend) dispatch_send_phase<kHidden, kFp8, Vec>(p, in);
+  else dispatch_recv_phase<kHidden, kFp8, Vec>(p);
+}
+
+template <uint32_t kHidden>
+__global__ void __launch_bounds__(kThreads) combine(Ptrs p, CombineKernelArgs a, Phase phase) {
+  if (phase == Phase::kSend) combine_send_phase<kHidden>(p, a.expert_out);
+  else combine_recv_phase<kHidden>(p, a.out, a.topk_weights);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -929,6 +955,11 @@ size_t max_shared_optin() {
   return static_cast<size_t>(most);
 }
 
+// The most dynamic shared memory any phase of a kernel takes at these dims: each launch allows
+// this much, the same every time (a phase allowing less would lower the kernel's cap under a
+// graph captured with the other phase).
+size_t kernel_shared_bytes(const Dims& d) { return std::max(routing_shared_bytes(d, d.max_tokens), sources_shared_bytes(d)); }
+
 // Lets `kernel` take `bytes` of dynamic shared memory, or says which dimensions are too large.
 template <typename Kernel>
 void allow_shared(Kernel* kernel, size_t bytes, const char* what) {
@@ -984,7 +1015,7 @@ void check_dispatch(const Dims& d, const DispatchArgs& a) {
 }  // namespace
 
 void prepare_kernels(const Dims& d) {
-  const size_t need = std::max(routing_shared_bytes(d, d.max_tokens), sources_shared_bytes(d));
+  const size_t need = kernel_shared_bytes(d);
   if (need > kDefaultSharedBytes) {
     const size_t most = max_shared_optin();
     if (need > most)
@@ -1002,15 +1033,12 @@ void prepare_kernels(const Dims& d) {
   };
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    load(reinterpret_cast<const void*>(dispatch_send_kernel<S::kHidden, S::kFp8, typename S::Vec>),
-         "cudaFuncGetAttributes(MoE dispatch_send kernel)");
-    load(reinterpret_cast<const void*>(dispatch_recv_kernel<S::kHidden, S::kFp8, typename S::Vec>),
-         "cudaFuncGetAttributes(MoE dispatch_recv kernel)");
+    load(reinterpret_cast<const void*>(dispatch<S::kHidden, S::kFp8, typename S::Vec>),
+         "cudaFuncGetAttributes(MoE dispatch kernel)");
   });
   with_combine_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    load(reinterpret_cast<const void*>(combine_send_kernel<S::kHidden>), "cudaFuncGetAttributes(MoE combine_send kernel)");
-    load(reinterpret_cast<const void*>(combine_recv_kernel<S::kHidden>), "cudaFuncGetAttributes(MoE combine_recv kernel)");
+    load(reinterpret_cast<const void*>(combine<S::kHidden>), "cudaFuncGetAttributes(MoE combine kernel)");
   });
 }
 
@@ -1034,11 +1062,11 @@ void dispatch_send(const Views& v, const DispatchArgs& a) {
   blocks = blocks == 0 ? 1 : (blocks < v.max_blocks ? blocks : v.max_blocks);
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    auto* kernel = dispatch_send_kernel<S::kHidden, S::kFp8, typename S::Vec>;
-    allow_shared(kernel, shared, "dispatch send");
-    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, in);
+    auto* kernel = dispatch<S::kHidden, S::kFp8, typename S::Vec>;
+    allow_shared(kernel, kernel_shared_bytes(d), "dispatch send");
+    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, in, Phase::kSend);
   });
-  launched("MoE dispatch_send kernel launch");
+  launched("MoE dispatch kernel launch (send)");
 }
 
 // The receive's per-source waits go to wait_ns; a lane tracks its sources in one 64-bit mask.
@@ -1057,11 +1085,11 @@ void dispatch_recv(const Views& v, void* stream, int64_t* wait_ns) {
   const uint32_t blocks = v.max_blocks;  // rows to copy are known only on the device
   with_dispatch_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    auto* kernel = dispatch_recv_kernel<S::kHidden, S::kFp8, typename S::Vec>;
-    allow_shared(kernel, shared, "dispatch receive");
-    kernel<<<blocks, kThreads, shared, stream_of(stream)>>>(p);
+    auto* kernel = dispatch<S::kHidden, S::kFp8, typename S::Vec>;
+    allow_shared(kernel, kernel_shared_bytes(d), "dispatch receive");
+    kernel<<<blocks, kThreads, shared, stream_of(stream)>>>(p, DispatchInput{}, Phase::kRecv);
   });
-  launched("MoE dispatch_recv kernel launch");
+  launched("MoE dispatch kernel launch (receive)");
 }
 
 void combine_send(const Views& v, const CombineArgs& a) {
@@ -1073,11 +1101,12 @@ void combine_send(const Views& v, const CombineArgs& a) {
   const uint32_t blocks = v.max_blocks;
   with_combine_shape(d, [&](auto shape) {
     using S = decltype(shape);
-    auto* kernel = combine_send_kernel<S::kHidden>;
-    allow_shared(kernel, shared, "combine send");
-    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, a.expert_out);
+    auto* kernel = combine<S::kHidden>;
+    allow_shared(kernel, kernel_shared_bytes(d), "combine send");
+    kernel<<<blocks, kThreads, shared, stream_of(a.stream)>>>(p, CombineKernelArgs{.expert_out = a.expert_out},
+                                                              Phase::kSend);
   });
-  launched("MoE combine_send kernel launch");
+  launched("MoE combine kernel launch (send)");
 }
 
 void combine_recv(const Views& v, const CombineArgs& a) {
@@ -1091,9 +1120,12 @@ void combine_recv(const Views& v, const CombineArgs& a) {
     const uint32_t items = d.max_tokens * combine_segments(d.hidden);
     uint32_t blocks = (items + kWarps - 1) / kWarps;
     blocks = blocks == 0 ? 1 : (blocks < v.max_blocks ? blocks : v.max_blocks);
-    combine_recv_kernel<S::kHidden><<<blocks, kThreads, 0, stream_of(a.stream)>>>(p, a.out, a.topk_weights);
+    auto* kernel = combine<S::kHidden>;
+    allow_shared(kernel, kernel_shared_bytes(d), "combine receive");
+    kernel<<<blocks, kThreads, 0, stream_of(a.stream)>>>(p, CombineKernelArgs{.out = a.out, .topk_weights = a.topk_weights},
+                                                         Phase::kRecv);
   });
-  launched("MoE combine_recv kernel launch");
+  launched("MoE combine kernel launch (receive)");
 }
 
 }  // namespace fabric::moe::detail::cuda
