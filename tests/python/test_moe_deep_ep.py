@@ -19,13 +19,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import moe_roles as R  # noqa: E402
 
 
-@pytest.mark.parametrize("provider,node_size,allow_nvlink", [("tcp;ofi_rxm", 2, True), ("shm", 4, True), ("shm", 4, False)],
-                         ids=["tcp-2nodes", "shm-1node", "shm-no-nvlink"])
-def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(peer, provider, node_size, allow_nvlink):
+@pytest.mark.parametrize("provider,ranks,node_size,allow_nvlink",
+                         [("tcp;ofi_rxm", 4, 2, True), ("shm", 4, 4, True), ("shm", 4, 4, False), ("shm", 8, 4, True)],
+                         ids=["tcp-2nodes", "shm-1node", "shm-no-nvlink", "shm-8ranks-2nodes"])
+def test_deep_ep_low_latency_calls_match_the_oracle_with_two_batches_in_flight(peer, provider, ranks, node_size, allow_nvlink):
     """allow_nvlink_for_low_latency_mode=False: every rank a node of its own, every row through
-    the proxy and the engine."""
+    the proxy and the engine. 8 ranks as 2 nodes of 4 (DeepEP's EP8 shape on two hosts)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    cfg = dict(provider=provider, ranks=4, node_size=node_size, experts=16, topk=4, hidden=1024, max_tokens=8,
+    cfg = dict(provider=provider, ranks=ranks, node_size=node_size, experts=4 * ranks, topk=4, hidden=1024, max_tokens=8,
                dtype="fp8", steps=4, port=store.port, job=uuid.uuid4().hex[:16], allow_nvlink=allow_nvlink)
     procs = [peer(R.deep_ep_rank_main, dict(cfg, rank=r)) for r in range(cfg["ranks"])]
     R.deep_ep_results(procs)
