@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
     return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 1.0;
   };
   const double bw = o.gbps / 8 * 1e9;  // bytes per second per GPU
-  // The executor's cost model (weights_update.h predict_update, which the GPU example feeds with
+  // The executor's cost model (weights/update.h predict_update, which the GPU example feeds with
   // a measured copy bandwidth): the slowest NIC, the quantizing or the posting, plus the fill.
   auto shared_plan = std::make_shared<const weights::UpdatePlan>(up);
   const weights::UpdatePrediction pred =

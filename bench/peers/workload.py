@@ -3,7 +3,7 @@
 Rounds of `pages` WRITEs of `page` bytes from a source of `pages` pages into random pages of a
 destination of 2 x `pages` pages; round r writes into half r % 2, so one round is in flight while
 the next is posted (a round waits for round r - 2, the one that used the same half). The source
-holds the byte pattern of tools/demo/paged_rounds.h; the permutations are numpy's (seed 1234 + r),
+holds the byte pattern of tools/common/paged_rounds.h; the permutations are numpy's (seed 1234 + r),
 not std::shuffle's, so the pages differ from fabric-demo's but the shape is the same.
 """
 import argparse

@@ -52,7 +52,8 @@ struct VerbsConfig {
   uint8_t min_rnr_timer = 6;
   // Receives posted for arriving immediates (one per WRITE with an immediate that has landed and
   // not yet been polled). 0: min(16384, the device's max_srq_wr). Raise it when many peers write
-  // at once (peers x WRITEs in flight each); NicStats::imm_receive_low counts near-empty queues.
+  // at once (peers x WRITEs in flight each); under a quarter still posted logs a warning naming
+  // this field (at most once a second).
   uint32_t imm_receives = 0;
   // RoCE / InfiniBand traffic class of every packet this NIC sends (queue pairs and handshake):
   // the GRH traffic class (RoCE v2: DSCP << 2 | ECN, e.g. 106 for DSCP 26, as NCCL_IB_TC) and the

@@ -1,4 +1,4 @@
-// MoE dispatch/combine for Python (include/fabric/moe/all_to_all.h). fabric_lib/moe.py wraps it for
+// MoE dispatch/combine for Python (include/fabric/moe/all_to_all.h). fabric_lib/moe/ wraps it for
 // torch tensors; here the calls take raw addresses. The constructor and the halves release the GIL
 // (the host receive halves block until every rank's rows arrived); the all-gather callable the
 // constructor calls twice runs under the GIL, taken again inside the C++ callback.

@@ -1,4 +1,4 @@
-// RL weight updates for Python (include/fabric/weights/plan.h, weights_update.h). fabric_lib/weights.py
+// RL weight updates for Python (include/fabric/weights/plan.h, update.h). fabric_lib/weights.py
 // builds manifests from tensors and a store; here the manifest types, the planner and the two
 // executors. update() and wait() release the GIL; a Python unit hook runs under it on the thread
 // that called update().

@@ -1,5 +1,5 @@
 // KvSender: a prefill rank writes each layer of each request into the decode ranks' pages the
-// moment it is computed, then the extras, as kv.h plans it.
+// moment it is computed, then the extras, as include/fabric/kv/layout.h plans it.
 #include <fmt/format.h>
 
 #include <map>

@@ -350,9 +350,10 @@ struct AllToAll::Impl {
   // engine's streams, issued while this rank's receive kernel spins with the rest of its step
   // queued behind it. CUDA maps a process's streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware
   // queues (8 by default), and a copy whose stream shares a queue with that queued work waits
-  // behind it: every rank then waits for the timeout (docs/benchmarks.md, "The node boundary in
-  // device memory"). 16 queues ran twenty back-to-back graph replays of 4 ranks exactly where 8
-  // failed every time; say so before a user finds out by a timeout.
+  // behind it: every rank then waits for the timeout (docs/benchmarks.md, "MoE dispatch/combine";
+  // the full account, "The node boundary in device memory", is in `git show
+  // 788bf4b:docs/benchmarks.md`). 16 queues ran twenty back-to-back graph replays of 4 ranks
+  // exactly where 8 failed every time; say so before a user finds out by a timeout.
   void warn_if_few_hardware_queues() const {
     const std::vector<NicStats> nics = engine.nic_stats();
     if (std::none_of(nics.begin(), nics.end(), [](const NicStats& n) { return n.nic == "cuda_ipc"; })) return;

@@ -1,5 +1,5 @@
 // MoE all-to-all (include/fabric/moe/all_to_all.h): where every byte of the protocol lives, and the index
-// arithmetic both kernel sides (host threads in cpu_kernels.cpp, CUDA in gpu_kernels.cu) and the
+// arithmetic both kernel sides (host threads in host_kernels.cpp, CUDA in gpu_kernels.cu) and the
 // proxy share. Plain data and inline functions only, usable from host and device code.
 //
 // Names: W ranks, N ranks per node (node of rank r: r / N), E experts, L = E / W local experts

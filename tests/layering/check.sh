@@ -1,5 +1,5 @@
 #!/bin/bash
-# The layers include only downward (docs/architecture.md, "Layer map" and "Layers and targets"):
+# The layers include only downward (docs/architecture.md, "Layer map" and "Build targets"):
 # for each folder, the quoted includes it may not use; then the folder-level include graph,
 # computed from every #include "..." line under src/ and include/, must have no cycle. Prints
 # every violation and every cycle, and exits 1 if there is one.

@@ -1,6 +1,6 @@
 // MoE dispatch/combine steps for the loopback tests: ranks as threads of this process, an
 // all-gather among them, skewed random routing, and each rank's dispatch and combine outputs
-// checked against the CPU reference (moe_reference.h).
+// checked against the CPU reference (include/fabric/moe/reference.h).
 #pragma once
 
 #include <fmt/format.h>

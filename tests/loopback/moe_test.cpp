@@ -1,7 +1,7 @@
 // MoE dispatch/combine (include/fabric/moe/all_to_all.h) on the host kernel side: ranks as threads
 // of this process, each with its own engine, grouped into "nodes" that share node regions, the
 // other nodes reached through the proxy over tcp or shm. Every received row and every combined
-// value is checked against the CPU reference (moe_reference.h).
+// value is checked against the CPU reference (include/fabric/moe/reference.h).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // KV-cache transfer endpoints on a TransferEngine: a decode rank (KvReceiver) admits a request
 // into pages it allocated and counts each layer's immediates; a prefill rank (KvSender) writes
 // each layer's pages the moment the layer is computed (the caller says so, or the GPU does through
-// a trigger word), one paged write per (decode rank, K/V) as kv.h plans it, and the request's
+// a trigger word), one paged write per (decode rank, K/V) as layout.h plans it, and the request's
 // extras (last-token hidden state, logits) last. Descriptors are exchanged once per decode rank
 // (KvReceiver::descriptor -> KvSender::add_decoder); a request costs one admit message (ids and
 // page indices only), which the caller carries (engine messages, a store, ...).
