@@ -85,9 +85,11 @@ struct Completion {
   bool peer_lost = false;
 };
 
-// What one Domain (one NIC) can do, read once when it is opened (the provider's own attributes,
-// the values its code runs on, never a second guess). For logs, topology and placement decisions;
-// nothing on the posting path reads it.
+// What one Domain (one NIC) can do: every capability of a provider is a field here, none is a
+// virtual with a default. Filled once while the domain opens, from the provider's own attributes
+// and the values its code runs on (never a second guess), and fixed for the domain's life. The
+// first fields are for logs, topology and placement; the last two are limits the posting path
+// keeps to (DomainGroup copies them when it opens the domain).
 struct DomainCaps {
   // What a person calls this NIC: the libfabric domain name ("rdmap16s27-rdm", "lo", "shm"), the
   // verbs device ("mlx5_0"), "cuda_ipc".
@@ -111,23 +113,58 @@ struct DomainCaps {
   // pinning tens of GB stalls none of the worker's NICs. False for libfabric domains (opened
   // FI_THREAD_DOMAIN: the worker owns every call) and the local domains.
   bool concurrent_registration = false;
+  // Operations (WRITEs, batches, SENDs; not receives) the engine keeps posted and uncompleted
+  // here at most: libfabric EngineConfig::max_in_flight_per_nic; verbs that, bounded by its send
+  // CQ; cuda_ipc its descriptor ring; host_ipc 65,536.
+  size_t max_in_flight = 0;
+  // Most WRITEs one post_write_batch takes (cuda_ipc 4,096, host_ipc 1,024). 0: the domain takes
+  // no batches, and the engine never calls post_write_batch (libfabric, verbs, the test wrappers).
+  size_t max_write_batch = 0;
 };
 
+// The contract. Lifecycle: the factory (providers/open_domain.h) constructs a Domain on the worker
+// thread that will own it, after that thread is pinned, and throws fabric::Error if it cannot
+// open; the same thread destroys it at shutdown, after it deregistered every region and stopped
+// posting; the destructor closes the endpoints and registrations it still holds, after which
+// nothing in the provider may refer to a context the engine handed it. A worker abandoned by its owner (wedged inside a provider) leaves its
+// domains alive for the process exit to tear down.
+//
+// Threading: one thread (the owning worker; a test driving a Domain directly) makes every call,
+// except where a group below says "any thread". A Domain takes no locks for the engine's sake and
+// calls nothing back: results go out through return values and poll().
+//
+// Errors: the control calls (registration, peers) throw fabric::Error; the posts report through
+// PostResult, the message of a kFailed in last_error(); failures of posted operations come back
+// as Completion::Kind::kError. Provider return codes are translated here, with the call that
+// failed.
 class Domain {
  public:
   virtual ~Domain() = default;
 
-  virtual const std::string& provider_name() const = 0;
-  virtual const std::string& address() const = 0;  // endpoint name, bytes
-  // Fixed for the domain's life; any thread may read it once the domain is open.
-  virtual const DomainCaps& caps() const = 0;
-  // Largest immediate the provider carries is at least 32 bits; remote CQ data is masked to 32.
+  // ---- Identity and capabilities. Any thread, once the domain is open; fixed for its life. ----
+  virtual const std::string& provider_name() const = 0;  // "tcp;ofi_rxm", "efa", "verbs", ...
+  // This endpoint's name, as bytes a peer passes to insert_peer (NetAddr carries it).
+  virtual const std::string& address() const = 0;
+  virtual const DomainCaps& caps() const = 0;  // the same object every time
+  // Immediates: every provider carries at least 32 bits; remote CQ data is masked to 32.
 
-  // Throw fabric::Error on failure; kUnsupported when the provider cannot reach that device's
+  // ---- Memory registration. The owning thread; any thread, also several at once, where
+  // caps().concurrent_registration. ----
+  // Throws fabric::Error on failure; kUnsupported when the provider cannot reach that device's
   // memory (the engine may then register it with its other domains only).
   virtual DomainRegion register_memory(void* ptr, size_t len, Device device) = 0;
+  // Only once nothing posted from or to the region is in flight here.
   virtual void deregister_memory(DomainRegion& region) = 0;
-  // Cached: the same address gives the same PeerId without a new insertion.
+  // A zero-length registered buffer and its descriptor, for immediate-only writes (EFA wants a
+  // valid descriptor on every write). Registered when the domain opens, valid until it closes;
+  // the owning thread.
+  virtual void* scratch_desc() const = 0;
+  virtual void* scratch_buffer() const = 0;
+
+  // ---- Peers. The owning thread. ----
+  // Cached: the same address gives the same PeerId without a new insertion. Throws
+  // fabric::Error for an address the provider cannot use. May return before the connection
+  // exists (verbs connects on the first post: kRetryPeer meanwhile).
   virtual PeerId insert_peer(const std::string& address) = 0;
   // Forgets a peer and releases what it holds here (address-vector entry, queue pairs, shared
   // memory and IPC mappings). The engine calls it when the peer failed or the application
@@ -137,41 +174,33 @@ class Domain {
   // same address). An unknown id is ignored.
   virtual void remove_peer(PeerId peer) = 0;
 
-  // kRetry / kRetryPeer: see PostResult; poll and try again later.
-  // kFailed: the message is in last_error().
+  // ---- Posting. The owning thread; a post must not wait for the peer. ----
+  // kPosted: ctx comes back through poll() exactly once (kLocal, kRecv or kError). kRetry /
+  // kRetryPeer: nothing was posted, ctx stays the caller's (see PostResult). kFailed: nothing was
+  // posted; the message is in last_error().
   // A provider may hold posted work back until its next poll() and hand it to the hardware as
   // one batch (cuda_ipc gathers many WRITEs into one kernel launch); poll() must flush it.
   virtual PostResult post_write(const WriteOp& op, OpContext* ctx) = 0;
-  // WRITEs to one peer that complete together: a single Completion for ctx once every op has
-  // landed (or an error for the batch), each op's immediate delivered as with post_write. The
-  // engine uses it for paged transfers where max_write_batch() > 0 (cuda_ipc: one gather kernel
-  // for many pages), with at most max_write_batch() ops per call.
-  virtual size_t max_write_batch() const { return 0; }
-  virtual PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) {
-    (void)ops;
-    (void)ctx;
-    return PostResult::kFailed;
-  }
+  // Only where caps().max_write_batch > 0, with 1 to max_write_batch ops to one peer that
+  // complete together: a single Completion for ctx once every op has landed (or an error for the
+  // batch), each op's immediate delivered as with post_write. The engine posts the pages of a
+  // paged transfer to a same-host peer this way (cuda_ipc: one gather kernel for many pages). A
+  // domain that sets max_write_batch 0 is never called here and returns kFailed.
+  virtual PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) = 0;
+  // A two-sided message to a peer, matched by one of its post_recv buffers (in any order).
   virtual PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
                                OpContext* ctx) = 0;
+  // A receive buffer for any peer's SEND; it comes back as kRecv. Receives do not count against
+  // caps().max_in_flight.
   virtual PostResult post_recv(void* buf, size_t len, void* desc, OpContext* ctx) = 0;
+  // Why the last post returned kFailed.
   virtual const std::string& last_error() const = 0;
 
-  // Reads up to out.size() completions; returns how many were written.
+  // ---- Completions. The owning thread. ----
+  // Progresses the provider (manual progress, held-back work, connection handshakes) and reads
+  // up to out.size() completions; returns how many were written. Must not wait for completions
+  // (the worker polls in a loop, and may sleep between polls where it is idle).
   virtual size_t poll(std::span<Completion> out) = 0;
-  // A zero-length registered buffer's descriptor, for immediate-only writes (EFA wants a valid
-  // descriptor on every write).
-  virtual void* scratch_desc() const = 0;
-  virtual void* scratch_buffer() const = 0;
-  // Operations the engine may keep posted and uncompleted here; 0: EngineConfig's per-NIC limit.
-  virtual size_t max_in_flight() const { return 0; }
-
-  // Faults a test wrapper injected (zero for real providers). Any thread may read them.
-  struct InjectedFaults {
-    uint64_t total = 0;
-    uint64_t duplicated_imms = 0;
-  };
-  virtual InjectedFaults injected_faults() const { return {}; }
 };
 
 // A local domain's (cuda_ipc, host_ipc) address is "<host scope>/<endpoint>": two local domains

@@ -826,11 +826,11 @@ std::vector<NicStats> EngineImpl::nic_stats() const {
     for (size_t i = 0; i < workers_[w]->domain_count(); i++) {
       const Worker& worker = *workers_[w];
       const AtomicNicStats& a = worker.stats(i);
-      Domain::InjectedFaults f = worker.injected_faults(i);
+      const auto [injected, duplicated_imms] = worker.injected_faults(i);
       const DomainCaps& caps = worker.caps(i);
       out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
-                     a.imms_received.load(), a.messages_received.load(), a.errors.load(), f.total,
-                     f.duplicated_imms, a.imms_dropped.load(), a.messages_dropped.load(), caps.nic_name, w,
+                     a.imms_received.load(), a.messages_received.load(), a.errors.load(), injected,
+                     duplicated_imms, a.imms_dropped.load(), a.messages_dropped.load(), caps.nic_name, w,
                      caps.link_gbps});
     }
   return out;

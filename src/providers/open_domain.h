@@ -8,6 +8,7 @@
 
 #include "domain/domain.h"
 #include "fabric/config.h"
+#include "providers/fault/fault_domain.h"  // injected_faults: the test wrappers' counts
 
 namespace fabric {
 

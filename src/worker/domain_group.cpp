@@ -22,11 +22,13 @@ void DomainGroup::open(const EngineConfig& config) {
     domains_.push_back(open_local_domain(config));
     local_address_ = domains_.back()->address();
   }
-  for (size_t d = 0; d < domains_.size(); d++) {
-    size_t limit = domains_[d]->max_in_flight();
-    max_in_flight_[d] = limit ? limit : config.max_in_flight_per_nic;
-  }
+  for (size_t d = 0; d < domains_.size(); d++) max_in_flight_[d] = domains_[d]->caps().max_in_flight;
   completions_.resize(config.cq_batch);
+}
+
+std::pair<uint64_t, uint64_t> DomainGroup::injected_faults(size_t d) const {
+  InjectedFaults f = fabric::injected_faults(*domains_[d]);
+  return {f.total, f.duplicated_imms};
 }
 
 void DomainGroup::book_refusal(size_t d, PeerId peer, PostResult result) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "domain/domain.h"
@@ -65,7 +66,9 @@ class DomainGroup {
   bool abandoned() const { return abandoned_.load(std::memory_order_acquire); }
 
   // The domains live as long as the group (until close()).
-  Domain::InjectedFaults injected_faults(size_t d) const { return domains_[d]->injected_faults(); }
+  // Faults a test wrapper injected into domain d, {total, duplicated immediates}; zeros for a
+  // domain without one. Any thread. Not part of the Domain contract: the factory reads them.
+  std::pair<uint64_t, uint64_t> injected_faults(size_t d) const;
   const DomainCaps& caps(size_t d) const { return domains_[d]->caps(); }
 
   // Which domain carries operation `op` of a transfer to `target`: SENDs NIC 0; a same-host GPU
@@ -81,7 +84,7 @@ class DomainGroup {
     return shards == 1 ? Shard{0, len} : single_write_shard(len, shards, i);
   }
   // Largest batch of WRITEs the local domain takes in one post (0 or 1: it does not batch).
-  size_t local_write_batch() const { return domains_[local_index()]->max_write_batch(); }
+  size_t local_write_batch() const { return domains_[local_index()]->caps().max_write_batch; }
 
   // Whether domain d may take an operation for `peer` now: it is under its in-flight limit and
   // neither it nor that peer of it pushed back in the last polls.

@@ -70,7 +70,7 @@ class Worker {
   size_t domain_count() const { return domains_.domain_count(); }
   const AtomicNicStats& stats(size_t domain) const { return domains_.stats(domain); }
   // The domains live as long as the worker.
-  Domain::InjectedFaults injected_faults(size_t domain) const { return domains_.injected_faults(domain); }
+  std::pair<uint64_t, uint64_t> injected_faults(size_t domain) const { return domains_.injected_faults(domain); }
   const DomainCaps& caps(size_t domain) const { return domains_.caps(domain); }
 
   // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has

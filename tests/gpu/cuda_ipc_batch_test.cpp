@@ -149,7 +149,7 @@ TEST(CudaIpcBatch, BatchesOfEverySizeLandWithOneCompletionAndOneImmediatePerWrit
   constexpr uint64_t kPage = 64 << 10;
   constexpr uint32_t kSlots = 4096;
   Rig rig(kPage * kSlots, kPage * kSlots);
-  ASSERT_EQ(rig.writer->max_write_batch(), 4096u);
+  ASSERT_EQ(rig.writer->caps().max_write_batch, 4096u);
   // 1 and 7 pages; 2,048 (one full launch), 2,049 and 4,096 (over the per-launch limit: two).
   const std::vector<uint32_t> sizes = {1, 7, 2048, 2049, 4096};
   std::vector<OpContext> ctx(sizes.size());
@@ -218,7 +218,7 @@ TEST(CudaIpcBatch, ImmediateOnlyWritesAndWritesWithoutImmediatesCountRight) {
 }
 
 // 10,000 pages, split the way the engine's worker splits a paged transfer: batches of
-// max_write_batch() pages, all posted before any is polled; one completion per batch.
+// caps().max_write_batch pages, all posted before any is polled; one completion per batch.
 TEST(CudaIpcBatch, TenThousandPagesInBatchesOfMaxWriteBatch) {
   REQUIRE_GPU();
   constexpr uint64_t kPage = 16 << 10;
@@ -227,7 +227,7 @@ TEST(CudaIpcBatch, TenThousandPagesInBatchesOfMaxWriteBatch) {
   auto s = shuffled(kSlots, 31), d = shuffled(kSlots, 32);
   std::vector<WriteOp> all;
   for (uint32_t i = 0; i < kPages; i++) all.push_back(rig.op(s[i] * kPage, d[i] * kPage, kPage, 77));
-  const size_t batch = rig.writer->max_write_batch();
+  const size_t batch = rig.writer->caps().max_write_batch;
   const size_t posts = (kPages + batch - 1) / batch;
   std::vector<OpContext> ctx(posts);
   Seen seen;
@@ -251,8 +251,8 @@ TEST(CudaIpcBatch, RefusedBatchesPostNothing) {
   Rig rig(kPage * 8192, kPage * 8192);
   OpContext ctx;
   Seen seen;
-  // Over max_write_batch().
-  std::vector<WriteOp> too_many(rig.writer->max_write_batch() + 1, rig.op(0, 0, kPage, 1));
+  // Over caps().max_write_batch.
+  std::vector<WriteOp> too_many(rig.writer->caps().max_write_batch + 1, rig.op(0, 0, kPage, 1));
   EXPECT_EQ(rig.writer->post_write_batch(too_many, &ctx), PostResult::kFailed);
   // An out-of-bounds WRITE before any launch: nothing of the batch lands, no completion.
   std::vector<WriteOp> ops;
@@ -385,7 +385,7 @@ TEST(CudaIpcBatch, DeregistrationWaitsForABatchInFlight) {
 }
 
 // Across processes (the IPC mapping path), each on its own GPU where there are two: 10,000
-// pages of 64 KiB in batches of max_write_batch(), immediates counted by the owner.
+// pages of 64 KiB in batches of caps().max_write_batch, immediates counted by the owner.
 TEST(CudaIpcBatch, AcrossProcessesTenThousandPagesLandWithTheirImmediates) {
   REQUIRE_GPU();
   constexpr uint64_t kPage = 64 << 10;
@@ -412,7 +412,7 @@ TEST(CudaIpcBatch, AcrossProcessesTenThousandPagesLandWithTheirImmediates) {
           all[i].has_imm = true;
           all[i].imm = 21;
         }
-        const size_t batch = writer->max_write_batch();
+        const size_t batch = writer->caps().max_write_batch;
         std::vector<OpContext> ctx((kPages + batch - 1) / batch);
         Seen seen;
         auto t0 = std::chrono::steady_clock::now();

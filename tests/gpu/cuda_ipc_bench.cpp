@@ -4,7 +4,7 @@
 //           (target >= 5x) and vs one contiguous copy of the same total bytes
 //   curve:  single WRITEs from 4 KiB to 256 MiB, engine and raw
 //   batch:  the same 10,000 pages through the cuda_ipc Domain's post_write_batch, in batches of
-//           max_write_batch() as the engine's worker posts them, vs one contiguous copy (target
+//           caps().max_write_batch as the engine's worker posts them, vs one contiguous copy (target
 //           >= 0.80); the same with an immediate per page; one post_write per page; the gather
 //           kernel alone
 //   watcher: GPU store -> watcher callback -> GPU sees the answer, timed by the GPU's clock,

@@ -1,6 +1,6 @@
 // Parts of cuda_ipc_bench (tests/gpu/cuda_ipc_bench.cpp) that drive the cuda_ipc Domain and the
 // GPU signalling directly, in the same run as the engine's figures:
-//   - paged WRITEs through Domain::post_write_batch, in batches of max_write_batch() as the
+//   - paged WRITEs through Domain::post_write_batch, in batches of caps().max_write_batch as the
 //     engine's worker posts them, against one contiguous copy of the same bytes; the same pages
 //     through one post_write each (the path before batches); the gather kernel alone;
 //   - GPU -> CPU -> GPU round trips: the minimal ping-pong (the floor: a volatile store and
@@ -90,14 +90,14 @@ class BatchSender {
         peer_(domain_->insert_peer(peer_address)),
         rkey_(rkey) {}
   ~BatchSender() { domain_->deregister_memory(region_); }
-  size_t max_write_batch() const { return domain_->max_write_batch(); }
+  size_t max_write_batch() const { return domain_->caps().max_write_batch; }
 
   // GB/s of pages (src_off[i] -> dst_off[i], `page` bytes each) posted as the engine's worker
   // posts a paged transfer: batches of max_write_batch() WriteOps built from the page lists,
   // one OpContext each, kRetry answered by polling; timed until the last batch has completed.
   double paged_batches(const std::vector<uint64_t>& src_off, const std::vector<uint64_t>& dst_off,
                        uint64_t page, bool with_imm) {
-    const size_t batch = domain_->max_write_batch();
+    const size_t batch = domain_->caps().max_write_batch;
     const size_t pages = src_off.size();
     std::vector<OpContext> ctx((pages + batch - 1) / batch);
     std::vector<WriteOp> ops;

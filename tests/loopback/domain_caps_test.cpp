@@ -1,6 +1,7 @@
 // Domain::caps() on real domains: the values each provider reports are the ones fi_getinfo gives
 // for the entry the domain picked (tcp;ofi_rxm on the loopback NIC, shm), efa-sim's are EFA's that
-// it presents, the test wrappers forward them, and verbs reports its device (in the rxe VM).
+// it presents, the test wrappers forward them (less write batches), and verbs reports its device
+// (in the rxe VM). What every provider must report is checked by provider_contract_test.cpp.
 #include <gtest/gtest.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
@@ -152,7 +153,22 @@ TEST(DomainCaps, TestWrappersForwardTheWrappedDomains) {
     EXPECT_EQ(w.inject_size, p.inject_size);
     EXPECT_EQ(w.link_gbps, p.link_gbps);
     EXPECT_EQ(w.manual_progress, p.manual_progress);
+    EXPECT_EQ(w.max_in_flight, p.max_in_flight);
+    EXPECT_EQ(w.max_write_batch, 0u);
   }
+}
+
+// Wrapped, a local domain that takes write batches reports none: the wrappers act on single
+// WRITEs, so the engine posts the pages one by one, as it always did under them.
+TEST(DomainCaps, TestWrappersTakeNoWriteBatches) {
+  EngineConfig cfg = config("tcp;ofi_rxm", "127.0.0.2");
+  cfg.host_ipc = true;
+  auto plain = open_local_domain(cfg);
+  cfg.reorder.enabled = true;
+  auto wrapped = open_local_domain(cfg);
+  EXPECT_EQ(plain->caps().max_write_batch, 1024u);
+  EXPECT_EQ(wrapped->caps().max_write_batch, 0u);
+  EXPECT_EQ(wrapped->caps().max_in_flight, plain->caps().max_in_flight);
 }
 
 TEST(DomainCaps, VerbsReportsItsDevicePort) {

@@ -1,7 +1,8 @@
 // The EFA-like provider (efa-sim: tcp;ofi_rxm underneath, EFA's attributes above, see
 // src/providers/efa_sim/efa_sim.h): the libfabric domain's EFA branches, tested where they can be
 // watched closely, on Domains in one process and on engines. The EnginePair and KilledPeer suites
-// also run on efa-sim (engine_pair_test.cpp, "EfaSim/" instances).
+// also run on efa-sim (engine_pair_test.cpp: the "efasim_" cases of the shared provider suite,
+// and the "EfaSim/" instances of KilledPeer and KilledMidTransfer).
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -277,30 +277,9 @@ TEST_P(EnginePair, ScatterAndBarrierReachEightPeers) {
   EXPECT_TRUE(r.ok()) << "sender rc " << r.parent_rc << ", receiver status " << r.child_status;
 }
 
-INSTANTIATE_TEST_SUITE_P(Providers, EnginePair,
-                         ::testing::Values(ProviderCase{"tcp;ofi_rxm", 1, false},
-                                           ProviderCase{"tcp;ofi_rxm", 2, false},
-                                           ProviderCase{"tcp;ofi_rxm", 4, false},
-                                           ProviderCase{"shm", 1, false},
-                                           ProviderCase{"shm", 2, false},
-                                           ProviderCase{"shm", 4, false},
-                                           ProviderCase{"tcp;ofi_rxm", 1, true},
-                                           ProviderCase{"tcp;ofi_rxm", 2, true},
-                                           ProviderCase{"tcp;ofi_rxm", 4, true},
-                                           ProviderCase{"shm", 1, true},
-                                           ProviderCase{"shm", 2, true},
-                                           ProviderCase{"shm", 4, true},
-                                           ProviderCase{"verbs", 1, false},
-                                           ProviderCase{"verbs", 2, false},
-                                           ProviderCase{"verbs", 2, true}),
-                         case_name);
-// efa-sim: EFA's attributes over tcp (case names say tcp, what runs underneath).
-INSTANTIATE_TEST_SUITE_P(EfaSim, EnginePair,
-                         ::testing::Values(ProviderCase{"efa-sim", 1, false},
-                                           ProviderCase{"efa-sim", 2, false},
-                                           ProviderCase{"efa-sim", 1, true},
-                                           ProviderCase{"efa-sim", 2, true}),
-                         case_name);
+// The shared provider suite: every provider of suite_providers() (test_support.h), at each of
+// its NIC counts, plain and reordered.
+INSTANTIATE_TEST_SUITE_P(Providers, EnginePair, ::testing::ValuesIn(suite_cases()), case_name);
 
 // ---- a peer killed mid-transfer ----------------------------------------------------------
 

@@ -34,9 +34,37 @@ inline void PrintTo(const ProviderCase& c, std::ostream* os) {
 
 inline std::string case_name(const ::testing::TestParamInfo<ProviderCase>& info) {
   const std::string& name = info.param.provider;
-  std::string p = name == "shm" || name == "verbs" ? name : "tcp";
+  std::string p = name == "tcp;ofi_rxm" ? "tcp" : name == "efa-sim" ? "efasim" : name;
   return p + "_" + std::to_string(info.param.nics) + "nic" + (info.param.reorder ? "_reordered" : "") +
          (info.param.host_ipc ? "_host_ipc" : "");
+}
+
+// The shared provider suite (docs/providers.md): every NIC provider, one line each. The
+// ProviderContract suite (provider_contract_test.cpp) drives two Domains of each directly; the
+// EnginePair suite (engine_pair_test.cpp) runs engines on each of `nics` NIC counts, and again
+// under the reordering wrapper on each of `reordered`. A new provider joins both with its line.
+struct SuiteProvider {
+  std::string name;               // EngineConfig::provider
+  std::vector<size_t> nics;       // NIC counts per engine
+  std::vector<size_t> reordered;  // NIC counts also run with EngineConfig::reorder
+};
+inline const std::vector<SuiteProvider>& suite_providers() {
+  static const std::vector<SuiteProvider> providers = {
+      {"tcp;ofi_rxm", {1, 2, 4}, {1, 2, 4}},
+      {"shm", {1, 2, 4}, {1, 2, 4}},
+      {"verbs", {1, 2}, {2}},       // skips without an RDMA device: runs in make test-rxe
+      {"efa-sim", {1, 2}, {1, 2}},  // a test provider (FABRIC_TEST_PROVIDERS, on in test builds)
+  };
+  return providers;
+}
+// The engine-level cases of the suite: each provider's NIC counts, then its reordered ones.
+inline std::vector<ProviderCase> suite_cases() {
+  std::vector<ProviderCase> cases;
+  for (const SuiteProvider& p : suite_providers()) {
+    for (size_t n : p.nics) cases.push_back({p.name, n, false});
+    for (size_t n : p.reordered) cases.push_back({p.name, n, true});
+  }
+  return cases;
 }
 
 // verbs needs an RDMA device: on hosts without one (CI outside the Soft-RoCE VM) its cases skip.

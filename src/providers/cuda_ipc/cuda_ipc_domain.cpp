@@ -141,7 +141,6 @@ class CudaIpcDomain final : public Domain {
   const std::string& provider_name() const override { return name_; }
   const std::string& address() const override { return own_.address(); }
   const DomainCaps& caps() const override { return caps_; }
-  size_t max_in_flight() const override { return kDescBlock * kDescBlocks; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
     auto region = std::make_unique<LocalRegion>();
@@ -232,8 +231,6 @@ class CudaIpcDomain final : public Domain {
     return PostResult::kPosted;
   }
 
-  size_t max_write_batch() const override { return kBatchMax; }
-
   // The pages of a paged transfer to one peer, handed to the GPU now: each destination region is
   // held (and its generation checked) before the first copy into it, descriptors are written
   // into one descriptor block (the first kBatchKick launched at once when the domain's GPU work is
@@ -245,7 +242,7 @@ class CudaIpcDomain final : public Domain {
   // event completes.
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
     if (ops.size() > kBatchMax) {
-      last_error_ = fmt::format("cuda_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}",
+      last_error_ = fmt::format("cuda_ipc: a write batch of {} WRITEs exceeds caps().max_write_batch = {}",
                                 ops.size(), kBatchMax);
       return PostResult::kFailed;
     }
@@ -723,9 +720,17 @@ class CudaIpcDomain final : public Domain {
   const std::string name_ = "cuda_ipc";
   // GPU memory is all it writes; a WRITE is bounded only by its destination region (8 MiB and
   // more go to cudaMemcpyAsync whole); nothing is sent inline; no link of its own; single WRITEs
-  // and immediates move at poll().
-  const DomainCaps caps_{name_, /*gpu_memory=*/true, /*max_message=*/SIZE_MAX, /*inject_size=*/0,
-                         /*link_gbps=*/0.0, /*manual_progress=*/true};
+  // and immediates move at poll(); as many operations in flight as the descriptor ring holds;
+  // batches of up to kBatchMax pages, one gather launch each.
+  const DomainCaps caps_{.nic_name = name_,
+                         .gpu_memory = true,
+                         .max_message = SIZE_MAX,
+                         .inject_size = 0,
+                         .link_gbps = 0.0,
+                         .manual_progress = true,
+                         .concurrent_registration = false,
+                         .max_in_flight = kDescBlock * kDescBlocks,
+                         .max_write_batch = kBatchMax};
   int device_;
   int sm_count_ = 0;
   std::array<cudaStream_t, kStreams> streams_{};

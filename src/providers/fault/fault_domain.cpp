@@ -27,7 +27,7 @@ class FaultDomain final : public ForwardingDomain {
       : ForwardingDomain(std::move(inner)), config_(config), rng_(config.seed * 1000003 + nic_index) {}
 
   const std::string& last_error() const override { return injected_error_ ? error_ : inner_->last_error(); }
-  InjectedFaults injected_faults() const override {
+  InjectedFaults injected() const {
     return {total_.load(std::memory_order_relaxed), duplicated_.load(std::memory_order_relaxed)};
   }
 
@@ -171,6 +171,16 @@ uint64_t fault_calls_after_wedge() { return calls_after_wedge.load(std::memory_o
 std::unique_ptr<Domain> wrap_faults(std::unique_ptr<Domain> inner, const FaultConfig& config,
                                     size_t nic_index) {
   return std::make_unique<FaultDomain>(std::move(inner), config, nic_index);
+}
+
+InjectedFaults injected_faults(const Domain& domain) {
+  // A control call (NicStats), so a dynamic_cast per wrapper is cheap enough.
+  for (const Domain* d = &domain; d != nullptr;) {
+    if (const auto* faults = dynamic_cast<const FaultDomain*>(d)) return faults->injected();
+    const auto* wrapper = dynamic_cast<const ForwardingDomain*>(d);
+    d = wrapper ? &wrapper->inner() : nullptr;
+  }
+  return {};
 }
 
 }  // namespace fabric

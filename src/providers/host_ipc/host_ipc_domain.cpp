@@ -99,8 +99,6 @@ class HostIpcDomain final : public Domain {
   const std::string& provider_name() const override { return name_; }
   const std::string& address() const override { return own_.address(); }
   const DomainCaps& caps() const override { return caps_; }
-  // Copies are done when posted: what is in flight is only completions not yet polled.
-  size_t max_in_flight() const override { return size_t{1} << 16; }
 
   DomainRegion register_memory(void* ptr, size_t len, Device device) override {
     auto region = std::make_unique<LocalRegion>();
@@ -163,8 +161,6 @@ class HostIpcDomain final : public Domain {
     return post_write_batch(std::span<const WriteOp>(&op, 1), ctx);
   }
 
-  size_t max_write_batch() const override { return kBatchMax; }
-
   // Every WRITE is checked (peer, source, key, bounds) before anything is copied: an invalid one
   // anywhere refuses the whole batch (kFailed) with nothing written. Then each destination region
   // is held while its copies run, the copies go in as few calls as the iovec limit allows, and
@@ -172,7 +168,7 @@ class HostIpcDomain final : public Domain {
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
     if (ops.size() > kBatchMax) {
       last_error_ =
-          fmt::format("host_ipc: a write batch of {} WRITEs exceeds max_write_batch() = {}",
+          fmt::format("host_ipc: a write batch of {} WRITEs exceeds caps().max_write_batch = {}",
                       ops.size(), kBatchMax);
       return PostResult::kFailed;
     }
@@ -407,13 +403,18 @@ class HostIpcDomain final : public Domain {
 
   const std::string name_ = "host_ipc";
   // Host memory only; a WRITE is bounded only by its destination region; nothing inline; no link
-  // of its own; held immediates and messages move at poll().
-  const DomainCaps caps_{name_,
-                         /*gpu_memory=*/false,
-                         /*max_message=*/SIZE_MAX,
-                         /*inject_size=*/0,
-                         /*link_gbps=*/0.0,
-                         /*manual_progress=*/true};
+  // of its own; held immediates and messages move at poll(); 65,536 operations in flight (copies
+  // are done when posted: what is in flight is only completions not yet polled); batches
+  // of up to kBatchMax WRITEs, as few process_vm_writev calls as their iovecs need.
+  const DomainCaps caps_{.nic_name = name_,
+                         .gpu_memory = false,
+                         .max_message = SIZE_MAX,
+                         .inject_size = 0,
+                         .link_gbps = 0.0,
+                         .manual_progress = true,
+                         .concurrent_registration = false,
+                         .max_in_flight = size_t{1} << 16,
+                         .max_write_batch = kBatchMax};
   std::chrono::milliseconds drain_timeout_;
   ipc::OwnEndpoint own_;
   ipc::PeerSlots<Peer> peers_;

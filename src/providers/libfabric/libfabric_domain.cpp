@@ -179,6 +179,11 @@ class LibfabricDomain final : public Domain {
     return result(op.has_imm ? "fi_writedata" : "fi_write", rc);
   }
 
+  PostResult post_write_batch(std::span<const WriteOp>, OpContext*) override {  // caps_: never called
+    last_error_ = fmt::format("{}: no write batches (caps().max_write_batch is 0)", provider_);
+    return PostResult::kFailed;
+  }
+
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc,
                        OpContext* ctx) override {
     if (len > max_msg_) {
@@ -282,6 +287,8 @@ class LibfabricDomain final : public Domain {
     caps_.inject_size = attrs_.inject_size;
     caps_.link_gbps = static_cast<double>(attrs_.link_speed) / 1e9;
     caps_.manual_progress = attrs_.data_progress == FI_PROGRESS_MANUAL;
+    caps_.max_in_flight = config.max_in_flight_per_nic;
+    caps_.max_write_batch = 0;  // one WRITE per post (shm and efa-sim alike)
 
     check("fi_fabric", fi_fabric(info_->fabric_attr, &fabric_, nullptr));
     check("fi_domain", hook_ ? hook_->open_domain(fabric_, info_, &domain_)

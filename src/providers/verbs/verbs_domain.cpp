@@ -137,8 +137,7 @@ class VerbsDomain final : public Domain {
  public:
   VerbsDomain(const EngineConfig& config, size_t nic_index)
       : cfg_(config.verbs),
-        dev_(config.nics.at(nic_index).domain, config.verbs.port, config.verbs.gid_index),
-        max_in_flight_(config.max_in_flight_per_nic) {
+        dev_(config.nics.at(nic_index).domain, config.verbs.port, config.verbs.gid_index) {
     timing_.timeout = cfg_.handshake_timeout;
     drops_left_ = cfg_.drop_handshake_packets;
     const ibv_device_attr& da = dev_.dev_attr;
@@ -156,7 +155,9 @@ class VerbsDomain final : public Domain {
       msg_srq_depth_ = recv_cq_depth / 2;
       imm_srq_depth_ = recv_cq_depth - msg_srq_depth_;
     }
-    if (max_in_flight_ == 0 || max_in_flight_ > send_cq_depth_) max_in_flight_ = send_cq_depth_;
+    // EngineConfig::max_in_flight_per_nic, at most what the send CQ holds.
+    size_t max_in_flight = config.max_in_flight_per_nic;
+    if (max_in_flight == 0 || max_in_flight > send_cq_depth_) max_in_flight = send_cq_depth_;
 
     const std::string& d = dev_.name;
     send_cq_ = check_ptr(ibv_create_cq(dev_.ctx, static_cast<int>(send_cq_depth_), nullptr, nullptr, 0), "ibv_create_cq(send)", d);
@@ -178,6 +179,8 @@ class VerbsDomain final : public Domain {
     // ibv_reg_mr / ibv_reg_dmabuf_mr / ibv_dereg_mr are thread-safe and register_memory reads
     // only what the constructor fixed (the PD, the access flags).
     caps_.concurrent_registration = true;
+    caps_.max_in_flight = max_in_flight;
+    caps_.max_write_batch = 0;  // one WRITE (a chain of work requests) per post
 
     scratch_ = std::aligned_alloc(64, kScratchLen);
     std::memset(scratch_, 0, kScratchLen);
@@ -218,7 +221,6 @@ class VerbsDomain final : public Domain {
   const std::string& provider_name() const override { return provider_; }
   const std::string& address() const override { return address_; }
   const DomainCaps& caps() const override { return caps_; }
-  size_t max_in_flight() const override { return max_in_flight_; }
   void* scratch_desc() const override { return scratch_region_.desc; }
   void* scratch_buffer() const override { return scratch_; }
   const std::string& last_error() const override { return last_error_; }
@@ -295,6 +297,11 @@ class VerbsDomain final : public Domain {
       commit_request(q);
     }
     return PostResult::kPosted;
+  }
+
+  PostResult post_write_batch(std::span<const WriteOp>, OpContext*) override {  // caps_: never called
+    last_error_ = "verbs: no write batches (caps().max_write_batch is 0)";
+    return PostResult::kFailed;
   }
 
   PostResult post_send(PeerId peer, const void* buf, size_t len, void* desc, OpContext* ctx) override {
@@ -1024,7 +1031,6 @@ class VerbsDomain final : public Domain {
   uint64_t max_msg_ = 0;
   uint32_t qp_depth_ = 0, msg_srq_depth_ = 0, imm_srq_depth_ = 0, send_cq_depth_ = 0;
   uint32_t max_inline_ = 0;
-  size_t max_in_flight_ = 0;
   uint32_t send_outstanding_ = 0;
   uint32_t imm_reposts_ = 0;
   uint32_t polls_ = 0;
