@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -344,18 +343,7 @@ def main() -> int:
         dist.init_process_group("gloo")
         worker(dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", 0)), args)
         return 0
-    ctx = mp.get_context("spawn")  # no CUDA state inherited; each rank makes its own context
-    port = moe_bench._free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, world, port, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        print(f"moe-deepep ranks={world} node_size={args.node_size}: ranks {bad} failed", file=sys.stderr)
-        return 1
-    return 0
+    return moe_bench.spawn_ranks(_spawned, world, args, f"moe-deepep node_size={args.node_size}")
 
 
 if __name__ == "__main__":

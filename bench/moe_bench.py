@@ -350,16 +350,22 @@ def main() -> int:
         dist.init_process_group("gloo")
         worker(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), args)
         return 0
+    return spawn_ranks(_spawned, args.ranks, args, "moe-bench")
+
+
+def spawn_ranks(target, world: int, args, label: str) -> int:
+    """Runs target(rank, world, port, args) in `world` spawned processes (no CUDA state inherited:
+    each rank makes its own context) and waits for them; 1 when a rank failed, naming it."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, args.ranks, port, args)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=target, args=(r, world, port, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join()
     bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
-        print(f"ranks {bad} failed", file=sys.stderr)
+        print(f"{label} ranks={world}: ranks {bad} failed", file=sys.stderr)
         return 1
     return 0
 

@@ -208,6 +208,26 @@ struct StepRun {
   bool recombine = false;
 };
 
+// Runs rank_main(r) -> failure ("" when none) on a thread per rank and returns each rank's;
+// on_failure() runs on a rank's thread when it failed or threw (e.g. to leave a barrier, so the
+// others do not wait for it).
+template <typename RankMain, typename OnFailure>
+std::vector<std::string> on_rank_threads(uint32_t ranks, RankMain&& rank_main, OnFailure&& on_failure) {
+  std::vector<std::string> failures(ranks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        failures[r] = rank_main(r);
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+      if (!failures[r].empty()) on_failure();
+    });
+  for (auto& t : threads) t.join();
+  return failures;
+}
+
 // The expert outputs with every value's sign flipped (exact in BF16).
 inline std::vector<uint16_t> negated(std::vector<uint16_t> y) {
   for (uint16_t& v : y) v ^= 0x8000;
@@ -228,7 +248,6 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
   std::vector<std::vector<std::vector<uint16_t>>> expert_outs(
       batch, std::vector<std::vector<uint16_t>>(mc.ranks));
   std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
-  std::vector<std::string> failures(mc.ranks);
   std::atomic<bool> any_failed{false};
 
   auto check_dispatch = [&](const AllToAllConfig& cfg, uint32_t r, uint32_t step,
@@ -372,21 +391,10 @@ inline std::vector<std::string> run_steps(const MoeCase& mc, uint32_t steps, con
     a2a.check();
     return "";
   };
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < mc.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        failures[r] = rank_main(r);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-      if (!failures[r].empty()) {
-        any_failed.store(true);
-        sync.arrive_and_drop();  // the others must not wait for this rank
-      }
-    });
-  for (auto& t : threads) t.join();
-  return failures;
+  return on_rank_threads(mc.ranks, rank_main, [&] {
+    any_failed.store(true);
+    sync.arrive_and_drop();  // the others must not wait for this rank
+  });
 }
 
 }  // namespace fabric::testing

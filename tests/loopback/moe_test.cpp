@@ -220,7 +220,6 @@ TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
   // Rank 3's expert outputs are never read from step 2 on (no slot names its experts).
   expert_outs[kGone].assign(uint64_t{mc.experts} * mc.max_tokens * mc.hidden, 0);
   std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
-  std::vector<std::string> failures(mc.ranks);
   auto rank_main = [&](uint32_t r) -> std::string {
     AllToAllConfig cfg = config_of(mc, r, "moe-shrink");
     cfg.timeout = std::chrono::milliseconds(1500);
@@ -272,17 +271,7 @@ TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
     a2a.check();  // not failed
     return "";
   };
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < mc.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        failures[r] = rank_main(r);
-      } catch (const std::exception& e) {
-        failures[r] = e.what();
-      }
-      if (!failures[r].empty()) sync.arrive_and_drop();
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> failures = on_rank_threads(mc.ranks, rank_main, [&] { sync.arrive_and_drop(); });
   for (uint32_t r = 0; r < mc.ranks; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 

@@ -61,14 +61,5 @@ def test_a_rank_killed_mid_run_is_masked_in_shrink_mode_and_named_without_it(pee
     _, p3 = procs[3]
     p3.join(timeout=120)
     assert p3.exitcode == -9, f"rank 3 ended with {p3.exitcode}, not by its SIGKILL"
-    for r, (conn, _) in enumerate(procs[:3]):
-        got = {}
-        while True:
-            assert conn.poll(120), f"rank {r}: no message after {list(got)}"
-            msg = conn.recv()
-            assert not (isinstance(msg, str) and msg.startswith("error")), f"rank {r}: {msg}"
-            if msg == "bye":
-                break
-            got[msg[0]] = msg[1]
-        assert got["ok"] == [], f"rank {r}: {got['ok'][:5]}"
+    R.deep_ep_results(procs[:3], timeout=120, started=True)
     del store
