@@ -28,9 +28,10 @@ copy_combine_us=.. dispatch_vs_copy=.. combine_vs_copy=.. moe_bench_dispatch_us=
 preceded by a `moe-deepep-ranks` line with every rank's p50s and its host thread's CPU share.
 
 --host-wait says how each rank's host thread waits for its GPU (the CUDA context's scheduling
-flag): spin (CUDA's choice for a process with one context), yield, blocking-sync (set before the
-context exists, as moe_bench's --blocking-sync), or blocking-sync-late (set on the running context
-with cuCtxSetFlags after torch made it: what a library could do in its constructor).
+flag): auto (the Buffer's default: blocking-sync where the ranks on this host, three busy threads
+each, outnumber its cores, else spin; fabric_lib.moe.host_wait), spin, yield or blocking-sync (the
+Buffer sets it on the running context), or blocking-sync-early (set by this script before the
+context exists, to compare with what the Buffer does after).
 """
 
 from __future__ import annotations
@@ -45,45 +46,22 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_bench  # noqa: E402 - bench/ is not a package: its launch helpers and its timing, shared
 
-# The CUDA context scheduling flags (cuda.h CU_CTX_SCHED_*) of each --host-wait mode.
-_SCHED_FLAGS = {"spin": 1, "yield": 2, "blocking-sync": 4, "blocking-sync-late": 4}
-_SCHED_MASK = 7
+from fabric_lib.moe import host_wait  # noqa: E402
+
 L2_FLUSH_BYTES = 256_000_000  # DeepEP's flush_l2_cache size
+HOST_WAIT_MODES = (*host_wait.MODES, "blocking-sync-early")
 
 
-def _cuda_call(cu, what: str, code: int) -> None:
-    if code != 0:
-        raise RuntimeError(f"--host-wait: {what} failed with CUDA driver error {code}")
-
-
-def _set_host_wait_before_context(mode: str, ordinal: int) -> None:
-    """The primary context's scheduling flag, set before torch creates the context (the flag is
-    read when it does)."""
+def _set_blocking_sync_before_context(ordinal: int) -> None:
+    """The primary context's scheduling flag set to blocking-sync before torch creates the context
+    (the flag is read when it does)."""
     cu = ctypes.CDLL("libcuda.so.1")
     set_flags = getattr(cu, "cuDevicePrimaryCtxSetFlags_v2", None) or cu.cuDevicePrimaryCtxSetFlags
     dev = ctypes.c_int()
-    _cuda_call(cu, "cuInit", cu.cuInit(0))
-    _cuda_call(cu, "cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), ordinal))
-    _cuda_call(cu, "cuDevicePrimaryCtxSetFlags", set_flags(dev, _SCHED_FLAGS[mode]))
-
-
-def _set_host_wait_on_running_context(mode: str) -> int:
-    """Sets the scheduling flag of the current (running) context with cuCtxSetFlags (CUDA 12.1
-    and later), as a library could in its constructor; returns the flags read back, so the run
-    shows whether the change took."""
-    cu = ctypes.CDLL("libcuda.so.1")
-    flags = ctypes.c_uint()
-    _cuda_call(cu, "cuCtxGetFlags", cu.cuCtxGetFlags(ctypes.byref(flags)))
-    _cuda_call(cu, "cuCtxSetFlags", cu.cuCtxSetFlags((flags.value & ~_SCHED_MASK) | _SCHED_FLAGS[mode]))
-    _cuda_call(cu, "cuCtxGetFlags", cu.cuCtxGetFlags(ctypes.byref(flags)))
-    return flags.value
-
-
-def _context_flags() -> int:
-    cu = ctypes.CDLL("libcuda.so.1")
-    flags = ctypes.c_uint()
-    _cuda_call(cu, "cuCtxGetFlags", cu.cuCtxGetFlags(ctypes.byref(flags)))
-    return flags.value
+    for what, code in (("cuInit", cu.cuInit(0)), ("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), ordinal)),
+                       ("cuDevicePrimaryCtxSetFlags", set_flags(dev, host_wait.SCHED_FLAGS["blocking-sync"]))):
+        if code != 0:
+            raise RuntimeError(f"--host-wait blocking-sync-early: {what} failed with CUDA driver error {code}")
 
 
 def _us(clock, a, b) -> float:
@@ -207,22 +185,22 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         sharing = -(-world // max(1, torch.cuda.device_count()))
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "16" if sharing <= 4 else "12")
         ordinal = local_rank % torch.cuda.device_count()
-        if args.host_wait != "blocking-sync-late":
-            _set_host_wait_before_context(args.host_wait, ordinal)
+        if args.host_wait == "blocking-sync-early":
+            _set_blocking_sync_before_context(ordinal)
         device = torch.device("cuda", ordinal)
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)  # the context exists from here on
-        if args.host_wait == "blocking-sync-late":
-            _set_host_wait_on_running_context(args.host_wait)
-        ctx_flags = _context_flags()
     else:
         device = torch.device("cpu")
-        ctx_flags = 0
     torch.set_num_threads(1)
 
     engine = _engine_for(args, device)
+    early = args.host_wait == "blocking-sync-early"
     buf = deep_ep.Buffer(None, explicitly_destroy=True, engine=engine, node_size=args.node_size,
-                         timeout_s=args.timeout_s)
+                         timeout_s=args.timeout_s, host_wait="blocking-sync" if early else args.host_wait)
+    taken = "host-kernel" if not cuda else f"{buf.host_wait}{'-early' if early else ''}"
+    if cuda and host_wait.context_mode() != buf.host_wait:
+        raise RuntimeError(f"host_wait: the Buffer took {buf.host_wait!r}, the context runs {host_wait.context_mode()!r}")
     x, idx, w = moe_bench._inputs(args, rank, args.experts, device)
     local_experts = args.experts // world
     y = torch.randn(local_experts, world * args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
@@ -261,7 +239,7 @@ def worker(rank: int, world: int, local_rank: int, args) -> None:
         moe_d = phase("d-moe-bench", lambda: _moe_bench_dispatch_us(args, rank, world, buf.engine, device, rdma))
     mine = dict(both=statistics.median(both) if both else None, dispatch=statistics.median(d_us), combine=statistics.median(c_us),
                 copy_dispatch=statistics.median(copy_d), copy_combine=statistics.median(copy_c),
-                moe_bench_dispatch=moe_d, cpu_share=cpu_share, ctx_flags=ctx_flags)
+                moe_bench_dispatch=moe_d, cpu_share=cpu_share, host_wait=taken)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     buf.destroy()
@@ -278,13 +256,13 @@ def _report(args, world: int, per_rank: list) -> None:
     slowest = {k: max(r[k] for r in per_rank) for k in ("dispatch", "combine", "copy_dispatch", "copy_combine")}
     both = "-" if per_rank[0]["both"] is None else f"{max(r['both'] for r in per_rank):.1f}"
     moe_d = "-" if per_rank[0]["moe_bench_dispatch"] is None else f"{max(r['moe_bench_dispatch'] for r in per_rank):.1f}"
-    polling = args.host_wait if args.device == "cuda" else "host-kernel"
+    polling = per_rank[0]["host_wait"]
     per = lambda k: ",".join(f"{r[k]:.1f}" for r in per_rank)  # noqa: E731
     print(f"moe-deepep-ranks device={args.device} provider={args.provider or 'buffer-default'} tokens={args.tokens} "
           f"hidden={args.hidden} topk={args.topk} experts={args.experts} iters={args.iters} "
           f"flush_l2={'yes' if args.flush_l2 and args.device == 'cuda' else 'no'} "
           f"cuda_connections={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'default') if args.device == 'cuda' else '-'} "
-          f"ctx_sched_flags={per_rank[0]['ctx_flags'] & _SCHED_MASK} "
+          f"host_wait={','.join(r['host_wait'] for r in per_rank)} "
           f"dispatch_us={per('dispatch')} combine_us={per('combine')} "
           f"both_us={per('both') if both != '-' else '-'} "
           f"copy_dispatch_us={per('copy_dispatch')} copy_combine_us={per('copy_combine')} "
@@ -319,8 +297,9 @@ def main() -> int:
                     help="CUDA: zero 256 MB before each timed iteration, as DeepEP's bench")
     ap.add_argument("--both", action=argparse.BooleanOptionalAction, default=True,
                     help="time (a), DeepEP's loop of back-to-back calls (--no-both: both_us is '-')")
-    ap.add_argument("--host-wait", choices=list(_SCHED_FLAGS), default="spin",
-                    help="CUDA: how each rank's host thread waits for the GPU (the context's scheduling flag)")
+    ap.add_argument("--host-wait", choices=HOST_WAIT_MODES, default="auto",
+                    help="CUDA: how each rank's host thread waits for the GPU (the context's scheduling flag; "
+                         "auto: the Buffer's default)")
     ap.add_argument("--provider", default=None,
                     help="the Buffer's engine: left out, the Buffer opens its own (CUDA: cuda_ipc, regions between "
                          "nodes in GPU memory); tcp, shm or a libfabric provider (regions in host memory). "

@@ -184,15 +184,16 @@ moe_bench_steps() {
 # its defaults (its own engine, cuda_ipc, regions between nodes in GPU memory), rank processes
 # sharing GPU 0 under MPS (where it starts) with no SM partition, 128 tokens, hidden 7168, top-8 of
 # 256 experts, FP8 dispatch + BF16 combine: 2 ranks NVLink only, 2 ranks as 2 nodes, 8 ranks as 2
-# nodes of 4. Each first with the ranks' host threads spinning in CUDA's waits (CUDA's default),
-# then sleeping in them (blocking-sync, set before the context; and at 8 ranks set on the running
-# context, as a library could): the host waiting mode of item 5, measured in one run. The package
-# installed. MOE_DEEPEP_RUNS: "ranks node_size host_wait [more bench args]" entries separated by ';'.
+# nodes of 4. Each with the Buffer's host_wait="auto" (blocking-sync where the ranks' busy threads
+# outnumber the host's cores: 8 ranks on 16 cores; else CUDA's spin); then 8 ranks again spinning
+# and with blocking-sync set before the context exists (what auto sets on the running context,
+# compared): the host waiting mode of item 5, measured in one run. The package installed.
+# MOE_DEEPEP_RUNS: "ranks node_size host_wait [more bench args]" entries separated by ';'.
 moe_deepep_runs() {
   local mps=0 run ranks node wait extra runs
   if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then mps=1; sleep 1; fi
   echo "moe-deepep-run mps=$mps sm_partition=none" | tee "$OUT/moe_deepep.txt"
-  IFS=';' read -ra runs <<< "${MOE_DEEPEP_RUNS:-2 2 spin;2 1 spin;8 4 spin;2 2 blocking-sync;2 1 blocking-sync;8 4 blocking-sync;8 4 blocking-sync-late}"
+  IFS=';' read -ra runs <<< "${MOE_DEEPEP_RUNS:-2 2 auto;2 1 auto;8 4 auto;8 4 spin;8 4 blocking-sync-early}"
   for run in "${runs[@]}"; do
     read -r ranks node wait extra <<< "$run"
     # shellcheck disable=SC2086

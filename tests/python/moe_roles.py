@@ -463,6 +463,7 @@ def deep_ep_rank_main(conn, cfg: dict) -> None:
                                  explicitly_destroy=True, enable_shrink=False)
             if buf.node_size != (cfg["node_size"] if cfg.get("allow_nvlink", True) else 1):
                 raise AssertionError(f"node_size {buf.node_size}")
+            check_host_wait(buf, W)
             conn.send("ready")
             bad = []
             stats = torch.zeros(E // W, dtype=torch.int32, device=dev)  # batch A's counts, summed
@@ -597,6 +598,8 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         ("fabric memory", NotImplementedError, "use_fabric",
          lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, use_fabric=True, engine=buf.engine)),
         ("mpi comm", NotImplementedError, "comm", lambda: deep_ep.Buffer(None, comm=object(), engine=buf.engine)),
+        ("unknown host_wait", ValueError, "host_wait must be one of",
+         lambda: deep_ep.Buffer(None, engine=buf.engine, host_wait="busy")),
         ("destroy without explicitly_destroy", RuntimeError, "explicitly_destroy=True",
          lambda: deep_ep.Buffer(None, engine=buf.engine, node_size=buf.node_size).destroy()),
     ]
@@ -604,6 +607,21 @@ def deep_ep_refusals(cfg: dict, buf) -> list:
         cases.append(("shrink mode on CUDA", NotImplementedError, "enable_shrink",
                       lambda: deep_ep.Buffer(None, 0, 0, low_latency_mode=True, enable_shrink=True)))
     return [f for f in (_expect(*c) for c in cases) if f]
+
+
+def check_host_wait(buf, ranks_on_host: int) -> None:
+    """The Buffer's host_wait="auto" took the mode its rule gives for this host (all ranks of these
+    tests share one host) and the current CUDA context runs with it; None without CUDA."""
+    from fabric_lib.moe import host_wait
+
+    if not torch.cuda.is_available():
+        if buf.host_wait is not None:
+            raise AssertionError(f"host_wait {buf.host_wait!r} without CUDA")
+        return
+    want = host_wait.choose("auto", ranks_on_host)
+    if (buf.host_wait, host_wait.context_mode()) != (want, want):
+        raise AssertionError(f"host_wait: Buffer took {buf.host_wait!r}, the context runs {host_wait.context_mode()!r}, "
+                             f"the rule gives {want!r} for {ranks_on_host} ranks on {host_wait.host_cores()} cores")
 
 
 def deep_ep_groups_rank_main(conn, cfg: dict) -> None:

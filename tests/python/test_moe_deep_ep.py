@@ -63,3 +63,20 @@ def test_a_rank_killed_mid_run_is_masked_in_shrink_mode_and_named_without_it(pee
     assert p3.exitcode == -9, f"rank 3 ended with {p3.exitcode}, not by its SIGKILL"
     R.deep_ep_results(procs[:3], timeout=120, started=True)
     del store
+
+
+def test_host_wait_auto_blocks_where_the_ranks_threads_outnumber_the_cores():
+    """deep_ep.Buffer's host_wait="auto": blocking-sync where the ranks on a host, three busy threads
+    each (proxy, worker, callback), need more than its cores (8 ranks on a 16-core host), else
+    CUDA's spin; an explicit mode is kept; an unknown one raises. (The GPU tests check that the
+    Buffer's context runs the mode taken.)"""
+    from fabric_lib.moe import host_wait
+
+    assert host_wait.choose("auto", 8, cores=16) == "blocking-sync"
+    assert host_wait.choose("auto", 5, cores=16) == "spin"
+    assert host_wait.choose("auto", 4, cores=16) == "spin"
+    assert host_wait.choose("auto", 2, cores=2) == "blocking-sync"
+    assert host_wait.choose("spin", 8, cores=2) == "spin"
+    assert host_wait.choose("yield", 1, cores=64) == "yield"
+    with pytest.raises(ValueError, match="host_wait must be one of"):
+        host_wait.choose("busy", 1)

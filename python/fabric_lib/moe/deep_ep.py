@@ -75,6 +75,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import MOE_INVALID_COUNT, AllToAll
+from . import host_wait as _host_wait
 
 __all__ = ["Buffer", "EventOverlap", "topk_idx_t"]
 
@@ -173,23 +174,28 @@ class Buffer:
     available it serves the current GPU with cuda_ipc=True and the regions between nodes are in
     GPU memory, rdma_buffers="device", as DeepEP's; else the engine's defaults). With an engine
     given, rdma_buffers stays "host" unless passed (the Buffer cannot tell whether the engine
-    reaches GPU memory). node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)). The
-    other keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
+    reaches GPU memory). node_size: ranks per NVLink domain (None: LOCAL_WORLD_SIZE, else min(world, 8)).
+    host_wait: how this rank's host thread waits for the GPU where CUDA is available (the current
+    context's scheduling flag, fabric_lib.moe.host_wait): "auto" (blocking-sync where the group's
+    ranks on this host, three busy threads each, outnumber its cores; else CUDA's spin), "spin",
+    "yield" or "blocking-sync"; the mode taken is `host_wait` on the Buffer (None without CUDA).
+    The other keywords go to AllToAll (private_rows, timeout_s, num_sms, proxy_busy_poll, ...)."""
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = True, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None, *, engine: Any = None, node_size: Optional[int] = None,
-                 store: Any = None, **all_to_all_options: Any) -> None:
+                 store: Any = None, host_wait: str = "auto", **all_to_all_options: Any) -> None:
         import torch.distributed as dist
 
         self._destroyed = True  # until construction succeeds: __del__ has nothing to release
         unknown = sorted(set(all_to_all_options) - _ALL_TO_ALL_OPTIONS)
         if unknown:
             raise TypeError(f"Buffer() got unknown keyword argument(s) {', '.join(map(repr, unknown))}: it takes "
-                            f"DeepEP's ({', '.join(_DEEP_EP_KEYWORDS)}), engine, node_size, store, and the "
+                            f"DeepEP's ({', '.join(_DEEP_EP_KEYWORDS)}), engine, node_size, store, host_wait, and the "
                             f"AllToAll options ({', '.join(sorted(_ALL_TO_ALL_OPTIONS))})")
+        _host_wait.choose(host_wait, 1)  # an unknown mode raises here, on every machine
         if allow_mnnvl:
             raise NotImplementedError("allow_mnnvl: multi-node NVLink domains are not supported (node_size <= 8)")
         if use_fabric:
@@ -226,6 +232,7 @@ class Buffer:
             else:
                 engine = fl.TransferEngine()
         self.engine = engine
+        self.host_wait = self._set_host_wait(host_wait)
         # The jobs of this Buffer's AllToAlls: unique to its group (the group's global ranks name
         # it) and to its place among that group's Buffers, so two EP groups of one world, or two
         # Buffers of one group, never meet under one name in the shared store.
@@ -244,6 +251,25 @@ class Buffer:
         self._combine_inputs: dict = {}  # (use_fp8, buffer set) -> zero-copy combine input
         self.explicitly_destroy = explicitly_destroy
         self._destroyed = False
+
+    def _set_host_wait(self, mode: str) -> Optional[str]:
+        """Applies host_wait to the current CUDA context; the mode taken (None without CUDA).
+        "auto" counts the group's ranks on this host (a collective, as the rest of construction)."""
+        import socket
+
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            return None
+        ranks_on_host = 1
+        if mode == "auto":
+            hosts: list = [None] * self.group_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+            ranks_on_host = hosts.count(socket.gethostname())
+        taken = _host_wait.choose(mode, ranks_on_host)
+        torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))  # the context is current
+        _host_wait.apply(taken)
+        return taken
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
