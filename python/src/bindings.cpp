@@ -570,12 +570,7 @@ NB_MODULE(_fabric_lib, m) {
       .def_prop_ro("nic_count", [](PyEngine& e) { return e.get().nic_count(); }, "NICs per worker (the rail width)")
       .def_prop_ro("worker_count", [](PyEngine& e) { return e.get().worker_count(); },
                    "workers (GPUs served): 1 unless built from a topology")
-      .def_prop_ro("peer_count",
-                   [](PyEngine& e) {
-                     TransferEngine& eng = e.get();
-                     nb::gil_scoped_release release;
-                     return eng.peer_count();
-                   },
+      .def_prop_ro("peer_count", nogil<PyEngine>(&TransferEngine::peer_count),
                    "peers this engine holds NIC resources for (diagnostics; a round trip to each worker)")
       .def("nic_stats", [](PyEngine& e) { return e.get().nic_stats(); },
            "A NicStats per NIC, every worker's in order (cuda_ipc / host_ipc entries last).");
@@ -601,18 +596,10 @@ NB_MODULE(_fabric_lib, m) {
            "thread with the GIL.");
   def_checked(engine, "cancel_imm_expectation",
               {object_arg("expectation", "an ImmExpectation (from expect_imm_count)", is_expectation, true)}, 1,
-           [](PyEngine& e, const ImmExpectation& x) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             return eng.cancel_imm_expectation(x);
-           },
+           nogil<PyEngine>(&TransferEngine::cancel_imm_expectation),
            "expectation"_a, "Ends a pending expectation with a 'cancelled' error; False if it had ended.");
   def_checked(engine, "remove_peer", {object_arg("peer", "a NetAddr (the peer's main_address())", is_net_addr, true)}, 1,
-           [](PyEngine& e, const NetAddr& peer) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             eng.remove_peer(peer);
-           },
+           nogil<PyEngine>(&TransferEngine::remove_peer),
            "peer"_a, "Forgets a peer that left: its pending transfers end cancelled, its NIC resources go.");
   def_checked(engine, "reg_mr", {uint_arg("ptr", UINTPTR_MAX, true), uint_arg("length", UINT64_MAX, true), uint_arg("cuda_device", INT32_MAX, false, true), object_arg("imms", "an ImmReservation", is_reservation, false, true)}, 4,
            [](PyEngine& e, uintptr_t ptr, size_t len, std::optional<int> cuda_device, PyImmReservation* imms) {
@@ -627,11 +614,7 @@ NB_MODULE(_fabric_lib, m) {
            "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, MrDesc). "
            "imms: the ImmReservation whose range WRITEs into it carry their immediates in.");
   def_checked(engine, "dereg_mr", {object_arg("handle", kMrHandleText, is_mr_handle, true)}, 1,
-           [](PyEngine& e, MrHandle h) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             eng.dereg_mr(h);
-           },
+           nogil<PyEngine>(&TransferEngine::dereg_mr),
            "handle"_a,
            "Ends local and remote access to a region; transfers still reading it fail ('not found'), and it "
            "returns once WRITEs already with a NIC completed, so the memory may be freed then.");
@@ -665,11 +648,7 @@ NB_MODULE(_fabric_lib, m) {
            "multi-GPU engine counts immediates per GPU). Returns an ImmExpectation for "
            "cancel_imm_expectation.");
   def_checked(engine, "imm_count", {uint_arg("imm", UINT32_MAX, true)}, 1,
-           [](PyEngine& e, uint32_t imm) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             return eng.imm_count(imm);
-           },
+           nogil<PyEngine>(&TransferEngine::imm_count),
            "imm"_a, "Arrivals of imm counted and not yet consumed by an expectation (diagnostics, tests).");
   def_checked(engine, "add_remote",
               {object_arg("desc", "an MrDesc (the peer's descriptor)", is_mr_desc, true), bool_arg("connect")}, 1,
@@ -696,11 +675,7 @@ NB_MODULE(_fabric_lib, m) {
            "for with the GIL released. The first transfer then costs what the tenth does. Raises "
            "FabricError (a gone peer) or FabricTimeoutError (after transfer_timeout_s).");
   def_checked(engine, "remove_remote", {object_arg("remote", "a RemoteMr (from add_remote)", is_remote_mr, true)}, 1,
-           [](PyEngine& e, RemoteMr r) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             eng.remove_remote(r);
-           },
+           nogil<PyEngine>(&TransferEngine::remove_remote),
            "remote"_a, "Forgets an interned region: later requests naming it fail with 'not found'.");
   def_checked(engine, "submit_single_write", {uint_arg("len", UINT64_MAX, true), object_arg("src", kMrHandleText, is_mr_handle, true), object_arg("dst", kDstText, is_dst, true), uint_arg("src_offset", UINT64_MAX, false), uint_arg("dst_offset", UINT64_MAX, false), on_done_arg(is_done_object), uint_arg("imm", UINT32_MAX, false, true), uint_arg("nic", UINT8_MAX, false, true), uint_arg("num_shards", UINT32_MAX, false, true)}, 0,
            [](PyEngine& e, uint64_t len, const MrHandle& src, nb::handle dst, uint64_t src_offset,
@@ -833,11 +808,7 @@ NB_MODULE(_fabric_lib, m) {
            "cuda_device"_a = nb::none(),
            "One zero-byte WRITE carrying imm to every member of the group.");
   def_checked(engine, "discard_imm_count", {uint_arg("imm", UINT32_MAX, true)}, 1,
-           [](PyEngine& e, uint32_t imm) {
-             TransferEngine& eng = e.get();
-             nb::gil_scoped_release release;
-             return eng.discard_imm_count(imm);
-           },
+           nogil<PyEngine>(&TransferEngine::discard_imm_count),
            "imm"_a, "Drops the arrivals of imm counted and not consumed; returns how many.");
 
   bind_gpu_signals(m);

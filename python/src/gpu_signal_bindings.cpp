@@ -114,19 +114,11 @@ void bind_gpu_signals(nb::module_& m) {
       "TimeoutError after timeout_s (None: no limit).");
   def_checked_fn(
       m, "free_uvm_watcher", {engine_arg(), watcher_arg()}, 2,
-      [](PyEngine& e, const UvmWatcher& w) {
-        TransferEngine& eng = e.get();
-        nb::gil_scoped_release release;  // the watcher thread may be waiting for the GIL
-        eng.free_uvm_watcher(w);
-      },
+      nogil<PyEngine>(&TransferEngine::free_uvm_watcher),  // the watcher thread may be waiting for the GIL
       "engine"_a, "watcher"_a);
   def_checked_fn(
       m, "alloc_gpu_counter", {engine_arg(), device_arg()}, 2,
-      [](PyEngine& e, std::optional<int> cuda_device) {
-        TransferEngine& eng = e.get();
-        nb::gil_scoped_release release;
-        return eng.alloc_gpu_counter(cuda_device);
-      },
+      nogil<PyEngine>(&TransferEngine::alloc_gpu_counter),
       "engine"_a, "cuda_device"_a = nb::none());
   def_checked_fn(
       m, "wait_gpu_counter", {engine_arg(), counter_arg(), at_least_arg(), timeout_arg()}, 4,
@@ -141,11 +133,7 @@ void bind_gpu_signals(nb::module_& m) {
       "TimeoutError after timeout_s (None: no limit).");
   def_checked_fn(
       m, "free_gpu_counter", {engine_arg(), counter_arg()}, 2,
-      [](PyEngine& e, const GpuCounter& c) {
-        TransferEngine& eng = e.get();
-        nb::gil_scoped_release release;
-        eng.free_gpu_counter(c);
-      },
+      nogil<PyEngine>(&TransferEngine::free_gpu_counter),
       "engine"_a, "counter"_a);
   def_checked_fn(
       m, "gpu_stream_wait", {uint_arg("cuda_stream", UINTPTR_MAX, true), counter_arg(), at_least_arg()}, 3,

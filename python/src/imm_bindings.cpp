@@ -48,25 +48,13 @@ void bind_imms(nb::module_& m) {
            "local"_a, "count"_a, "on_done"_a = nb::none(), nb::kw_only(), "timeout_s"_a = nb::none(), "cuda_device"_a = nb::none(),
            "TransferEngine.expect_imm_count of a local immediate of this range.");
   def_checked(reservation, "count", {uint_arg("local", UINT64_MAX, true)}, 1,
-           [](PyImmReservation& r, uint64_t local) {
-             ImmReservation& imms = r.get();
-             nb::gil_scoped_release release;
-             return imms.count(local);
-           },
+           nogil<PyImmReservation>(&ImmReservation::count),
            "local"_a, "Arrivals of a local immediate counted and not consumed.");
   def_checked(reservation, "discard", {uint_arg("local", UINT64_MAX, true)}, 1,
-           [](PyImmReservation& r, uint64_t local) {
-             ImmReservation& imms = r.get();
-             nb::gil_scoped_release release;
-             return imms.discard(local);
-           },
+           nogil<PyImmReservation>(&ImmReservation::discard),
            "local"_a, "Drops the arrivals of a local immediate counted and not consumed; returns how many.");
   def_checked(reservation, "cancel", {object_arg("expectation", "an ImmExpectation (from this reservation's expect)", is_expectation, true)}, 1,
-           [](PyImmReservation& r, const ImmExpectation& e) {
-             ImmReservation& imms = r.get();
-             nb::gil_scoped_release release;
-             return imms.cancel(e);
-           },
+           nogil<PyImmReservation>(&ImmReservation::cancel),
            "expectation"_a);
   reservation
       // The object stays (endpoints built on it hold its address); it only stops being held.

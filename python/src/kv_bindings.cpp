@@ -142,11 +142,7 @@ void bind_kv(nb::module_& m) {
            "timeout_s"_a = 30.0, "on_layer"_a = nb::none(), "landed"_a = nb::none(), "on_done"_a = nb::none(),
            "Arms the request's layers (and extras) and returns its admit message for the prefill ranks.")
       .def("fail",
-           [](PyKvReceiver& r, uint64_t request, std::string reason) {
-             KvReceiver& rx = r.get();
-             nb::gil_scoped_release release;  // on_done runs now, and takes the GIL itself
-             return rx.fail(request, reason);
-           },
+           nogil<PyKvReceiver>(&KvReceiver::fail),  // on_done runs now, and takes the GIL itself
            "request"_a, "reason"_a,
            "Ends a request in flight with kCancelled and `reason` (its prefill side refused it); "
            "False when unknown or ended.")
@@ -179,11 +175,7 @@ void bind_kv(nb::module_& m) {
            },
            "descriptor"_a)
       .def("remove_decoder",
-           [](PyKvSender& s, uint64_t group) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             return tx.remove_decoder(group);
-           },
+           nogil<PyKvSender>(&KvSender::remove_decoder),
            "group"_a, "Forgets a decode group: its regions and peers go, its requests end cancelled.")
       .def("begin",
            [](PyKvSender& s, nb::bytes admit, std::vector<uint32_t> src_pages, std::optional<uint32_t> extra_slot,
@@ -198,46 +190,22 @@ void bind_kv(nb::module_& m) {
            },
            "admit"_a, "src_pages"_a, nb::kw_only(), "extra_slot"_a = nb::none(), "on_sent"_a = nb::none())
       .def("layer_done",
-           [](PyKvSender& s, uint64_t request, uint32_t layer) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             tx.layer_done(request, layer);
-           },
+           nogil<PyKvSender>(&KvSender::layer_done),
            "request"_a, "layer"_a)
       .def("extras_done",
-           [](PyKvSender& s, uint64_t request) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             tx.extras_done(request);
-           },
+           nogil<PyKvSender>(&KvSender::extras_done),
            "request"_a)
       .def("cancel",
-           [](PyKvSender& s, uint64_t request) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             return tx.cancel(request);
-           },
+           nogil<PyKvSender>(&KvSender::cancel),
            "request"_a)
       .def("gpu_trigger",
-           [](PyKvSender& s) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             return tx.gpu_trigger();
-           },
+           nogil<PyKvSender>(&KvSender::gpu_trigger),
            "The word the prefill kernels increment after each layer and after the extras (CUDA builds).")
       .def("begin_forward",
-           [](PyKvSender& s, std::vector<uint64_t> requests) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             tx.begin_forward(std::move(requests));
-           },
+           nogil<PyKvSender>(&KvSender::begin_forward),
            "requests"_a)
       .def("trigger_reached",
-           [](PyKvSender& s, uint64_t value) {
-             KvSender& tx = s.get();
-             nb::gil_scoped_release release;
-             tx.trigger_reached(value);
-           },
+           nogil<PyKvSender>(&KvSender::trigger_reached),
            "value"_a)
       .def_prop_ro("in_flight", [](PyKvSender& s) { return s.get().in_flight(); })
       .def("close", [](PyKvSender& s) { s.h->close(); }, "Deregisters the cache (also done when the engine closes).");

@@ -290,12 +290,7 @@ void bind_moe(nb::module_& m) {
           [](PyAllToAll& a, uint32_t buffer) { return a.get().output(Handle{.buffer = buffer}); },
           "buffer"_a, "The dispatch output of buffer set `buffer` (fixed addresses).")
       .def(
-          "check",
-          [](PyAllToAll& a) {
-            AllToAll& obj = a.get();
-            nb::gil_scoped_release release;
-            obj.check();
-          },
+          "check", nogil<PyAllToAll>(&AllToAll::check),
           "Raises FabricError for the first failure seen (a proxy's transfer, a kernel's timed-out "
           "wait).")
       .def("proxy_stats", [](PyAllToAll& a) { return a.get().proxy_stats(); })

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "fabric/fabric.h"
@@ -296,6 +297,37 @@ struct EngineBound {
     return *h->obj;
   }
 };
+
+// The binding of a call that only looks up its object, releases the GIL and forwards:
+// nogil<Self>(&C::method) for a method of the C that Self holds (PyEngine, an EngineBound), whose
+// get() runs first with the GIL (a closed one raises FabricError); nogil(&function) for a free
+// function. nanobind converts the arguments to the function's own parameter types before the call
+// and the result after it, both under the GIL, so nothing Python is touched while it is released
+// (as with nb::call_guard<nb::gil_scoped_release>, which cannot reach through get()). The Python
+// signature is the function's parameter types with the .def's argument names.
+template <class Self, class C, class R, class... Args, class Method>
+auto nogil_method(Method method) {
+  return [method](Self& self, Args... args) -> R {
+    C& obj = self.get();
+    nb::gil_scoped_release release;
+    return (obj.*method)(std::forward<Args>(args)...);
+  };
+}
+template <class Self, class R, class C, class... Args>
+auto nogil(R (C::*method)(Args...)) {
+  return nogil_method<Self, C, R, Args...>(method);
+}
+template <class Self, class R, class C, class... Args>
+auto nogil(R (C::*method)(Args...) const) {
+  return nogil_method<Self, C, R, Args...>(method);
+}
+template <class R, class... Args>
+auto nogil(R (*function)(Args...)) {
+  return [function](Args... args) -> R {
+    nb::gil_scoped_release release;
+    return function(std::forward<Args>(args)...);
+  };
+}
 
 inline constexpr char kImmReservationName[] = "immediate reservation";
 using PyImmReservation = EngineBound<ImmReservation, kImmReservationName>;

@@ -133,11 +133,7 @@ void bind_weights(nb::module_& m) {
       "write_rtt_us"_a = 0.0, "one_device"_a = false,
       "window"_a = 2, "nics"_a = 1, "The executor's cost model (include/fabric/weights/update.h, predict_update).");
   m.def(
-      "weights_check_update",
-      [](const Manifest& manifest, const UpdatePlan& plan) {
-        nb::gil_scoped_release release;
-        return check_update(manifest, plan);
-      },
+      "weights_check_update", nogil(&check_update),
       "manifest"_a, "plan"_a, "\"\" or what is wrong with the plan.");
 
   nb::class_<Copy>(m, "WeightsCopy", "rows of row_bytes from src_offset to dst_offset at their strides.")
@@ -233,11 +229,7 @@ void bind_weights(nb::module_& m) {
            nb::keep_alive<1, 2>(), nb::keep_alive<1, 7>(),
            "imms: the ImmReservation this rank's weight arenas were registered under.")
       .def("ready",
-           [](PyWeights<WeightReceiver>& r, uint64_t step) {
-             WeightReceiver& rx = r.get();
-             nb::gil_scoped_release release;
-             rx.ready(step);
-           },
+           nogil<PyWeights<WeightReceiver>>(&WeightReceiver::ready),
            "step"_a, "Buffer set step % sets may be written.")
       .def("wait_update",
            [](PyWeights<WeightReceiver>& r, uint64_t step, double timeout_s) {
@@ -247,11 +239,7 @@ void bind_weights(nb::module_& m) {
            },
            "step"_a, "timeout_s"_a = 60.0, "Returns when the step has landed; a timeout names the missing training ranks.")
       .def("set_sources",
-           [](PyWeights<WeightReceiver>& r, std::vector<MrDesc> train_arenas) {
-             WeightReceiver& rx = r.get();
-             nb::gil_scoped_release release;
-             rx.set_sources(std::move(train_arenas));
-           },
+           nogil<PyWeights<WeightReceiver>>(&WeightReceiver::set_sources),
            "train_arenas"_a)
       .def_prop_ro("expected_writes", [](PyWeights<WeightReceiver>& r) { return r.get().expected_writes(); })
       .def("close", [](PyWeights<WeightReceiver>& r) { r.h->close(); });
