@@ -127,6 +127,13 @@ double link_gbps(const ibv_port_attr& port) {
   }
 }
 
+std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
+
+void fail(const char* call, int err, const std::string& device) {
+  throw Error(ErrorCode::kProvider,
+              fmt::format("verbs: {} on {} failed: {}", call, device, errno_text(err)));
+}
+
 ibv_ah_attr DeviceContext::ah_attr(const ibv_gid& dgid, uint16_t dlid) const {
   ibv_ah_attr a{};
   a.port_num = port;

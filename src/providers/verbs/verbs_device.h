@@ -3,6 +3,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <cerrno>
 #include <optional>
 #include <string>
 
@@ -37,5 +38,17 @@ struct DeviceContext {
 // The port's link speed in Gb/s (active_speed per lane x active_width lanes, as ibv_devinfo
 // shows them); 0 where either code is not one this table knows.
 double link_gbps(const ibv_port_attr& port);
+
+// How the provider's files report a failed verbs call, so that every message names the call and
+// the device the same way.
+std::string errno_text(int err);  // "Cannot allocate memory (12)"
+// Throws fabric::Error kProvider: "verbs: <call> on <device> failed: <errno text>".
+[[noreturn]] void fail(const char* call, int err, const std::string& device);
+// `p`, or fail(call, errno, device) where the call returned null.
+template <class T>
+T* check_ptr(T* p, const char* call, const std::string& device) {
+  if (!p) fail(call, errno, device);
+  return p;
+}
 
 }  // namespace fabric::verbs
