@@ -287,6 +287,15 @@ def _barrier(store, cfg: dict, step: int) -> None:
     store.wait([key + "/go"])
 
 
+def _stacks_on_signal() -> None:
+    """A rank prints every thread's Python stack to stderr on SIGUSR1: what the launcher asks for
+    before it gives up on a rank that went quiet."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def progress(cfg: dict, who: str, what: str) -> None:
     """One phase of one rank, to stderr at once, seconds since the launcher started the ranks: a run
     cut short shows where each rank was (building, training step k, update k, checking k)."""
@@ -305,6 +314,7 @@ def trainer(conn, cfg: dict) -> None:
         torch.set_num_threads(cfg.get("threads", 1))
         rank, world, dev = cfg["rank"], cfg["trainers"], cfg["device"]
         who = f"training rank {rank}"
+        _stacks_on_signal()
         progress(cfg, who, "started")
         store = _store(cfg)
         _group(store, cfg, "train", rank, world)
@@ -465,6 +475,7 @@ def inference(conn, cfg: dict) -> None:
         torch.set_num_threads(cfg.get("threads", 1))
         rank, world = cfg["rank"], cfg["inference"]
         who = f"inference rank {rank}"
+        _stacks_on_signal()
         progress(cfg, who, "started")
         store = _store(cfg)
         if world > 1:
@@ -591,31 +602,24 @@ def _run(cfg: dict, store, start, out) -> dict:
     ranks = [("inference", r, *start(inference, dict(base, rank=r))) for r in range(cfg["inference"])]
     ranks += [("training", r, *start(trainer, dict(base, rank=r))) for r in range(cfg["trainers"])]
 
-    def recv(side, r, conn, timeout=600):
-        if not conn.poll(timeout):
-            raise RuntimeError(f"{side} rank {r}: nothing in {timeout} s")
-        msg = conn.recv()
-        if isinstance(msg, str) and msg.startswith("error"):
-            raise RuntimeError(f"{side} rank {r}: {msg}")
-        return msg
-
+    owed = {(side, r): 1 for side, r, _, _ in ranks}
+    ready = _collect(ranks, owed, cfg.get("timeout_s", 600.0))
     nparams = 0
-    for side, r, conn, _ in ranks:
-        msg = recv(side, r, conn)
+    for (side, r), (msg,) in ready.items():
         if side == "training":
             msg, nparams = msg
         if msg != "ready":
             raise RuntimeError(f"{side} rank {r}: {msg}")
     progress(base, "launcher", f"every rank ready, {nparams / 1e6:.0f} M parameters; steps next")
     steps = cfg["steps"] + 1
-    got = {(side, r): [recv(side, r, conn) for _ in range(steps)] for side, r, conn, _ in ranks}
-    predicted = None
-    if cfg["trainers"] > 1:
-        conn0 = next(c for side, r, c, _ in ranks if side == "training" and r == 0)
-        predicted = recv("training", 0, conn0)[1]
-    for side, r, conn, _ in ranks:
-        if recv(side, r, conn) != "bye":
-            raise RuntimeError(f"{side} rank {r} did not finish")
+    # Every step's message from every rank, then training rank 0's prediction (2 or more training
+    # ranks), then each rank's goodbye.
+    owed = {(side, r): steps + (side == "training" and r == 0 and cfg["trainers"] > 1) + 1 for side, r, _, _ in ranks}
+    got = _collect(ranks, owed, cfg.get("timeout_s", 600.0))
+    predicted = got[("training", 0)][steps][1] if cfg["trainers"] > 1 else None
+    for (side, r), msgs in got.items():
+        if msgs[-1] != "bye":
+            raise RuntimeError(f"{side} rank {r} did not finish: {msgs[-1]!r}")
 
     # The check: inference rank 0's probe against training rank 0's, every step.
     equal, worst, tokens, update_ms, prev = True, 0.0, [], [], None
@@ -661,6 +665,41 @@ def _run(cfg: dict, store, start, out) -> dict:
                 predicted=predicted, line=line)
 
 
+def _collect(ranks: list, owed: dict, timeout_s: float) -> dict:
+    """Reads the ranks' pipes as messages arrive until each rank (side, r) has sent owed[(side, r)]
+    messages; returns them per rank. A rank's error raises at once, whichever rank the launcher
+    waits for most; so does a rank whose process ended. When none of the ranks still owing a
+    message sends one for timeout_s, every live rank prints its Python stacks to stderr (SIGUSR1)
+    and this raises naming the quiet ranks."""
+    import signal
+    from multiprocessing.connection import wait
+
+    got = {key: [] for key in owed}
+    rank_of = {conn: (side, r, proc) for side, r, conn, proc in ranks}
+    while True:
+        waiting = [c for c, (side, r, _) in rank_of.items() if len(got[(side, r)]) < owed[(side, r)]]
+        if not waiting:
+            return got
+        arrived = wait(waiting, timeout=timeout_s)
+        if not arrived:
+            for _, _, proc in rank_of.values():
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)  # the stacks reach stderr
+            quiet = ", ".join(f"{rank_of[c][0]} rank {rank_of[c][1]}" for c in waiting)
+            raise RuntimeError(f"nothing from {quiet} in {timeout_s:.0f} s (every rank's stacks are above)")
+        for c in arrived:
+            side, r, proc = rank_of[c]
+            try:
+                msg = c.recv()
+            except EOFError:
+                proc.join(timeout=5)
+                raise RuntimeError(f"{side} rank {r}: its process ended (exit code {proc.exitcode})") from None
+            if isinstance(msg, str) and msg.startswith("error"):
+                raise RuntimeError(f"{side} rank {r}: {msg}")
+            got[(side, r)].append(msg)
+
+
 def config(args) -> dict:
     size = dict(SIZES[args.size])
     for k in SIZES["tiny"]:
@@ -668,7 +707,7 @@ def config(args) -> dict:
             size[k] = getattr(args, k)
     return dict(model=args.model, size=size, trainers=args.trainers, inference=args.inference, steps=args.steps,
                 lr=args.lr, fp8=args.fp8, provider=args.provider, device=args.device, window=args.window,
-                seed=args.seed, threads=args.threads, attn=args.attn)
+                seed=args.seed, threads=args.threads, attn=args.attn, timeout_s=args.timeout_s)
 
 
 def main() -> int:
@@ -690,6 +729,8 @@ def main() -> int:
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
                     help="transformers attn_implementation in every process (CUDA: sdpa runs its math backend "
                          "only; both are deterministic, backward included)")
+    ap.add_argument("--timeout-s", type=float, default=600.0,
+                    help="the launcher gives up on ranks silent this long, after they print their stacks")
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         args.device = "cuda:0"

@@ -86,7 +86,7 @@ weights_model_runs() {
     [ "$fp8" = fp8 ] && fp8=--fp8 || fp8=""
     # shellcheck disable=SC2086
     timeout "${WEIGHTS_MODEL_TIMEOUT:-150}" python3 examples/rl_weights/weights_model.py --device cuda --size gpu \
-      --model qwen3_moe --trainers 4 --inference 2 --steps 2 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
+      --model qwen3_moe --trainers 4 --inference 2 --steps 2 --timeout-s 100 $fp8 >> "$OUT/weights_model.txt" 2>&1 ||
       { status=1; echo "weights-model ${fp8:-bf16}: FAILED" >> "$OUT/weights_model.txt"; }
   done
   if [ $mps = 1 ]; then echo quit | nvidia-cuda-mps-control; sleep 1; fi
