@@ -33,15 +33,17 @@
 namespace fabric {
 namespace {
 
-constexpr size_t kDescBlock = 4096;      // copies per gather launch
-constexpr size_t kDescBlocks = 32;       // gather launches in flight
-constexpr size_t kBatchMax = 4096;       // WRITEs per post_write_batch (two launches at most)
-constexpr size_t kBatchBlocks = 1;  // a post_write_batch fills one descriptor block
+constexpr size_t kDescBlock = 4096;  // copies per gather launch
+constexpr size_t kDescBlocks = 32;   // gather launches in flight
+constexpr size_t kBatchMax = 4096;   // WRITEs per post_write_batch (two launches at most)
+constexpr size_t kBatchBlocks = 1;   // a post_write_batch fills one descriptor block
 static_assert(kBatchMax <= kDescBlock);
-constexpr uint32_t kBatchKick = 256;     // an idle GPU gets a batch's first pages this early
-constexpr uint64_t kCopyEngineMin = 8 << 20;  // a single WRITE this large goes to a copy engine alone
-constexpr uint64_t kBatchCopyEngineMin = 1 << 20;  // a page of a post_write_batch, likewise (pages are not cut)
-constexpr uint64_t kChunk = 256 << 10;        // a single WRITE's bytes per descriptor
+constexpr uint32_t kBatchKick = 256;  // an idle GPU gets a batch's first pages this early
+// A single WRITE this large goes to a copy engine alone; a page of a post_write_batch from
+// kBatchCopyEngineMin (pages are not cut).
+constexpr uint64_t kCopyEngineMin = 8 << 20;
+constexpr uint64_t kBatchCopyEngineMin = 1 << 20;
+constexpr uint64_t kChunk = 256 << 10;  // a single WRITE's bytes per descriptor
 constexpr size_t kStreams = 2;
 
 static_assert(sizeof(cudaIpcMemHandle_t) == ipc::kHandleBytes);
@@ -71,11 +73,11 @@ struct PendingOp {
 struct Batch {
   uint64_t id = 0;  // debug logs: batches in the order they were handed to the GPU
   cudaEvent_t event = nullptr;
-  int desc_block = -1;                   // a batch of single WRITEs: its descriptor block
+  int desc_block = -1;  // a batch of single WRITEs: its descriptor block
   std::vector<PendingOp> ops;
   std::vector<std::pair<ipc::RegionEntry*, uint32_t>> holds;  // (region, generation): released
                                                               // once the batch completed
-  std::string failure;                   // set: every op of the batch fails with this
+  std::string failure;  // set: every op of the batch fails with this
   // A post_write_batch: one context for all its WRITEs, their peer, the descriptor blocks its
   // launches read, and the immediates it delivers once its event has completed.
   OpContext* group = nullptr;
@@ -100,17 +102,22 @@ struct OpenedAllocation {
   int refs = 0;
 };
 
-class CudaIpcDomain final : public Domain {
+// GPU memory is all it writes (8 MiB and more go to cudaMemcpyAsync whole); as many operations
+// in flight as the descriptor ring holds; batches of up to kBatchMax pages, one gather launch each.
+class CudaIpcDomain final : public ipc::LocalDomain<Peer, LocalRegion> {
  public:
   explicit CudaIpcDomain(const EngineConfig& config)
-      : device_(*config.cuda_device),
-        drain_timeout_(config.transfer_timeout),
-        own_(name_, ipc::EndpointKind::kCuda, config.max_message_size) {
+      : LocalDomain("cuda_ipc", ipc::EndpointKind::kCuda, config,
+                    {.gpu_memory = true,
+                     .max_in_flight = kDescBlock * kDescBlocks,
+                     .max_write_batch = kBatchMax}),
+        device_(*config.cuda_device) {
     cuda::use_device(device_);
     cuda::check("cudaDeviceGetAttribute",
                 cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
     for (cudaStream_t& st : streams_)
-      cuda::check("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cuda::check("cudaStreamCreateWithFlags",
+                  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cuda::check("cudaFuncGetAttributes(gather copy)", cuda::load_gather_copy());
     void* descs = nullptr;
     cuda::check("cudaHostAlloc(descriptors)",
@@ -138,58 +145,32 @@ class CudaIpcDomain final : public Domain {
     cudaFreeHost(descs_);
   }
 
-  const std::string& provider_name() const override { return name_; }
-  const std::string& address() const override { return own_.address(); }
-  const DomainCaps& caps() const override { return caps_; }
-
-  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    auto region = std::make_unique<LocalRegion>();
+  DomainRegion register_region(LocalRegion& region, void* ptr, size_t len, Device device) override {
     DomainRegion r;
     if (device.kind == Device::Kind::kCuda) {
-      region->gpu = region->device_readable = true;
-      uint32_t generation = 0;
-      region->slot = export_region(ptr, len, device, generation);
-      r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) | generation;
+      region.gpu = region.device_readable = true;
+      r.remote.rkey = publish(region.slot, exported(ptr, len, device));
     } else {
       // Pinned and mapped, host memory can be a kernel's source and a copy engine's without
       // staging. Peers cannot write host memory through CUDA IPC: a source only.
-      cudaError_t rc = cudaHostRegister(ptr, len, cudaHostRegisterPortable | cudaHostRegisterMapped);
+      cudaError_t rc =
+          cudaHostRegister(ptr, len, cudaHostRegisterPortable | cudaHostRegisterMapped);
       if (rc == cudaSuccess) {
-        region->host_registered = region->device_readable = true;
-        region->host_ptr = ptr;
+        region.host_registered = region.device_readable = true;
+        region.host_ptr = ptr;
       } else {
         cudaGetLastError();
-        region->device_readable = rc == cudaErrorHostMemoryAlreadyRegistered;
+        region.device_readable = rc == cudaErrorHostMemoryAlreadyRegistered;
       }
       r.remote_access = false;
     }
-    r.desc = region.get();
-    r.provider = region.release();
     return r;
   }
 
-  void deregister_memory(DomainRegion& r) override {
-    auto* region = static_cast<LocalRegion*>(r.provider);
-    if (!region) return;
-    if (region->gpu) {
-      // No writer issues copies into it from now on; those already issued are waited for, so
-      // once this returns the memory may be freed or reused (REVIEW M3).
-      own_.region(region->slot).revoke();
-      own_.retire(region->slot, drain_timeout_, [this] { complete_batches(); });
-    }
-    if (region->host_registered) cudaHostUnregister(region->host_ptr);
-    delete region;
-    r = {};
-  }
-
-  // Throws kUnsupported whenever the peer cannot be reached through this domain (another host
-  // scope, a segment this process cannot see or that has no live owner, another format): the
-  // engine may then use its NICs for that peer.
-  PeerId insert_peer(const std::string& address) override {
-    if (auto id = peers_.find(address)) return *id;
-    auto p = std::make_unique<Peer>();
-    ipc::open_peer(*p, name_, ipc::EndpointKind::kCuda, own_.scope(), address);
-    return peers_.add(std::move(p));
+  void deregister_region(LocalRegion& region) override {
+    // Copies already issued into it complete meanwhile (REVIEW M3).
+    if (region.gpu) unpublish(region.slot, [this] { complete_batches(); });
+    if (region.host_registered) cudaHostUnregister(region.host_ptr);
   }
 
   // Releases the peer's IPC mappings and segment. WRITEs to it not yet handed to the GPU fail
@@ -201,22 +182,20 @@ class CudaIpcDomain final : public Domain {
     auto gone = std::stable_partition(pending_.begin(), pending_.end(),
                                       [&](const PendingOp& op) { return op.peer != id; });
     for (auto it = gone; it != pending_.end(); ++it)
-      ready_.push_back(ipc::error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
+      ready_.push_back(
+          ipc::error_completion(it->ctx, "cuda_ipc: the peer was removed before this WRITE ran"));
     pending_.erase(gone, pending_.end());
     if (!inflight_.empty()) sync_streams();
-    peers_.forget(id);  // `id` is unknown from here on
+    peers_.forget(id);   // `id` is unknown from here on
     complete_batches();  // every batch has completed: holds on the peer's regions go now
     for (auto& [region_slot, m] : peer->regions) unmap(m);
     peers_.release(id);
   }
 
   PostResult post_write(const WriteOp& op, OpContext* ctx) override {
-    Peer* peer = peers_.live(op.peer);
-    if (!peer) {
-      last_error_ = "cuda_ipc: unknown or removed peer";
-      return PostResult::kFailed;
-    }
-    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
+    PostResult result;
+    Peer* peer = writable_peer(op.peer, ctx, result);
+    if (!peer) return result;
     uint8_t* dst = nullptr;
     ipc::RegionEntry* region = nullptr;
     auto generation = static_cast<uint32_t>(op.rkey);
@@ -241,22 +220,10 @@ class CudaIpcDomain final : public Domain {
   // (kFailed) with nothing posted; a CUDA call that fails after a launch fails the batch once its
   // event completes.
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
-    if (ops.size() > kBatchMax) {
-      last_error_ = fmt::format("cuda_ipc: a write batch of {} WRITEs exceeds caps().max_write_batch = {}",
-                                ops.size(), kBatchMax);
-      return PostResult::kFailed;
-    }
-    if (ops.empty()) {
-      ready_.push_back(ipc::local_completion(ctx));
-      return PostResult::kPosted;
-    }
+    PostResult result;
+    Peer* peer = batch_peer(ops, ctx, result);
+    if (!peer) return result;
     const PeerId id = ops[0].peer;
-    Peer* peer = peers_.live(id);
-    if (!peer) {
-      last_error_ = "cuda_ipc: unknown or removed peer";
-      return PostResult::kFailed;
-    }
-    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
     // One descriptor block for the batch (kBatchMax fits one; copy-engine pages leave it unused).
     if (free_blocks_.empty()) return PostResult::kRetry;  // wait for launches to complete
 
@@ -303,12 +270,12 @@ class CudaIpcDomain final : public Domain {
     if (!failure.empty()) {
       release(b);
       free_events_.push_back(b.event);
-      last_error_ = std::move(failure);
-      return PostResult::kFailed;
+      return refuse(std::move(failure));
     }
     map_base = nullptr;
     auto launch = [&] {
-      cudaError_t rc = cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream);
+      cudaError_t rc =
+          cuda::launch_gather_copy(block + launched, descs - launched, sm_count_, stream);
       issued = true;
       if (rc != cudaSuccess && failure.empty())
         failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
@@ -358,43 +325,29 @@ class CudaIpcDomain final : public Domain {
     if (!failure.empty() && !issued) {  // nothing reached the GPU: refuse the batch now
       release(b);
       free_events_.push_back(b.event);
-      last_error_ = std::move(failure);
-      return PostResult::kFailed;
+      return refuse(std::move(failure));
     }
     if (failure.empty() && descs > launched) launch();
     b.failure = std::move(failure);
     b.id = ++batches_;
-    log::debug("cuda_ipc: batch {} ({} WRITEs of a write batch) handed to the GPU", b.id, ops.size());
+    log::debug("cuda_ipc: batch {} ({} WRITEs of a write batch) handed to the GPU", b.id,
+               ops.size());
     cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
     inflight_.push_back(std::move(b));
     return PostResult::kPosted;
   }
 
-  PostResult post_send(PeerId peer, const void* buf, size_t len, void*, OpContext* ctx) override {
-    return ipc::post_message(peers_, peer, name_, buf, len, ctx, ready_, last_error_);
-  }
-
-  PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) override {
-    own_.post_recv(buf, len, ctx);
-    return PostResult::kPosted;
-  }
-
-  const std::string& last_error() const override { return last_error_; }
-
-  size_t poll(std::span<Completion> out) override {
-    watch_.check(peers_, name_);
+  // Single WRITEs to the GPU, completed batches' immediates to their peers, in posting order.
+  void progress() override {
     flush();
     complete_batches();
     if (!pending_.empty()) flush();  // completed batches freed descriptor blocks
-    deliver_held_imms();
-    return own_.drain(out, ready_);
+    while (!held_.empty() && deliver_imm(held_.front())) held_.pop_front();
   }
 
-  void* scratch_desc() const override { return nullptr; }
-  void* scratch_buffer() const override { return const_cast<uint8_t*>(scratch_); }
-
  private:
-  uint32_t export_region(void* ptr, size_t len, Device device, uint32_t& generation) {
+  // What a peer needs to open [ptr, +len) of a CUDA allocation: its IPC handle and the offset.
+  ipc::RegionFields exported(void* ptr, size_t len, Device device) {
     cuda::AddressRange range = cuda::allocation_of(ptr);
     auto* p = static_cast<uint8_t*>(ptr);
     if (p + len > range.base + range.size)
@@ -403,28 +356,23 @@ class CudaIpcDomain final : public Domain {
                               "({} bytes at {})",
                               ptr, len, range.size, static_cast<void*>(range.base)));
     cudaIpcMemHandle_t handle;
-    cuda::check("cudaIpcGetMemHandle (memory from cudaMalloc is exportable; cuMemCreate memory is "
-                "not)",
-                cudaIpcGetMemHandle(&handle, range.base));
-    const uint32_t slot = own_.take_slot();
+    cuda::check(
+        "cudaIpcGetMemHandle (memory from cudaMalloc is exportable; cuMemCreate memory "
+        "is not)",
+        cudaIpcGetMemHandle(&handle, range.base));
     ipc::RegionFields f;
     f.device = device.index;
     f.offset = static_cast<uint64_t>(p - range.base);
     f.len = len;
     f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
     std::memcpy(f.handle, &handle, sizeof handle);
-    generation = own_.region(slot).publish(f);  // odd: published
-    return slot;
+    return f;
   }
 
   // The local address of [remote_addr, +len) of the peer's region `rkey`, or null (last_error_).
   uint8_t* map_remote(Peer& peer, uint64_t rkey, uint64_t remote_addr, uint64_t len) {
-    auto slot = static_cast<uint32_t>(rkey >> 32);
-    auto generation = static_cast<uint32_t>(rkey);
-    if (slot >= ipc::kMaxRegions || (generation & 1) == 0) {
-      last_error_ = fmt::format("cuda_ipc: invalid remote key {:#x}", rkey);
-      return nullptr;
-    }
+    uint32_t slot, generation;
+    if (!split_key(rkey, slot, generation)) return nullptr;
     ipc::RegionEntry& e = peer.inbox.region(slot);
     Peer::Mapped& m = peer.regions[slot];
     if (m.generation != generation || !m.ptr) {
@@ -580,11 +528,13 @@ class CudaIpcDomain final : public Domain {
           free_blocks_.pop_back();
         }
         if (op.len > 0 && !hold_for(b, op, refused)) {
-          ready_.push_back(ipc::error_completion(op.ctx, "cuda_ipc: the remote region was deregistered"));
+          ready_.push_back(
+              ipc::error_completion(op.ctx, "cuda_ipc: the remote region was deregistered"));
           continue;
         }
         if (op.len > 0 && engine) {
-          if (!issue(cudaMemcpyAsync(op.dst, op.src, op.len, cudaMemcpyDefault, stream), "cudaMemcpyAsync", op))
+          if (!issue(cudaMemcpyAsync(op.dst, op.src, op.len, cudaMemcpyDefault, stream),
+                     "cudaMemcpyAsync", op))
             continue;
         } else if (op.len > 0) {
           for (uint64_t at = 0; at < op.len; at += kChunk)
@@ -600,20 +550,24 @@ class CudaIpcDomain final : public Domain {
         continue;
       }
       if (descs > 0) {
-        cudaError_t rc = cuda::launch_gather_copy(descs_ + b.desc_block * kDescBlock, descs,
-                                                  sm_count_, stream);
+        cudaError_t rc =
+            cuda::launch_gather_copy(descs_ + b.desc_block * kDescBlock, descs, sm_count_, stream);
         // The batch's copy-engine WRITEs may still run: fail it once its event says they are done.
         if (rc != cudaSuccess)
-          b.failure = fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
+          b.failure =
+              fmt::format("cuda_ipc: gather-copy launch failed: {}", cudaGetErrorString(rc));
       }
       b.event = take_event();
       b.id = ++batches_;
       cuda::check("cudaEventRecord", cudaEventRecord(b.event, stream));
       if (log::level() >= log::Level::kDebug) {
         std::string what;
-        for (const PendingOp& op : b.ops) what += fmt::format(" {}B{}", op.len, op.has_imm ? fmt::format("/imm {:#x}", op.imm) : "");
-        log::debug("cuda_ipc: batch {} of {} WRITEs handed to the GPU on stream {} ({} descriptors):{}", b.id, b.ops.size(),
-                   (next_stream_ - 1) % kStreams, descs, what);
+        for (const PendingOp& op : b.ops)
+          what +=
+              fmt::format(" {}B{}", op.len, op.has_imm ? fmt::format("/imm {:#x}", op.imm) : "");
+        log::debug(
+            "cuda_ipc: batch {} of {} WRITEs handed to the GPU on stream {} ({} descriptors):{}",
+            b.id, b.ops.size(), (next_stream_ - 1) % kStreams, descs, what);
       }
       inflight_.push_back(std::move(b));
     }
@@ -636,7 +590,8 @@ class CudaIpcDomain final : public Domain {
     Completion c;
     c.kind = Completion::Kind::kError;
     c.context = op.ctx;
-    c.error = fmt::format("cuda_ipc: {} of {} bytes failed: {}", call, op.len, cudaGetErrorString(rc));
+    c.error =
+        fmt::format("cuda_ipc: {} of {} bytes failed: {}", call, op.len, cudaGetErrorString(rc));
     ready_.push_back(std::move(c));
     return false;
   }
@@ -653,7 +608,8 @@ class CudaIpcDomain final : public Domain {
       Batch& b = inflight_.front();
       cudaError_t rc = cudaEventQuery(b.event);
       if (rc == cudaErrorNotReady) break;
-      log::debug("cuda_ipc: batch {} of {} WRITEs completed on the GPU", b.id, b.group ? b.imms.size() : b.ops.size());
+      log::debug("cuda_ipc: batch {} of {} WRITEs completed on the GPU", b.id,
+                 b.group ? b.imms.size() : b.ops.size());
       if (rc != cudaSuccess) {
         cudaGetLastError();
         fail_batch(b, fmt::format("cuda_ipc: copy failed on the GPU: {}", cudaGetErrorString(rc)));
@@ -662,7 +618,7 @@ class CudaIpcDomain final : public Domain {
       } else if (b.group) {
         release(b);  // the copies are done: their regions' owners may deregister now
         ipc::HeldImms g{b.group, b.group_peer, std::move(b.imms)};
-        if (!deliver_group(g)) held_groups_.push_back(std::move(g));  // the inbox is full
+        if (!deliver(g)) held_imms_.push_back(std::move(g));  // the inbox is full
         free_events_.push_back(b.event);
       } else {
         release(b);  // the copies are done: their regions' owners may deregister now
@@ -679,22 +635,6 @@ class CudaIpcDomain final : public Domain {
     }
   }
 
-  // The peer whose inbox an operation's immediates go to, or null with the operation's error
-  // completion queued: removed (`what` delivered too late), or lost (its inbox has no reader).
-  Peer* receiving_peer(PeerId id, OpContext* ctx, const char* what) {
-    Peer* peer = peers_.live(id);
-    if (!peer) {
-      ready_.push_back(ipc::error_completion(
-          ctx, fmt::format("cuda_ipc: the peer was removed before {} delivered", what)));
-      return nullptr;
-    }
-    if (peer->lost) {
-      ready_.push_back(ipc::lost_completion(ctx, name_));
-      return nullptr;
-    }
-    return peer;
-  }
-
   // Delivers op's immediate and completes op; false when the peer's inbox is full.
   bool deliver_imm(const PendingOp& op) {
     Peer* peer = receiving_peer(op.peer, op.ctx, "this WRITE's immediate was");
@@ -704,33 +644,6 @@ class CudaIpcDomain final : public Domain {
     return true;
   }
 
-  // Delivers what is left of a batch's immediates (all at once where the inbox has room) and
-  // completes the batch once they are all in; false when the inbox filled up first.
-  bool deliver_group(ipc::HeldImms& g) {
-    Peer* peer = receiving_peer(g.peer, g.ctx, "this batch's immediates were");
-    if (!peer) return true;
-    return ipc::push_held(peer->inbox, g, ready_);
-  }
-
-  void deliver_held_imms() {
-    while (!held_.empty() && deliver_imm(held_.front())) held_.pop_front();
-    while (!held_groups_.empty() && deliver_group(held_groups_.front())) held_groups_.pop_front();
-  }
-
-  const std::string name_ = "cuda_ipc";
-  // GPU memory is all it writes; a WRITE is bounded only by its destination region (8 MiB and
-  // more go to cudaMemcpyAsync whole); nothing is sent inline; no link of its own; single WRITEs
-  // and immediates move at poll(); as many operations in flight as the descriptor ring holds;
-  // batches of up to kBatchMax pages, one gather launch each.
-  const DomainCaps caps_{.nic_name = name_,
-                         .gpu_memory = true,
-                         .max_message = SIZE_MAX,
-                         .inject_size = 0,
-                         .link_gbps = 0.0,
-                         .manual_progress = true,
-                         .concurrent_registration = false,
-                         .max_in_flight = kDescBlock * kDescBlocks,
-                         .max_write_batch = kBatchMax};
   int device_;
   int sm_count_ = 0;
   std::array<cudaStream_t, kStreams> streams_{};
@@ -739,18 +652,10 @@ class CudaIpcDomain final : public Domain {
   cuda::CopyDesc* descs_ = nullptr;
   std::vector<int> free_blocks_;
   std::vector<cudaEvent_t> free_events_;
-  std::string last_error_;
-  std::chrono::milliseconds drain_timeout_;
-  ipc::OwnEndpoint own_;
-  ipc::PeerSlots<Peer> peers_;
-  ipc::PeerWatch watch_;
   std::unordered_map<std::string, OpenedAllocation> opened_;
   std::vector<PendingOp> pending_;
   std::deque<Batch> inflight_;
-  std::deque<PendingOp> held_;
-  std::deque<ipc::HeldImms> held_groups_;
-  std::deque<Completion> ready_;
-  uint8_t scratch_[64] = {};
+  std::deque<PendingOp> held_;  // single WRITEs completed whose immediate found the inbox full
 };
 
 }  // namespace

@@ -78,11 +78,15 @@ struct Copy {
   uint64_t len;
 };
 
-class HostIpcDomain final : public Domain {
+// Host memory only; 65,536 operations in flight (copies are done when posted: what is in flight is
+// only completions not yet polled); batches of up to kBatchMax WRITEs, as few process_vm_writev
+// calls as their iovecs need.
+class HostIpcDomain final : public ipc::LocalDomain<Peer, LocalRegion> {
  public:
   explicit HostIpcDomain(const EngineConfig& config)
-      : drain_timeout_(config.transfer_timeout),
-        own_(name_, ipc::EndpointKind::kHost, config.max_message_size) {
+      : LocalDomain(
+            "host_ipc", ipc::EndpointKind::kHost, config,
+            {.gpu_memory = false, .max_in_flight = size_t{1} << 16, .max_write_batch = kBatchMax}) {
     // Yama's ptrace_scope 1 lets only ancestors attach: let peers of this user write into us.
     // Elsewhere (no Yama) the call fails harmlessly; insert_peer's probe tells what holds.
     (void)prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
@@ -96,56 +100,32 @@ class HostIpcDomain final : public Domain {
     own_.revoke_all(drain_timeout_, [] {});
   }
 
-  const std::string& provider_name() const override { return name_; }
-  const std::string& address() const override { return own_.address(); }
-  const DomainCaps& caps() const override { return caps_; }
-
-  DomainRegion register_memory(void* ptr, size_t len, Device device) override {
-    auto region = std::make_unique<LocalRegion>();
+  DomainRegion register_region(LocalRegion& region, void* ptr, size_t len, Device device) override {
     DomainRegion r;
     if (device.kind == Device::Kind::kCuda) {
-      region->host = false;  // posts from it are refused; the NICs (or cuda_ipc) carry GPU memory
+      region.host = false;  // posts from it are refused; the NICs (or cuda_ipc) carry GPU memory
       r.remote_access = false;
     } else {
-      region->slot = own_.take_slot();
       ipc::RegionFields f;
       f.device = -1;
       f.len = len;
       f.owner_ptr = reinterpret_cast<uint64_t>(ptr);
-      const uint32_t generation = own_.region(region->slot).publish(f);  // odd: published
-      r.remote.rkey = (static_cast<uint64_t>(region->slot) << 32) | generation;
+      r.remote.rkey = publish(region.slot, f);
     }
-    r.desc = region.get();
-    r.provider = region.release();
     return r;
   }
 
-  void deregister_memory(DomainRegion& r) override {
-    auto* region = static_cast<LocalRegion*>(r.provider);
-    if (!region) return;
-    if (region->host) {
-      // No writer starts a copy into it from now on; those copying are waited for, so once this
-      // returns the memory may be freed or reused.
-      own_.region(region->slot).revoke();
-      own_.retire(region->slot, drain_timeout_, [] {});
-    }
-    delete region;
-    r = {};
+  void deregister_region(LocalRegion& region) override {
+    if (region.host) unpublish(region.slot, [] {});
   }
 
-  // Throws kUnsupported whenever the peer cannot be reached through this domain (another host
-  // scope, a segment that is gone or of another kind, a process we may not write into): the
-  // engine then uses its NICs for that peer.
-  PeerId insert_peer(const std::string& address) override {
-    if (auto id = peers_.find(address)) return *id;
-    auto p = std::make_unique<Peer>();
-    ipc::open_peer(*p, name_, ipc::EndpointKind::kHost, own_.scope(), address);
-    p->pid = static_cast<pid_t>(p->header().pid);
-    if (!p->same_process) {
-      p->pidfd = static_cast<int>(syscall(SYS_pidfd_open, p->pid, 0));
-      probe_access(*p);
+  // Refuses (kUnsupported) a process we may not write into: the engine then uses its NICs.
+  void admit_peer(Peer& p) override {
+    p.pid = static_cast<pid_t>(p.header().pid);
+    if (!p.same_process) {
+      p.pidfd = static_cast<int>(syscall(SYS_pidfd_open, p.pid, 0));
+      probe_access(p);
     }
-    return peers_.add(std::move(p));
   }
 
   // Copies are synchronous: nothing of the peer is in flight here but immediates that did not
@@ -166,23 +146,10 @@ class HostIpcDomain final : public Domain {
   // is held while its copies run, the copies go in as few calls as the iovec limit allows, and
   // the immediates follow in one push. A copy that fails completes the batch with an error.
   PostResult post_write_batch(std::span<const WriteOp> ops, OpContext* ctx) override {
-    if (ops.size() > kBatchMax) {
-      last_error_ =
-          fmt::format("host_ipc: a write batch of {} WRITEs exceeds caps().max_write_batch = {}",
-                      ops.size(), kBatchMax);
-      return PostResult::kFailed;
-    }
-    if (ops.empty()) {
-      ready_.push_back(ipc::local_completion(ctx));
-      return PostResult::kPosted;
-    }
+    PostResult result;
+    Peer* peer = batch_peer(ops, ctx, result);
+    if (!peer) return result;
     const PeerId id = ops[0].peer;
-    Peer* peer = peers_.live(id);
-    if (!peer) {
-      last_error_ = "host_ipc: unknown or removed peer";
-      return PostResult::kFailed;
-    }
-    if (ipc::report_if_lost(*peer, name_, ctx, ready_)) return PostResult::kPosted;
     copies_.clear();
     imms_.clear();
     holds_.clear();
@@ -228,7 +195,7 @@ class HostIpcDomain final : public Domain {
       if (pushed == imms_.size()) {
         ready_.push_back(ipc::local_completion(ctx));
       } else {  // the inbox is full: the rest on a later poll
-        held_.push_back(ipc::HeldImms{
+        held_imms_.push_back(ipc::HeldImms{
             ctx, id,
             std::vector<uint32_t>(imms_.begin() + static_cast<long>(pushed), imms_.end())});
       }
@@ -236,33 +203,11 @@ class HostIpcDomain final : public Domain {
     return PostResult::kPosted;
   }
 
-  PostResult post_send(PeerId peer, const void* buf, size_t len, void*, OpContext* ctx) override {
-    return ipc::post_message(peers_, peer, name_, buf, len, ctx, ready_, last_error_);
-  }
-
-  PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) override {
-    own_.post_recv(buf, len, ctx);
-    return PostResult::kPosted;
-  }
-
-  const std::string& last_error() const override { return last_error_; }
-
-  size_t poll(std::span<Completion> out) override {
-    watch_.check(peers_, name_);
-    deliver_held_imms();
-    return own_.drain(out, ready_);
-  }
-
-  void* scratch_desc() const override { return nullptr; }
-  void* scratch_buffer() const override { return const_cast<uint8_t*>(scratch_); }
+  // Copies are done when posted: poll() only delivers held immediates (LocalDomain).
+  void progress() override {}
 
  private:
   static constexpr const char* kPeerGone = "host_ipc: the peer's process has ended";
-
-  PostResult refuse(std::string why) {
-    last_error_ = std::move(why);
-    return PostResult::kFailed;
-  }
 
   // One write of our nonce into the peer's header through process_vm_writev: whether this
   // process may write into the peer's memory at all.
@@ -288,12 +233,8 @@ class HostIpcDomain final : public Domain {
   // The peer's address of region `rkey` (its base), checked against [remote_addr, +len); false
   // with last_error_ when the key is invalid, stale, or the bytes fall outside the region.
   bool map_remote(Peer& peer, uint64_t rkey, uint64_t remote_addr, uint64_t len, uint64_t& base) {
-    auto slot = static_cast<uint32_t>(rkey >> 32);
-    auto generation = static_cast<uint32_t>(rkey);
-    if (slot >= ipc::kMaxRegions || (generation & 1) == 0) {
-      last_error_ = fmt::format("host_ipc: invalid remote key {:#x}", rkey);
-      return false;
-    }
+    uint32_t slot, generation;
+    if (!split_key(rkey, slot, generation)) return false;
     Peer::Mapped& m = peer.regions[slot];
     if (m.generation != generation) {
       ipc::RegionFields f;
@@ -379,55 +320,13 @@ class HostIpcDomain final : public Domain {
     return {};
   }
 
-  // What is left of h's immediates; completes h once they are all in; false when the inbox
-  // filled up first.
-  bool deliver(ipc::HeldImms& h) {
-    Peer* peer = peers_.live(h.peer);
-    if (!peer) {
-      ready_.push_back(ipc::error_completion(
-          h.ctx, "host_ipc: the peer was removed before the immediates were delivered"));
-      return true;
-    }
-    if (peer->lost || peer->inbox.closed()) {
-      ready_.push_back(ipc::lost_completion(h.ctx, name_));
-      return true;
-    }
-    return ipc::push_held(peer->inbox, h, ready_);
-  }
-
-  void deliver_held_imms() {
-    while (!held_.empty() && deliver(held_.front())) held_.pop_front();
-  }
-
   using Held = std::pair<ipc::RegionEntry*, uint32_t>;
 
-  const std::string name_ = "host_ipc";
-  // Host memory only; a WRITE is bounded only by its destination region; nothing inline; no link
-  // of its own; held immediates and messages move at poll(); 65,536 operations in flight (copies
-  // are done when posted: what is in flight is only completions not yet polled); batches
-  // of up to kBatchMax WRITEs, as few process_vm_writev calls as their iovecs need.
-  const DomainCaps caps_{.nic_name = name_,
-                         .gpu_memory = false,
-                         .max_message = SIZE_MAX,
-                         .inject_size = 0,
-                         .link_gbps = 0.0,
-                         .manual_progress = true,
-                         .concurrent_registration = false,
-                         .max_in_flight = size_t{1} << 16,
-                         .max_write_batch = kBatchMax};
-  std::chrono::milliseconds drain_timeout_;
-  ipc::OwnEndpoint own_;
-  ipc::PeerSlots<Peer> peers_;
-  ipc::PeerWatch watch_;
-  std::string last_error_;
   // One batch's work, kept to reuse their memory.
   std::vector<Copy> copies_;
   std::vector<uint32_t> imms_;
   std::vector<Held> holds_;
   std::vector<iovec> local_iov_, remote_iov_;
-  std::deque<ipc::HeldImms> held_;
-  std::deque<Completion> ready_;
-  uint8_t scratch_[64] = {};
 };
 
 }  // namespace

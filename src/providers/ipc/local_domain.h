@@ -1,17 +1,20 @@
 // What the two local domains (cuda_ipc, host_ipc) share: the domain's own endpoint (its segment,
-// its region slots, the inboxes it reads), the peers' endpoints it opens and their table, and the
-// completions both make. Each domain adds only how it copies. One worker thread owns a domain:
-// nothing here locks.
+// its region slots, the inboxes it reads), the peers' endpoints it opens and their table, the
+// completions both make, and LocalDomain, the Domain glue over them. Each domain adds only how it
+// copies. One worker thread owns a domain: nothing here locks.
 #pragma once
 
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -375,6 +378,197 @@ class PeerWatch {
  private:
   uint32_t polls_ = 0;
   std::chrono::steady_clock::time_point last_{};
+};
+
+// What differs between the local domains' capabilities; LocalDomain fills in the rest.
+struct LocalCaps {
+  bool gpu_memory = false;
+  size_t max_in_flight = 0;
+  size_t max_write_batch = 0;
+};
+
+// The Domain glue of a local domain: its name and caps, its own endpoint (address, receives, the
+// completions poll() drains), its regions' records, its peers (insert_peer, messages, the liveness
+// sweep), immediates held back by a full inbox, and the checks every WRITE starts with. A local
+// domain derives from it with its Peer (a PeerEndpoint) and Region (its record of a registration,
+// the region's descriptor) and adds how it copies: what a registration takes (register_region,
+// deregister_region), WRITEs and batches, remove_peer, and progress(), what poll() moves first.
+template <class Peer, class Region>
+class LocalDomain : public Domain {
+ public:
+  const std::string& provider_name() const final { return name_; }
+  const std::string& address() const final { return own_.address(); }
+  const DomainCaps& caps() const final { return caps_; }
+  void* scratch_desc() const final { return nullptr; }
+  void* scratch_buffer() const final { return const_cast<uint8_t*>(scratch_); }
+  const std::string& last_error() const final { return last_error_; }
+
+  DomainRegion register_memory(void* ptr, size_t len, Device device) final {
+    auto region = std::make_unique<Region>();
+    DomainRegion r = register_region(*region, ptr, len, device);
+    r.desc = region.get();
+    r.provider = region.release();
+    return r;
+  }
+
+  void deregister_memory(DomainRegion& r) final {
+    auto* region = static_cast<Region*>(r.provider);
+    if (!region) return;
+    deregister_region(*region);
+    delete region;
+    r = {};
+  }
+
+  // Throws kUnsupported whenever the peer cannot be reached through this domain (another host
+  // scope, a segment this process cannot see or that has no live owner, another kind or format,
+  // or what admit_peer refuses): the engine then uses its NICs for that peer.
+  PeerId insert_peer(const std::string& address) final {
+    if (auto id = peers_.find(address)) return *id;
+    auto p = std::make_unique<Peer>();
+    open_peer(*p, name_, kind_, own_.scope(), address);
+    admit_peer(*p);
+    return peers_.add(std::move(p));
+  }
+
+  PostResult post_send(PeerId peer, const void* buf, size_t len, void*, OpContext* ctx) final {
+    return post_message(peers_, peer, name_, buf, len, ctx, ready_, last_error_);
+  }
+
+  PostResult post_recv(void* buf, size_t len, void*, OpContext* ctx) final {
+    own_.post_recv(buf, len, ctx);
+    return PostResult::kPosted;
+  }
+
+  size_t poll(std::span<Completion> out) final {
+    watch_.check(peers_, name_);
+    progress();
+    deliver_held_imms();
+    return own_.drain(out, ready_);
+  }
+
+ protected:
+  // Caps both share: a WRITE bounded only by its destination region; nothing inline; no link of
+  // its own; work and immediates that move at poll(); registration on the worker, like every call.
+  LocalDomain(std::string name, EndpointKind kind, const EngineConfig& config, LocalCaps local)
+      : name_(std::move(name)),
+        kind_(kind),
+        caps_{.nic_name = name_,
+              .gpu_memory = local.gpu_memory,
+              .max_message = SIZE_MAX,
+              .inject_size = 0,
+              .link_gbps = 0.0,
+              .manual_progress = true,
+              .concurrent_registration = false,
+              .max_in_flight = local.max_in_flight,
+              .max_write_batch = local.max_write_batch},
+        drain_timeout_(config.transfer_timeout),
+        own_(name_, kind, config.max_message_size) {}
+
+  // Fills a new region's record; what register_memory returns, but for its descriptor and handle
+  // (the record). Undone by deregister_region, which must let the memory go when it returns.
+  virtual DomainRegion register_region(Region& region, void* ptr, size_t len, Device device) = 0;
+  virtual void deregister_region(Region& region) = 0;
+  // A newly opened peer, before it is added: throw kUnsupported to refuse it.
+  virtual void admit_peer(Peer&) {}
+  // poll()'s work before the held immediates and the endpoint's completions: copies to hand on,
+  // copies that completed.
+  virtual void progress() = 0;
+
+  PostResult refuse(std::string why) {
+    last_error_ = std::move(why);
+    return PostResult::kFailed;
+  }
+
+  // The peer a WRITE to `id` goes to; null with `result` set where it goes nowhere: kFailed for
+  // an unknown or removed peer, kPosted for a lost one (ctx completes with peer_lost).
+  Peer* writable_peer(PeerId id, OpContext* ctx, PostResult& result) {
+    Peer* peer = peers_.live(id);
+    if (!peer) {
+      result = refuse(fmt::format("{}: unknown or removed peer", name_));
+      return nullptr;
+    }
+    result = PostResult::kPosted;
+    return report_if_lost(*peer, name_, ctx, ready_) ? nullptr : peer;
+  }
+
+  // The checks a write batch starts with: at most caps().max_write_batch WRITEs (else kFailed),
+  // an empty batch completes at once (kPosted), then writable_peer of the first WRITE's peer.
+  Peer* batch_peer(std::span<const WriteOp> ops, OpContext* ctx, PostResult& result) {
+    if (ops.size() > caps_.max_write_batch) {
+      result =
+          refuse(fmt::format("{}: a write batch of {} WRITEs exceeds caps().max_write_batch = {}",
+                             name_, ops.size(), caps_.max_write_batch));
+      return nullptr;
+    }
+    if (ops.empty()) {
+      ready_.push_back(local_completion(ctx));
+      result = PostResult::kPosted;
+      return nullptr;
+    }
+    return writable_peer(ops[0].peer, ctx, result);
+  }
+
+  // Publishes a region in a free slot of our table (`slot`, kResourceExhausted where there is
+  // none); its remote key, the slot and the generation it was published at (odd: published).
+  uint64_t publish(uint32_t& slot, const RegionFields& f) {
+    slot = own_.take_slot();
+    return (static_cast<uint64_t>(slot) << 32) | own_.region(slot).publish(f);
+  }
+
+  // Revokes the region in `slot`: no writer starts a copy into it from now on, and those copying
+  // are waited for (`progress` called meanwhile), so once this returns the memory may be freed or
+  // reused.
+  template <class Progress>
+  void unpublish(uint32_t slot, Progress&& progress) {
+    own_.region(slot).revoke();
+    own_.retire(slot, drain_timeout_, progress);
+  }
+
+  // A remote key's slot and generation; false (last_error_) when it cannot be one of ours.
+  bool split_key(uint64_t rkey, uint32_t& slot, uint32_t& generation) {
+    slot = static_cast<uint32_t>(rkey >> 32);
+    generation = static_cast<uint32_t>(rkey);
+    if (slot < kMaxRegions && (generation & 1) != 0) return true;
+    last_error_ = fmt::format("{}: invalid remote key {:#x}", name_, rkey);
+    return false;
+  }
+
+  // The peer whose inbox an operation's immediates go to, or null with the operation's error
+  // completion queued: removed (`what` delivered too late), or lost (its inbox has no reader).
+  Peer* receiving_peer(PeerId id, OpContext* ctx, std::string_view what) {
+    Peer* peer = peers_.live(id);
+    if (!peer) {
+      ready_.push_back(error_completion(
+          ctx, fmt::format("{}: the peer was removed before {} delivered", name_, what)));
+      return nullptr;
+    }
+    if (report_if_lost(*peer, name_, ctx, ready_)) return nullptr;
+    return peer;
+  }
+
+  // Delivers what is left of h's immediates (all at once where the inbox has room) and completes
+  // h once they are all in; false when the inbox filled up first.
+  bool deliver(HeldImms& h) {
+    Peer* peer = receiving_peer(h.peer, h.ctx, "the immediates were");
+    return !peer || push_held(peer->inbox, h, ready_);
+  }
+
+  // Held immediates, in order, until an inbox is full.
+  void deliver_held_imms() {
+    while (!held_imms_.empty() && deliver(held_imms_.front())) held_imms_.pop_front();
+  }
+
+  const std::string name_;
+  const EndpointKind kind_;
+  const DomainCaps caps_;
+  const std::chrono::milliseconds drain_timeout_;  // how long deregistration waits for writers
+  OwnEndpoint own_;
+  PeerSlots<Peer> peers_;
+  PeerWatch watch_;
+  std::string last_error_;
+  std::deque<HeldImms> held_imms_;  // completed WRITEs and batches whose peer's inbox was full
+  std::deque<Completion> ready_;    // completions for the next poll()
+  uint8_t scratch_[64] = {};
 };
 
 }  // namespace fabric::ipc
