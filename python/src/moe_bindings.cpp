@@ -75,8 +75,9 @@ void bind_moe(nb::module_& m) {
       .value("FP8", Dtype::kFp8)
       .value("BF16", Dtype::kBf16);
   nb::enum_<Quantize>(m, "MoeQuantize",
-                      "Who quantizes an FP8 dispatch's tokens: NONE, the caller (e4m3 x with x_scales); AMAX or POW2, "
-                      "the send half, from BF16 x, with scales amax / 448 or a power of two (DeepEP's round_scale).")
+                      "Who quantizes an FP8 dispatch's tokens: NONE, the caller (e4m3 x with "
+                      "x_scales); AMAX or POW2, the send half, from BF16 x, with scales amax / 448 "
+                      "or a power of two (DeepEP's round_scale).")
       .value("NONE", Quantize::kNone)
       .value("AMAX", Quantize::kAmax)
       .value("POW2", Quantize::kPow2);
@@ -84,9 +85,10 @@ void bind_moe(nb::module_& m) {
                         "Who runs the halves: the calling thread (HOST) or CUDA kernels (CUDA).")
       .value("HOST", KernelSide::kHost)
       .value("CUDA", KernelSide::kCuda);
-  nb::enum_<RdmaBuffers>(m, "MoeRdmaBuffers",
-                         "Where the regions between nodes live: HOST memory (every provider), or DEVICE memory (CUDA "
-                         "kernels; written through the engine's cuda_ipc domain on one host, or a NIC with FI_HMEM).")
+  nb::enum_<RdmaBuffers>(
+      m, "MoeRdmaBuffers",
+      "Where the regions between nodes live: HOST memory (every provider), or DEVICE memory (CUDA "
+      "kernels; written through the engine's cuda_ipc domain on one host, or a NIC with FI_HMEM).")
       .value("HOST", RdmaBuffers::kHost)
       .value("DEVICE", RdmaBuffers::kDevice);
 
@@ -147,21 +149,19 @@ void bind_moe(nb::module_& m) {
       .def_rw("proxy_busy_poll", &AllToAllConfig::proxy_busy_poll)
       .def_rw("imm_base", &AllToAllConfig::imm_base,
               "where this rank's immediates go in its engine's space: 2**28 per buffer set, set i "
-              "at imm_base + i * 2**28 "
-              "(None: the highest free blocks)")
+              "at imm_base + i * 2**28 (None: the highest free blocks)")
       .def_rw("rdma_buffers", &AllToAllConfig::rdma_buffers)
-      .def_rw("shrink", &AllToAllConfig::shrink, "a missing or failing rank is masked, not a failure")
+      .def_rw("shrink", &AllToAllConfig::shrink,
+              "a missing or failing rank is masked, not a failure")
       .def_rw("buffers", &AllToAllConfig::buffers,
               "buffer sets (1-4): dispatches in flight at once")
       .def_rw("num_sms", &AllToAllConfig::num_sms,
               "CUDA kernels: the most blocks (one per SM) each half takes (0: min(SMs, 16)), "
-              "leaving SMs to the other halves "
-              "and to compute");
+              "leaving SMs to the other halves and to compute");
 
   nb::class_<Handle>(m, "MoeHandle",
                      "One dispatch in flight: its buffer set, its number (from 1) and its tokens. "
-                     "Returned by dispatch_send; "
-                     "the later halves of that dispatch take it.")
+                     "Returned by dispatch_send; the later halves of that dispatch take it.")
       .def_ro("buffer", &Handle::buffer)
       .def_ro("step", &Handle::step)
       .def_ro("num_tokens", &Handle::num_tokens)
@@ -185,7 +185,8 @@ void bind_moe(nb::module_& m) {
       .def("__repr__", [](const ProxyStats& s) {
         return "MoeProxyStats(steps=" + std::to_string(s.steps) +
                ", writes=" + std::to_string(s.writes) + ", bytes=" + std::to_string(s.bytes) +
-               ", cpu_ms=" + std::to_string(s.cpu_ms) + ", dispatch_wait_ms=" + std::to_string(s.dispatch_wait_ms) +
+               ", cpu_ms=" + std::to_string(s.cpu_ms) +
+               ", dispatch_wait_ms=" + std::to_string(s.dispatch_wait_ms) +
                ", combine_wait_ms=" + std::to_string(s.combine_wait_ms) + ")";
       });
 
@@ -225,8 +226,7 @@ void bind_moe(nb::module_& m) {
           },
           "engine"_a, "config"_a, "all_gather"_a, nb::keep_alive<1, 2>(),
           "Collective: every rank builds its AllToAll at once; all_gather(bytes) -> list[bytes] "
-          "(every "
-          "rank's bytes in rank order) is called twice, under the GIL.")
+          "(every rank's bytes in rank order) is called twice, under the GIL.")
       .def(
           "dispatch_send",
           [](PyAllToAll& a, uint32_t num_tokens, uintptr_t x, uintptr_t x_scales,
@@ -255,8 +255,8 @@ void bind_moe(nb::module_& m) {
             obj.dispatch_recv(h, ptr<void>(stream), ptr<int64_t>(wait_ns));
           },
           "handle"_a, "stream"_a = 0, "wait_ns"_a = 0,
-          "Waits for every rank's rows of this dispatch (host kernels block, GIL released). wait_ns: "
-          "0, or an int64 [ranks] the per-source wait (ns) is added to.")
+          "Waits for every rank's rows of this dispatch (host kernels block, GIL released). "
+          "wait_ns: 0, or an int64 [ranks] the per-source wait (ns) is added to.")
       .def(
           "combine_send",
           [](PyAllToAll& a, const Handle& h, uintptr_t expert_out, uintptr_t stream) {
@@ -294,10 +294,13 @@ void bind_moe(nb::module_& m) {
           "Raises FabricError for the first failure seen (a proxy's transfer, a kernel's timed-out "
           "wait).")
       .def("proxy_stats", [](PyAllToAll& a) { return a.get().proxy_stats(); })
-      .def("masked_ranks", [](PyAllToAll& a) { return a.get().masked_ranks(); },
-           "Shrink mode: the ranks masked on this rank (timed out, failed, or set_masked).")
-      .def("set_masked", [](PyAllToAll& a, uint32_t rank, bool masked) { a.get().set_masked(rank, masked); },
-           "rank"_a, "masked"_a, "Shrink mode: masks (or unmasks) `rank` on this rank.")
+      .def(
+          "masked_ranks", [](PyAllToAll& a) { return a.get().masked_ranks(); },
+          "Shrink mode: the ranks masked on this rank (timed out, failed, or set_masked).")
+      .def(
+          "set_masked",
+          [](PyAllToAll& a, uint32_t rank, bool masked) { a.get().set_masked(rank, masked); },
+          "rank"_a, "masked"_a, "Shrink mode: masks (or unmasks) `rank` on this rank.")
       .def_prop_ro("config", [](PyAllToAll& a) { return a.get().config(); })
       .def_prop_ro("closed", [](PyAllToAll& a) { return !a.h->obj; })
       .def(

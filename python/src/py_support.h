@@ -106,7 +106,8 @@ struct DoneCounter {
 // A str for text that may not be UTF-8 (provider messages): undecodable bytes become \xNN escapes,
 // so reading a message never raises UnicodeDecodeError.
 inline nb::str to_py_str(std::string_view s) {
-  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  PyObject* o =
+      PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
   if (!o) throw nb::python_error();
   return nb::steal<nb::str>(o);
 }
@@ -130,13 +131,15 @@ inline void set_error_types(PyObject* error, PyObject* timeout) {
 inline PyObject* make_fabric_error(ErrorCode code, std::string_view message) {
   PyObject* type = code == ErrorCode::kTimeout && fabric_timeout_type() ? fabric_timeout_type()
                                                                         : fabric_error_type();
-  PyObject* msg = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
+  PyObject* msg = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
+                                       "backslashreplace");
   if (!msg) return nullptr;
   PyObject* exc = PyObject_CallOneArg(type, msg);
   Py_DECREF(msg);
   if (!exc) return nullptr;
   const std::string_view name = to_string(code);
-  PyObject* code_str = PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
+  PyObject* code_str =
+      PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
   if (!code_str || PyObject_SetAttrString(exc, "code", code_str) != 0) {
     Py_XDECREF(code_str);
     Py_DECREF(exc);
@@ -177,7 +180,8 @@ inline uint64_t handle_hash(uint32_t slot, uint32_t generation, uint32_t engine)
 // The objects make_on_done takes besides None and callables, and an expectation's handle: the
 // type checks of checked bindings (arg_check.h).
 inline bool is_done_object(nb::handle h) {
-  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) || nb::isinstance<GpuCounter>(h);
+  return nb::isinstance<DoneFlag>(h) || nb::isinstance<DoneCounter>(h) ||
+         nb::isinstance<GpuCounter>(h);
 }
 inline bool is_expectation(nb::handle h) { return nb::isinstance<ImmExpectation>(h); }
 
@@ -205,9 +209,11 @@ inline OnDone make_on_done(nb::handle on_done) {
     OnDone d = OnDone::counter(&c->done, &c->failed, &c->status);
     return std::move(d).keep_alive(std::move(c));
   }
-  if (nb::isinstance<GpuCounter>(on_done)) return OnDone::counter(nb::cast<const GpuCounter&>(on_done).host);
+  if (nb::isinstance<GpuCounter>(on_done))
+    return OnDone::counter(nb::cast<const GpuCounter&>(on_done).host);
   if (!PyCallable_Check(on_done.ptr()))
-    throw nb::type_error("on_done must be None, a DoneFlag, a DoneCounter, a GpuCounter or a callable(status)");
+    throw nb::type_error(
+        "on_done must be None, a DoneFlag, a DoneCounter, a GpuCounter or a callable(status)");
   auto ref = std::make_shared<PyRef>(nb::borrow(on_done));
   return OnDone::callback([ref](const Status& status) {
     with_python([&] {
@@ -219,6 +225,15 @@ inline OnDone make_on_done(nb::handle on_done) {
       ref->obj = nb::object();  // it fires once: release the callable now, under this GIL
     });
   });
+}
+
+// The options of expect_imm_count and ImmReservation.expect from their keyword arguments.
+inline ExpectOptions expect_options(std::optional<double> timeout_s,
+                                    std::optional<int> cuda_device) {
+  ExpectOptions opts;
+  if (timeout_s) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(*timeout_s * 1000));
+  if (cuda_device) opts.device = Device::cuda(*cuda_device);
+  return opts;
 }
 
 // The engine as Python sees it: closable, and never destroyed while holding the GIL (its threads
@@ -261,7 +276,8 @@ class PyEngine {
     closing_.store(true, std::memory_order_seq_cst);
     // The waits see `closing_` within one check and return (they need the GIL to raise).
     without_gil([&] {
-      while (waits_.load(std::memory_order_seq_cst) != 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      while (waits_.load(std::memory_order_seq_cst) != 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
     });
     for (auto it = dependents_.rbegin(); it != dependents_.rend(); ++it)
       if (auto d = it->lock()) d->close();
@@ -293,7 +309,8 @@ struct EngineBound {
   };
   std::shared_ptr<Holder> h = std::make_shared<Holder>();
   T& get() {
-    if (!h->obj) throw Error(ErrorCode::kShutdown, std::string("the engine of this ") + what + " is closed");
+    if (!h->obj)
+      throw Error(ErrorCode::kShutdown, std::string("the engine of this ") + what + " is closed");
     return *h->obj;
   }
 };
@@ -332,10 +349,10 @@ auto nogil(R (*function)(Args...)) {
 inline constexpr char kImmReservationName[] = "immediate reservation";
 using PyImmReservation = EngineBound<ImmReservation, kImmReservationName>;
 
-void bind_imms(nb::module_& m);     // imm_bindings.cpp
-void bind_kv(nb::module_& m);       // kv_bindings.cpp
-void bind_weights(nb::module_& m);  // weights_bindings.cpp
+void bind_imms(nb::module_& m);         // imm_bindings.cpp
+void bind_kv(nb::module_& m);           // kv_bindings.cpp
+void bind_weights(nb::module_& m);      // weights_bindings.cpp
 void bind_gpu_signals(nb::module_& m);  // gpu_signal_bindings.cpp
-void bind_moe(nb::module_& m);      // moe_bindings.cpp
+void bind_moe(nb::module_& m);          // moe_bindings.cpp
 
 }  // namespace fabric::py
