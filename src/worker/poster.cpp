@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "shared_state/mr_table.h"
-
 namespace fabric {
 
 void Poster::open(DomainGroup& domains) {
@@ -133,6 +131,10 @@ bool Poster::post_next(Transfer& t, DomainGroup& domains, PeerTable& peers) {
     t.fail(Status(ErrorCode::kProvider, domains.last_error(nic)));
     return true;
   }
+  // Counted per posted operation and taken off again by complete() (poster.h): the transfer's
+  // operations in flight (its end waits for them), the same per domain (given back at its
+  // timeout), the peer record's (its release waits for them), the source region's (dereg_mr
+  // waits for them); the domain group counted its own in flight when it booked kPosted.
   t.next_op++;
   t.outstanding++;
   t.outstanding_on[nic]++;

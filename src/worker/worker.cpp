@@ -328,15 +328,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       } else {
         t->fail(Status(ErrorCode::kProvider, c.error));
       }
-      // Reported with this WRITE outstanding means timed out: its budget was released then.
-      const uint32_t op_domain = ctx->nic;  // read before the context goes back to the pool
-      const uint32_t record = ctx->peer;
-      poster_.release(ctx);
-      if (!t->reported) domains_.completed(op_domain);
-      t->outstanding--;
-      t->outstanding_on[op_domain]--;
-      if (t->src) t->src->writes_in_flight--;
-      peers_.completed(record, c.kind == Completion::Kind::kError && c.peer_lost);
+      poster_.complete(ctx, c.kind == Completion::Kind::kError && c.peer_lost, domains_, peers_);
       maybe_finish(*t);
       return;
     }
