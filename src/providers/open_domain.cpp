@@ -5,6 +5,7 @@
 #include "providers/fault/fault_domain.h"
 #include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
+#include "providers/libfabric/shm_domain.h"
 #ifdef FABRIC_TEST_PROVIDERS
 #include "providers/efa_sim/efa_sim.h"
 #endif
@@ -48,6 +49,8 @@ std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index
                 "provider 'efa-sim' is a test provider, left out of this build (configure with "
                 "-DFABRIC_TEST_PROVIDERS=ON, as the test builds are)");
 #endif
+  } else if (config.provider == "shm") {
+    domain = open_shm_domain(config, nic_index);
   } else {
     domain = open_libfabric_domain(config, nic_index);
   }

@@ -1,7 +1,8 @@
 // libfabric provider: one Domain is one fi_domain + RDM endpoint + CQ + AV (one NIC).
 // Works with any provider offering FI_EP_RDM, FI_RMA | FI_MSG and remote CQ data: efa in
-// production, tcp;ofi_rxm and shm on loopback. Codes for the mr_mode bits the provider returns;
-// WRITEs longer than the provider's max_msg_size are split into several operations.
+// production, tcp;ofi_rxm on loopback (shm has a Domain of its own on the same libfabric objects,
+// shm_domain.h). Codes for the mr_mode bits the provider returns; WRITEs longer than the
+// provider's max_msg_size are split into several operations.
 #pragma once
 
 #include <memory>

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "fabric/error.h"
+#include "providers/libfabric/libfabric_core.h"
 #include "providers/libfabric/shm_dead_lock.h"
 #include "providers/libfabric/shm_names.h"
 #include "util/log.h"
@@ -27,10 +28,6 @@ static_assert(sizeof(OpContext::provider_words) / sizeof(void*) > kPeer);
 
 void*& word(OpContext* ctx, size_t i) { return ctx->provider_words[i]; }
 OpContext* link(OpContext* ctx, size_t i) { return static_cast<OpContext*>(word(ctx, i)); }
-
-std::string fi_error(const char* call, long rc) {
-  return fmt::format("{} failed: {} ({})", call, fi_strerror(static_cast<int>(-rc)), rc);
-}
 
 }  // namespace
 
@@ -94,7 +91,7 @@ std::unique_ptr<ShmSenders::Endpoint> ShmSenders::open_endpoint() {
   auto e = std::make_unique<Endpoint>();
   auto fail = [&](const char* call, long rc) {
     close_endpoint(*e);
-    throw Error(ErrorCode::kProvider, fi_error(call, rc) + " (shm sending endpoint)");
+    throw Error(ErrorCode::kProvider, fi_message(call, rc) + " (shm sending endpoint)");
   };
   fi_av_attr av_attr{};
   av_attr.type = FI_AV_TABLE;
@@ -240,7 +237,7 @@ PostResult ShmSenders::write(const WriteOp& op, OpContext* ctx, std::string& err
     return PostResult::kPosted;
   }
   if (rc == -FI_EAGAIN) return PostResult::kRetry;
-  error = fi_error(op.has_imm ? "fi_writedata" : "fi_write", rc);
+  error = fi_message(op.has_imm ? "fi_writedata" : "fi_write", rc);
   return PostResult::kFailed;
 }
 
@@ -261,7 +258,7 @@ PostResult ShmSenders::send(PeerId peer, const void* buf, size_t len, void* desc
     return PostResult::kPosted;
   }
   if (rc == -FI_EAGAIN) return PostResult::kRetry;
-  error = fi_error("fi_send", rc);
+  error = fi_message("fi_send", rc);
   return PostResult::kFailed;
 }
 
