@@ -1,5 +1,5 @@
 // One libfabric RDM endpoint with its CQ, AV and one registered buffer, opened the way the
-// engine's libfabric provider opens it (src/providers/libfabric/libfabric_domain.cpp): the raw
+// engine's libfabric provider opens it (src/providers/libfabric/libfabric_core.cpp): the raw
 // baselines in bench/ share it so that their numbers differ from the engine's only by the engine.
 #pragma once
 
