@@ -355,18 +355,18 @@ void Worker::maybe_finish(Transfer& t) {
   }
 }
 
+// A flag or counter is set here, by the worker (OnDone::fire: no callback cost); a callback runs
+// on the callback thread, never on a worker.
 void Worker::report(OnDone& on_done, Status status) {
-  if (!status.ok() && on_done.kind() != OnDone::Kind::kCallback)
-    log::warn("transfer failed: {}", status.message());
-  if (on_done.kind() != OnDone::Kind::kCallback) {
-    on_done.fire(status);  // a flag or counter is set here, by the worker: no callback cost
+  if (on_done.kind() == OnDone::Kind::kCallback) {
+    Event e;
+    e.done = std::move(on_done.callback_fn());
+    e.status = std::move(status);
+    callbacks_.push(std::move(e), overflow_);
     return;
   }
-  // Callbacks run on the callback thread, never on a worker.
-  Event e;
-  e.done = std::move(on_done.callback_fn());
-  e.status = std::move(status);
-  callbacks_.push(std::move(e), overflow_);
+  if (!status.ok()) log::warn("transfer failed: {}", status.message());
+  on_done.fire(status);
 }
 
 // Transfers are linked in submission order and share one timeout, so the oldest expires first.
