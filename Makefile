@@ -27,7 +27,7 @@ deps:
 
 BUILD_START := $(shell date +%s)
 build: deps
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_BUILD_TESTS=ON
 	cmake --build $(BUILD)
 
 demo: build

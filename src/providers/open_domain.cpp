@@ -3,11 +3,11 @@
 #include "providers/open_domain.h"
 
 #include "providers/fault/fault_domain.h"
-#include "providers/fault/reordering_domain.h"
 #include "providers/libfabric/libfabric_domain.h"
 #include "providers/libfabric/shm_domain.h"
 #ifdef FABRIC_TEST_PROVIDERS
 #include "providers/efa_sim/efa_sim.h"
+#include "providers/fault/reordering_domain.h"
 #endif
 #ifdef FABRIC_WITH_VERBS
 #include "providers/verbs/verbs_domain.h"
@@ -23,12 +23,25 @@ namespace {
 // The test wrappers a configuration asks for, around domain `index`.
 std::unique_ptr<Domain> wrap_for_tests(std::unique_ptr<Domain> domain, const EngineConfig& config,
                                        size_t index) {
+#ifdef FABRIC_TEST_PROVIDERS
   if (config.faults.enabled) domain = wrap_faults(std::move(domain), config.faults, index);
   if (config.reorder.enabled) domain = wrap_reordering(std::move(domain), config.reorder, index);
+#else
+  if (config.faults.enabled || config.reorder.enabled)
+    throw Error(ErrorCode::kUnsupported,
+                std::string("EngineConfig::") + (config.faults.enabled ? "faults" : "reorder") +
+                    ": the test wrappers are left out of this build (configure with "
+                    "-DFABRIC_TEST_PROVIDERS=ON, as the test builds are)");
+  (void)index;
+#endif
   return domain;
 }
 
 }  // namespace
+
+#ifndef FABRIC_TEST_PROVIDERS
+InjectedFaults injected_faults(const Domain&) { return {}; }  // no fault wrapper in this build
+#endif
 
 std::unique_ptr<Domain> open_domain(const EngineConfig& config, size_t nic_index) {
   std::unique_ptr<Domain> domain;

@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv | tee "$OUT/gpus.t
 BUILD=build-gpu
 # Verbs off: the machine's own libibverbs.pc does not survive the sysroot above, and it has no RDMA
 # NIC (the verbs code with CUDA is compiled in every CUDA build elsewhere).
-cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_CUDA=ON \
+cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFABRIC_BUILD_TESTS=ON -DFABRIC_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DFABRIC_VERBS=OFF > /tmp/configure.log 2>&1 ||
   { tail -30 /tmp/configure.log; exit 1; }
 QUICK=${FABRIC_GPU_QUICK:-}

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=$PWD/tests/sanitize
-COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DFABRIC_CUDA=OFF -DFABRIC_BUILD_TOOLS=OFF)
+COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DFABRIC_BUILD_TESTS=ON -DFABRIC_CUDA=OFF -DFABRIC_BUILD_TOOLS=OFF)
 
 # Which suites: the arguments (asan, tsan), both by default. ctest runs TEST_JOBS tests at once (2).
 SUITES=${*:-asan tsan}
