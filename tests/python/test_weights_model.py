@@ -41,3 +41,16 @@ def test_every_update_gives_the_inference_model_the_trainers_logits(provider, in
     line = lines[-1]
     assert line.startswith(f"weights-model model={model} ") and f" trainers=2 inference={inference} " in line, line
     assert " logits_equal=yes" in line and " measured_over_predicted=" in line, line
+
+
+def test_the_launcher_reads_every_rank_while_the_reference_logits_are_large():
+    """Qwen3's real vocabulary (151,936 tokens): each step's probe logits are ~10 MB per message,
+    more than a pipe holds. A launcher that reads the ranks one at a time waits on an inference rank
+    whose next update needs the training rank blocked sending to it (the GPU run hung so); read as
+    messages arrive, the run finishes (the launcher of 76517fb hung here past 2 minutes)."""
+    size = dict(R.SIZES["tiny"], vocab=151_936)
+    cfg = dict(model="qwen3", size=size, trainers=2, inference=2, steps=1, lr=1e-2, fp8=False,
+               provider="tcp;ofi_rxm", device="cpu", window=2, seed=0, threads=1, timeout_s=120.0)
+    lines = []
+    res = R.run(cfg, out=lines.append)
+    assert res["logits_equal"] and len(res["tokens"]) == 2, "\n".join(lines)
