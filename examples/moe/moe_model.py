@@ -517,7 +517,7 @@ def run(cfg: dict, out=print) -> dict:
             p = ctx.Process(target=rank_main, args=(child, dict(cfg, rank=r, port=store.port)), daemon=True)
             p.start()
             procs.append((parent, p))
-        got = [collect(r, conn, cfg) for r, (conn, _) in enumerate(procs)]
+        got = collect([conn for conn, _ in procs])
     finally:
         for _, p in procs:
             p.join(timeout=30)
@@ -530,20 +530,32 @@ def run(cfg: dict, out=print) -> dict:
     return found
 
 
-def collect(r: int, conn, cfg: dict, timeout: float = 600) -> dict:
-    """Rank r's messages up to "bye": {("block", dtype, weights_at): out, ("decode", dtype): (tokens,
-    logits, ms)}."""
-    got = {}
-    while True:
-        if not conn.poll(timeout):
-            raise RuntimeError(f"rank {r}: nothing in {timeout} s after {sorted(got)}")
-        msg = conn.recv()
-        if isinstance(msg, str) and msg.startswith("error"):
-            raise RuntimeError(f"rank {r}: {msg}")
-        if msg == "bye":
-            return got
-        if msg != "ready":
-            got[msg[0]] = msg[1]
+def collect(conns: list, timeout: float = 600) -> list:
+    """Every rank's messages up to "bye", read as they arrive: per rank {("block", dtype,
+    weights_at): out, ("decode", dtype): (tokens, logits, ms)}. Read rank by rank instead, a rank
+    blocked sending its decode logits (~40 MB at the real vocabulary, more than a pipe holds) would
+    stall the collective calls of the rank being read. A rank's error raises at once."""
+    from multiprocessing.connection import wait
+
+    got = [{} for _ in conns]
+    open_ranks = dict((conn, r) for r, conn in enumerate(conns))
+    while open_ranks:
+        arrived = wait(list(open_ranks), timeout)
+        if not arrived:
+            raise RuntimeError(f"ranks {sorted(open_ranks.values())}: nothing in {timeout} s")
+        for conn in arrived:
+            r = open_ranks[conn]
+            try:
+                msg = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"rank {r}: its process ended after {sorted(got[r])}") from None
+            if isinstance(msg, str) and msg.startswith("error"):
+                raise RuntimeError(f"rank {r}: {msg}")
+            if msg == "bye":
+                del open_ranks[conn]
+            elif msg != "ready":
+                got[r][msg[0]] = msg[1]
+    return got
 
 
 def verdict(cfg: dict, ref: dict, got: list, dtype: str, out) -> dict:

@@ -38,3 +38,15 @@ def test_the_models_moe_block_expert_parallel_decodes_the_models_tokens(mode):
     # bound must be met with room and not be vacuous: the block moved, and by less than it.
     assert fp8["block_exact"] and 0 < fp8["block_bound"] <= 1, fp8["line"]
     assert len(lines) == 2 and all(line.startswith(f"moe-model ranks=4 mode={mode} dtype=") for line in lines), lines
+
+
+def test_the_launcher_reads_every_rank_while_the_decode_logits_are_large():
+    """Qwen3's real vocabulary (151,936 tokens): each rank's decode logits outgrow a pipe. Read rank
+    by rank, a rank blocked sending them stalls the rank being read in the next collective call (the
+    launcher of 76517fb hung here); read as they arrive, the decode finishes, token for token."""
+    args = ["--mode", "all_to_all", "--ranks", "4", "--node-size", "2", "--provider", "tcp", "--dtypes", "bf16,fp8"]
+    cfg = moe_model.config(moe_model.parse_args(args))
+    cfg["size"]["vocab"] = 151_936
+    lines = []
+    found = moe_model.run(cfg, out=lines.append)
+    assert found["bf16"]["tokens_identical"] and found["bf16"]["max_logit_diff"] == 0, found["bf16"]["line"]
