@@ -10,13 +10,11 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <optional>
-#include <vector>
 
 #include "domain/domain.h"
 #include "fabric/types.h"
-#include "util/free_slots.h"
+#include "util/slot_map.h"
 
 namespace fabric {
 
@@ -42,21 +40,24 @@ struct SourceView {
   uint32_t worker = 0;
 };
 
+// Slots live in a util::SlotMap: room for all of them at once, touched only as registration
+// reaches them; a slot never moves, so readers index it without a lock.
 class MrTable {
  public:
-  explicit MrTable(size_t capacity) : slots_(capacity), free_(capacity) {}
+  explicit MrTable(size_t capacity) : slots_(capacity) {}
 
   // A worker's thread, under the engine's control mutex.
-  std::optional<uint32_t> take_free_slot() { return free_.take(); }
-  void return_slot(uint32_t s) { free_.give(s); }
+  std::optional<uint32_t> take_free_slot() { return slots_.take(); }
+  void return_slot(uint32_t s) { slots_.give(s); }
   RegionSlot& slot(uint32_t s) { return slots_[s]; }
-  size_t capacity() const { return slots_.size(); }
+  size_t capacity() const { return slots_.capacity(); }
+  // Slots [0, allocated) exist (any thread).
+  size_t allocated() const { return slots_.size(); }
 
   // The registering worker's thread: the live slot of a handle, or null.
   const RegionSlot* find(const MrHandle& h) const {
-    if (h.slot >= slots_.size() || (h.generation & 1) == 0) return nullptr;
-    const RegionSlot& s = slots_[h.slot];
-    return s.generation.load(std::memory_order_acquire) == h.generation ? &s : nullptr;
+    const RegionSlot* s = (h.generation & 1) ? slots_.find(h.slot) : nullptr;
+    return s && s->generation.load(std::memory_order_acquire) == h.generation ? s : nullptr;
   }
 
   // Any thread: what a live handle names, or nullopt for an unknown or stale one.
@@ -71,8 +72,7 @@ class MrTable {
   }
 
  private:
-  std::vector<RegionSlot> slots_;
-  util::FreeSlots free_;
+  util::SlotMap<RegionSlot> slots_;
 };
 
 }  // namespace fabric

@@ -6,15 +6,14 @@
 // reused slot.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
-#include <vector>
 
 #include "fabric/types.h"
 #include "shared_state/resolved_target.h"
-#include "util/free_slots.h"
+#include "util/slot_map.h"
 
 namespace fabric {
 
@@ -30,7 +29,7 @@ struct RemoteSlot {
   MrDesc desc;
   // Worker w's thread only: its route, which holds the owner's peer record in that worker.
   ResolvedTarget& target(size_t w) { return targets[w]; }
-  ResolvedTarget* targets = nullptr;  // one per worker, owned by the table
+  std::unique_ptr<ResolvedTarget[]> targets;  // one per worker, made when the slot is first taken
 };
 
 // What a submitting thread may read of a live slot.
@@ -40,71 +39,46 @@ struct RemoteView {
   uint8_t imm_bits = 32;
 };
 
-// Slots come in chunks, allocated by the worker as interning needs them (a full table of
-// 65,536 slots would cost every engine about 20 MB up front); a chunk never moves or goes before
-// the table does, so readers index it without a lock.
+// Slots live in a util::SlotMap: room for all of them at once, touched only as interning reaches
+// them, each slot's routes made when it is first taken (65,536 slots and their routes made up
+// front would cost every engine about 20 MB); a slot never moves, so readers index it without a
+// lock.
 class RemoteTable {
  public:
-  static constexpr size_t kChunk = 256;
-  RemoteTable(size_t capacity, size_t workers)
-      : capacity_(capacity), workers_(workers), chunks_((capacity + kChunk - 1) / kChunk),
-        routes_(chunks_.size()) {}
-  ~RemoteTable() {
-    for (auto& c : chunks_) delete[] c.load(std::memory_order_relaxed);
-    for (auto* r : routes_) delete[] r;
-  }
-  RemoteTable(const RemoteTable&) = delete;
-  RemoteTable& operator=(const RemoteTable&) = delete;
+  RemoteTable(size_t capacity, size_t workers) : workers_(workers), slots_(capacity) {}
 
   // Under the engine's control mutex.
   std::optional<uint32_t> take_free_slot() {
-    if (auto s = free_.take()) return s;
-    const size_t first = allocated_.load(std::memory_order_relaxed);
-    if (first >= capacity_) return std::nullopt;
-    auto* chunk = new RemoteSlot[kChunk];
-    auto* routes = new ResolvedTarget[kChunk * workers_];
-    for (size_t i = 0; i < kChunk; i++) chunk[i].targets = routes + i * workers_;
-    routes_[first / kChunk] = routes;
-    chunks_[first / kChunk].store(chunk, std::memory_order_release);
-    const size_t end = std::min(capacity_, first + kChunk);
-    allocated_.store(end, std::memory_order_release);
-    for (size_t i = end; i-- > first + 1;) free_.give(static_cast<uint32_t>(i));
-    return static_cast<uint32_t>(first);
+    std::optional<uint32_t> s = slots_.take();
+    if (s && !slots_[*s].targets) slots_[*s].targets = std::make_unique<ResolvedTarget[]>(workers_);
+    return s;
   }
-  void return_slot(uint32_t s) { free_.give(s); }
-  RemoteSlot& slot(uint32_t s) { return chunks_[s / kChunk].load(std::memory_order_relaxed)[s % kChunk]; }
-  size_t capacity() const { return capacity_; }
+  void return_slot(uint32_t s) { slots_.give(s); }
+  RemoteSlot& slot(uint32_t s) { return slots_[s]; }
+  size_t capacity() const { return slots_.capacity(); }
   // Slots [0, allocated) exist (any thread).
-  size_t allocated() const { return allocated_.load(std::memory_order_acquire); }
+  size_t allocated() const { return slots_.size(); }
   // The live slot of a handle, or null (a worker's thread).
   RemoteSlot* live(const RemoteMr& r) {
-    if (r.slot >= allocated() || (r.generation & 1) == 0) return nullptr;
-    RemoteSlot& s = slot(r.slot);
-    return s.generation.load(std::memory_order_relaxed) == r.generation ? &s : nullptr;
+    RemoteSlot* s = (r.generation & 1) ? slots_.find(r.slot) : nullptr;
+    return s && s->generation.load(std::memory_order_relaxed) == r.generation ? s : nullptr;
   }
 
   // Any thread: what a live handle names, read consistently (the generation is checked again
   // after the reads, so a slot reused meanwhile is reported as stale, not half-read).
   std::optional<RemoteView> view(const RemoteMr& r) const {
-    if (r.slot >= capacity_ || (r.generation & 1) == 0) return std::nullopt;
-    const RemoteSlot* chunk = chunks_[r.slot / kChunk].load(std::memory_order_acquire);
-    if (!chunk) return std::nullopt;
-    const RemoteSlot& s = chunk[r.slot % kChunk];
-    if (s.generation.load(std::memory_order_acquire) != r.generation) return std::nullopt;
-    RemoteView v{s.len.load(std::memory_order_relaxed), s.local.load(std::memory_order_relaxed),
-                 s.imm_bits.load(std::memory_order_relaxed)};
+    const RemoteSlot* s = (r.generation & 1) ? slots_.find(r.slot) : nullptr;
+    if (!s || s->generation.load(std::memory_order_acquire) != r.generation) return std::nullopt;
+    RemoteView v{s->len.load(std::memory_order_relaxed), s->local.load(std::memory_order_relaxed),
+                 s->imm_bits.load(std::memory_order_relaxed)};
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (s.generation.load(std::memory_order_relaxed) != r.generation) return std::nullopt;
+    if (s->generation.load(std::memory_order_relaxed) != r.generation) return std::nullopt;
     return v;
   }
 
  private:
-  const size_t capacity_;
   const size_t workers_;
-  std::vector<std::atomic<RemoteSlot*>> chunks_;
-  std::vector<ResolvedTarget*> routes_;  // per chunk: kChunk x workers_ routes
-  std::atomic<size_t> allocated_{0};     // written under the engine's control mutex
-  util::FreeSlots free_{0};
+  util::SlotMap<RemoteSlot> slots_;
 };
 
 }  // namespace fabric

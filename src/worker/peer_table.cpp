@@ -24,14 +24,7 @@ ResolvedTarget PeerTable::resolve(const NetAddr& peer) {
 }
 
 uint32_t PeerTable::new_record(const NetAddr& addr, const ResolvedTarget& t) {
-  uint32_t r;
-  if (!free_records_.empty()) {
-    r = free_records_.back();
-    free_records_.pop_back();
-  } else {
-    r = static_cast<uint32_t>(records_.size());
-    records_.emplace_back();
-  }
+  const uint32_t r = *records_.take();  // unbounded: always a slot
   PeerRecord& p = records_[r];
   p.state = State::kLive;
   p.target = t;
@@ -59,7 +52,7 @@ void PeerTable::maybe_free(uint32_t r) {
   if (gone && p.holders == 0 && p.outstanding == 0) {
     p.state = State::kFree;
     p.addr = NetAddr{};
-    free_records_.push_back(r);
+    records_.give(r);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shared_state/remote_table.h"
+#include "util/slot_map.h"
 #include "worker/domain_group.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
@@ -101,8 +102,7 @@ class PeerTable {
   DomainGroup& domains_;
   RemoteTable& remotes_;
   const size_t worker_;
-  std::vector<PeerRecord> records_;
-  std::vector<uint32_t> free_records_;
+  util::SlotMap<PeerRecord> records_;  // a freed record (kFree) is taken again before it grows
   std::unordered_map<NetAddr, uint32_t, NetAddrHash> index_;  // live and failed records
   std::vector<std::unique_ptr<GroupState>> groups_;
 };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 namespace fabric {
 
@@ -10,7 +11,6 @@ void Poster::open(DomainGroup& domains) {
   send_buffer_.resize(send_slots_ * max_message_size_);
   send_region_ = domains.register_on(DomainGroup::kMessageDomain, send_buffer_.data(),
                                      send_buffer_.size(), Device::host());
-  for (size_t s = send_slots_; s-- > 0;) free_send_slots_.push_back(static_cast<uint32_t>(s));
 }
 
 void Poster::close(DomainGroup& domains) {
@@ -44,12 +44,12 @@ bool Poster::post_next(Transfer& t, DomainGroup& domains, PeerTable& peers) {
   PostResult result;
   if (q.kind == TransferKind::kSend) {
     if (t.send_slot == UINT32_MAX) {
-      if (free_send_slots_.empty()) {
+      std::optional<uint32_t> slot = free_send_slots_.take();
+      if (!slot) {
         contexts_.release(ctx);
         return false;
       }
-      t.send_slot = free_send_slots_.back();
-      free_send_slots_.pop_back();
+      t.send_slot = *slot;
       std::memcpy(&send_buffer_[t.send_slot * max_message_size_], q.buf->payload.data(),
                   q.buf->payload.size());
     }

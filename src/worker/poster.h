@@ -13,6 +13,7 @@
 #include "domain/domain.h"
 #include "fabric/config.h"
 #include "shared_state/mr_table.h"
+#include "util/free_slots.h"
 #include "util/object_pool.h"
 #include "worker/domain_group.h"
 #include "worker/peer_table.h"
@@ -30,7 +31,8 @@ class Poster {
       : max_message_size_(config.max_message_size),
         send_slots_(config.send_slots),
         transfer_timeout_(config.transfer_timeout),
-        record_post_timings_(config.record_post_timings) {}
+        record_post_timings_(config.record_post_timings),
+        free_send_slots_(config.send_slots) {}
 
   // Registers the send buffers on the message domain (once it is open); close() deregisters them.
   void open(DomainGroup& domains);
@@ -64,7 +66,7 @@ class Poster {
     peers.completed(record, peer_lost);
   }
   // A finished SEND gives its slot back.
-  void free_send_slot(uint32_t slot) { free_send_slots_.push_back(slot); }
+  void free_send_slot(uint32_t slot) { free_send_slots_.give(slot); }
   std::vector<PostTiming> take_post_timings() { return std::exchange(post_timings_, {}); }
 
  private:
@@ -80,7 +82,7 @@ class Poster {
   // Send buffers: a copy of each message waits in its slot until its SEND completes.
   std::vector<uint8_t> send_buffer_;
   DomainRegion send_region_;
-  std::vector<uint32_t> free_send_slots_;
+  util::FreeSlots free_send_slots_;
   std::vector<PostTiming> post_timings_;
 };
 

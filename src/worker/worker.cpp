@@ -438,7 +438,7 @@ void Worker::shutdown() {
     if (!last) std::this_thread::yield();
   }
   while (!callbacks_.flush(overflow_)) std::this_thread::yield();
-  for (uint32_t s = 0; s < mrs_.capacity(); s++) {
+  for (uint32_t s = 0; s < mrs_.allocated(); s++) {
     RegionSlot& slot = mrs_.slot(s);
     // Only this worker's regions: the others' belong to domains this thread must not touch.
     const bool live = (slot.generation.load(std::memory_order_relaxed) & 1) == 1;
