@@ -1,6 +1,7 @@
-// EngineImpl: validation at submit time and routing to the workers (one per GPU; a request goes to
-// the worker of its source region's device). Application threads call in here; they meet a worker
-// only at its request queue and at the region tables.
+// EngineImpl: the engine's state (tables, workers, callback thread) and the checks its calls
+// share: validation at submit time and routing to the workers (one per GPU; a request goes to the
+// worker of its source region's device). Application threads call in through TransferEngine;
+// they meet a worker only at its request queue, in Worker::call and at the region tables.
 #pragma once
 
 #include <array>
@@ -28,48 +29,31 @@ struct PeerGroup {
   uint8_t imm_bits = 32;       // the narrowest immediate range among the members
 };
 
+// The engine's state behind TransferEngine's pointer, and what its calls share. Each
+// TransferEngine call does its work itself (transfer_engine.cpp), reaching the tables, the workers
+// and their components (Worker::domains(), peers(), expectations(), ...) through these members;
+// what stays here is used by several calls or by ImmReservation.
 class EngineImpl {
  public:
   explicit EngineImpl(EngineConfig config);
   ~EngineImpl();
 
-  const EngineConfig& config() const { return config_; }
-  const NetAddr& address() const { return address_; }
-  size_t nic_count() const { return workers_[0]->nic_count(); }
-  size_t worker_count() const { return workers_.size(); }
-
-  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, ImmRange imms = {});
-  void dereg_mr(MrHandle handle);
-  void send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done);
-  void recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv);
-  // The raw calls refuse a reserved immediate; the *_reserved ones are its ImmReservation's.
-  ImmExpectation expect(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts);
+  // Both reg_mr overloads.
+  std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, ImmRange imms);
+  // The raw calls (TransferEngine's) refuse a reserved immediate, then do what these do for an
+  // ImmReservation (its holder's calls).
+  ImmReservation reserve_imms(const ImmReserveRequest& request);
   ImmExpectation expect_reserved(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts);
   uint64_t count_reserved(uint32_t imm);
   uint64_t discard_reserved(uint32_t imm);
-  ImmReservation reserve_imms(const ImmReserveRequest& request);
   bool cancel_expectation(const ImmExpectation& e);
-  void remove_peer(const NetAddr& peer);
-  size_t peer_count();
-  uint64_t imm_count(uint32_t imm);
-  uint64_t discard_imm_count(uint32_t imm);
-  RemoteMr add_remote(const MrDesc& desc);
-  void remove_remote(RemoteMr remote);
-  void connect(RemoteMr remote);
-  void submit(const SingleWrite& w, OnDone on_done);
-  void submit(const PagedWrites& w, OnDone on_done);
-  void submit(const Scatter& w, OnDone on_done);
-  void submit(const GroupScatter& w, OnDone on_done);
-  void submit(const Barrier& w, OnDone on_done);
-  void submit(const GroupBarrier& w, OnDone on_done);
-  PeerGroupHandle add_peer_group(std::span<const RemoteMr> members);
-  std::vector<NicStats> nic_stats() const;
   // That GPU's worker's signals (none: the first worker's) and the worker; created on first use.
   std::pair<GpuSignals&, uint32_t> signals(std::optional<int> cuda_device);
   GpuSignals& signals_of(uint32_t worker);
-  std::vector<PostTiming> take_post_timings();
 
  private:
+  friend class TransferEngine;  // its calls are this object's (the public face of a pimpl)
+
   void check_open() const;  // throws kShutdown once destruction has begun
   void check_unreserved(uint32_t imm, const char* what) const;
   // The worker serving memory of `device` (host memory: the first). Throws kInvalidArgument for a
@@ -98,6 +82,7 @@ class EngineImpl {
   RequestBufferPool& buffers_;
   std::unique_ptr<CallbackThread> callbacks_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  size_t nic_count_ = 0;  // NICs per worker (every worker has as many)
   NetAddr address_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_expectation_id_{1};

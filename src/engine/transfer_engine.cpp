@@ -1,5 +1,7 @@
-// TransferEngine and EngineImpl: submit-time validation (handles, bounds, NIC counts, peers), then
-// a request to the worker. Every error found here is thrown, with what to do about it.
+// TransferEngine's calls, each done here on EngineImpl's state (engine_impl.h): submit-time
+// validation (handles, bounds, NIC counts, peers), then a request to the worker; control calls
+// run on each worker's component in Worker::call. Every error found here is thrown, with what to
+// do about it.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -165,11 +167,12 @@ EngineImpl::EngineImpl(EngineConfig config)
   std::vector<std::vector<std::string>> nics;
   std::vector<std::string> locals;
   for (auto& w : workers_) {
-    nics.push_back(w->nic_addresses());
-    locals.push_back(w->local_address());
+    nics.push_back(w->domains().nic_addresses());
+    locals.push_back(w->domains().local_address());
   }
+  nic_count_ = workers_[0]->domains().nic_count();  // every worker has as many
   // The longest message we accept travels in the address: senders refuse longer ones at submit.
-  address_ = NetAddr(workers_[0]->provider(), std::move(nics), std::move(locals),
+  address_ = NetAddr(workers_[0]->domains().provider(), std::move(nics), std::move(locals),
                      static_cast<uint32_t>(config_.max_message_size));
 }
 
@@ -251,9 +254,10 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
         worker.register_region(ptr, len, device, Part::kOnWorker, reg);
         std::vector<RemoteKey> keys;
         if (reg.on_nics)
-          for (size_t i = 0; i < nic_count(); i++) keys.push_back(reg.regions[i].remote);
+          for (size_t i = 0; i < nic_count_; i++) keys.push_back(reg.regions[i].remote);
         std::optional<RemoteKey> local_key;
-        if (worker.has_local() && reg.regions[nic_count()].remote_access) local_key = reg.regions[nic_count()].remote;
+        if (worker.domains().has_local() && reg.regions[nic_count_].remote_access)
+          local_key = reg.regions[nic_count_].remote;
         result.emplace(MrHandle{*s, gen, engine_id_}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms));
       } catch (...) {
         worker.deregister_region(reg.regions, Part::kOnWorker);
@@ -279,40 +283,6 @@ std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device dev
   }
 }
 
-void EngineImpl::dereg_mr(MrHandle handle) {
-  check_open();
-  std::lock_guard lock(control_mu_);
-  Worker& worker = worker_of(source(handle));  // throws for an unknown or stale handle
-  RegionSlot* slot = &mrs_.slot(handle.slot);
-  // One step on the worker: the handle turns stale (no transfer taken from now on reads the
-  // region, and one being posted stops at its next WRITE), and the transfers reading it fail,
-  // each reported once. The slot is not reused until the end, so nothing can read another
-  // region's bytes through it.
-  size_t in_flight = worker.call([&] {
-    if (slot->generation.load(std::memory_order_relaxed) != handle.generation)
-      throw Error(ErrorCode::kNotFound, "dereg_mr: the region was deregistered meanwhile");
-    slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
-    return worker.fail_transfers_from(slot);
-  });
-  // WRITEs already handed to a NIC may still be reading the memory: the region stays registered
-  // until they complete (at most the transfer timeout: a WRITE that never completes is
-  // abandoned there too).
-  auto deadline = std::chrono::steady_clock::now() + config_.transfer_timeout;
-  while (in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-    in_flight = worker.call([&] { return worker.fail_transfers_from(slot); });
-  }
-  // The worker's part first; then this thread unpins what it may (as reg_mr pinned it), and only
-  // then is the slot free for another region.
-  using Part = DomainGroup::Part;
-  std::array<DomainRegion, kMaxDomains> beside = worker.call([&] {
-    worker.deregister_region(slot->per_nic, Part::kOnWorker);
-    return std::exchange(slot->per_nic, {});
-  });
-  worker.deregister_region(beside, Part::kBesideWorker);
-  worker.call([&] { mrs_.return_slot(handle.slot); });
-}
-
 SourceView EngineImpl::source(const MrHandle& h) const {
   check_engine(h.engine, engine_id_, "MrHandle", "MrHandle", "reg_mr");
   std::optional<SourceView> s = mrs_.view(h);
@@ -325,11 +295,11 @@ SourceView EngineImpl::source(const MrHandle& h) const {
 }
 
 void EngineImpl::check_peer(const NetAddr& peer, const char* what) const {
-  if (peer.nic_count() != nic_count())
+  if (peer.nic_count() != nic_count_)
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{}: the peer has {} NICs and this engine {}; every peer must use the "
                             "same number of NICs per GPU (rail-aligned)",
-                            what, peer.nic_count(), nic_count()));
+                            what, peer.nic_count(), nic_count_));
   if (peer.provider() != address_.provider())
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{}: the peer uses provider '{}' and this engine '{}'", what,
@@ -371,9 +341,9 @@ bool EngineImpl::reachable_locally(const MrDesc& dst) const {
 TransferRequest EngineImpl::make_request(TransferKind kind, OnDone on_done,
                                          std::optional<uint32_t> imm, std::optional<uint8_t> nic,
                                          const char* what) const {
-  if (nic && *nic >= nic_count())
+  if (nic && *nic >= nic_count_)
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("{}: nic {} but this engine has {} NICs", what, *nic, nic_count()));
+                fmt::format("{}: nic {} but this engine has {} NICs", what, *nic, nic_count_));
   TransferRequest r;
   r.kind = kind;
   r.on_done = std::move(on_done);
@@ -395,49 +365,6 @@ void EngineImpl::submit_request(Worker& w, TransferRequest&& r) {
   }
 }
 
-void EngineImpl::send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
-  check_open();
-  check_peer(dst, "submit_send");
-  if (bytes.size() > config_.max_message_size)
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("submit_send: message of {} bytes exceeds EngineConfig::max_message_size "
-                            "({}); use a WRITE for bulk data or raise the limit",
-                            bytes.size(), config_.max_message_size));
-  if (dst.max_message() != 0 && bytes.size() > dst.max_message())
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("submit_send: message of {} bytes is longer than the peer accepts ({} bytes, "
-                            "its EngineConfig::max_message_size): it would be dropped there; raise the "
-                            "peer's limit or send less",
-                            bytes.size(), dst.max_message()));
-  TransferRequest r = make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
-  r.buf = buffers_.take(r.kind);
-  // Messages go between first workers. Copy-assigned into kept capacity: no allocation after
-  // warm-up (a several-worker address is cut down to its first worker's first).
-  if (dst.worker_count() == 1) r.buf->send_dst = dst;
-  else r.buf->send_dst = dst.worker(0);
-  r.buf->payload.assign(bytes.begin(), bytes.end());
-  submit_request(*workers_[0], std::move(r));
-}
-
-void EngineImpl::recvs(size_t len, size_t count, TransferEngine::RecvCallback on_recv) {
-  check_open();
-  if (len == 0 || count == 0 || !on_recv)
-    throw Error(ErrorCode::kInvalidArgument,
-                "submit_recvs: needs len > 0, count > 0 and a callback");
-  // Every buffer holds the longest message this engine accepts (what its address tells senders),
-  // so none arrives truncated: a shorter len is raised to it.
-  len = std::max(len, config_.max_message_size);
-  constexpr size_t kMaxPoolBytes = size_t{1} << 34;  // 16 GiB of receive buffers is a mistake
-  if (len > kMaxPoolBytes / count)
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("submit_recvs: {} buffers of {} bytes exceed the 16 GiB a receive pool "
-                            "may hold; messages are at most EngineConfig::max_message_size ({})",
-                            count, len, config_.max_message_size));
-  auto cb = std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv));
-  // Registration runs on the worker; its errors reach the caller here.
-  workers_[0]->call([&] { workers_[0]->add_recv_pool(len, count, std::move(cb)); });
-}
-
 void EngineImpl::check_unreserved(uint32_t imm, const char* what) const {
   if (auto holder = imm_registry_->holder_of(imm))
     throw Error(ErrorCode::kInvalidArgument,
@@ -455,12 +382,6 @@ ImmReservation EngineImpl::reserve_imms(const ImmReserveRequest& request) {
   r.range_ = range;
   r.holder_ = request.holder;
   return r;
-}
-
-ImmExpectation EngineImpl::expect(uint32_t imm, uint64_t count, OnDone on_done, const ExpectOptions& opts) {
-  check_open();
-  check_unreserved(imm, "expect_imm_count");
-  return expect_reserved(imm, count, std::move(on_done), opts);
 }
 
 ImmExpectation EngineImpl::expect_reserved(uint32_t imm, uint64_t count, OnDone on_done,
@@ -483,109 +404,228 @@ bool EngineImpl::cancel_expectation(const ImmExpectation& e) {
   check_engine(e.engine, engine_id_, "cancel_imm_expectation", "ImmExpectation", "expect_imm_count");
   if (e.worker >= workers_.size()) return false;
   Worker& w = *workers_[e.worker];
-  return w.call([&] { return w.cancel_expectation(e.imm, e.id); });
-}
-
-void EngineImpl::remove_peer(const NetAddr& peer) {
-  check_open();
-  check_peer(peer, "remove_peer");
-  std::lock_guard lock(control_mu_);
-  // Every worker of ours holds its own record of every worker of the peer.
-  std::vector<RemoteMr> removed;
-  for (size_t g = 0; g < peer.worker_count(); g++) {
-    const NetAddr one = peer.worker(g);
-    for (auto& w : workers_)
-      for (RemoteMr r : w->call([&] { return w->remove_peer(one); })) {
-        r.engine = engine_id_;  // the worker knows slots, not engines
-        if (std::find(removed.begin(), removed.end(), r) == removed.end()) removed.push_back(r);
-      }
-  }
-  // Its interned regions go with it (a process at the same address later is another peer, with
-  // other keys). Groups keep their member, which fails with kCancelled from now on.
-  for (const RemoteMr& r : removed) remove_remote_locked(r);
-}
-
-size_t EngineImpl::peer_count() {
-  check_open();
-  size_t n = 0;
-  for (auto& w : workers_) n += w->call([&] { return w->peer_count(); });
-  return n;
-}
-
-uint64_t EngineImpl::imm_count(uint32_t imm) {
-  check_open();
-  check_unreserved(imm, "imm_count");
-  return count_reserved(imm);
+  return w.call([&] { return w.expectations().cancel(e.imm, e.id); });
 }
 
 uint64_t EngineImpl::count_reserved(uint32_t imm) {
   check_open();
   uint64_t n = 0;
-  for (auto& w : workers_) n += w->call([&] { return w->imm_count(imm); });
+  for (auto& w : workers_) n += w->call([&] { return w->expectations().count(imm); });
   return n;
-}
-
-uint64_t EngineImpl::discard_imm_count(uint32_t imm) {
-  check_open();
-  check_unreserved(imm, "discard_imm_count");
-  return discard_reserved(imm);
 }
 
 uint64_t EngineImpl::discard_reserved(uint32_t imm) {
   check_open();
   uint64_t n = 0;
-  for (auto& w : workers_) n += w->call([&] { return w->discard_imm_count(imm); });
+  for (auto& w : workers_) n += w->call([&] { return w->expectations().discard(imm); });
   return n;
 }
 
-std::vector<PostTiming> EngineImpl::take_post_timings() {
-  check_open();
-  std::vector<PostTiming> out;
-  for (auto& w : workers_) {
-    auto t = w->call([&] { return w->take_post_timings(); });
-    out.insert(out.end(), t.begin(), t.end());
-  }
-  return out;
+void EngineImpl::remove_remote_locked(RemoteMr r) {
+  RemoteSlot* slot = remotes_.live(r);
+  if (!slot)
+    throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
+  // Stale first, so no worker takes a new request naming it; then each drops its route.
+  slot->generation.fetch_add(1, std::memory_order_release);
+  for (auto& w : workers_) w->call([&] { w->peers().detach_remote(r.slot); });
+  slot->desc = MrDesc{};
+  remotes_.return_slot(r.slot);
+  std::erase_if(remote_index_, [&](const auto& kv) { return kv.second == r; });
 }
 
-RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
-  check_open();
-  check_peer(desc.owner(), "add_remote");
-  if (!desc.keys().empty() && desc.keys().size() != nic_count())
+std::pair<GpuSignals&, uint32_t> EngineImpl::signals(std::optional<int> cuda_device) {
+  uint32_t w = cuda_device ? worker_index(Device::cuda(*cuda_device), "GPU signals") : 0;
+  return {signals_of(w), w};
+}
+
+GpuSignals& EngineImpl::signals_of(uint32_t w) {
+  if (w >= workers_.size())
+    throw Error(ErrorCode::kNotFound, fmt::format("GPU signals: no worker {}", w));
+  std::lock_guard lock(signals_mu_);
+  if (!signals_[w]) signals_[w] = make_gpu_signals(worker_configs_[w]);
+  return *signals_[w];
+}
+
+// ---- TransferEngine: the public calls, each doing its own work ----
+
+size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic) {
+  return single_write_shards(len, nic_count, pinned_to_one_nic);
+}
+
+size_t single_write_imm_count(const SingleWrite& w, size_t nic_count) {
+  return w.num_shards ? *w.num_shards : single_write_shards(w.len, nic_count, w.nic.has_value());
+}
+
+TransferEngine::TransferEngine(EngineConfig config)
+    : impl_(std::make_unique<EngineImpl>(std::move(config))) {}
+TransferEngine::~TransferEngine() = default;
+
+NetAddr TransferEngine::main_address() const { return impl_->address_; }
+size_t TransferEngine::nic_count() const { return impl_->nic_count_; }
+size_t TransferEngine::worker_count() const { return impl_->workers_.size(); }
+
+std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device) {
+  return impl_->reg_mr(ptr, len, device, ImmRange{});
+}
+std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device,
+                                                   const ImmReservation& imms) {
+  if (!imms.held())
+    throw Error(ErrorCode::kInvalidArgument, "reg_mr: the immediate reservation is not held");
+  return impl_->reg_mr(ptr, len, device, imms.range());
+}
+
+ImmReservation TransferEngine::reserve_imms(const ImmReserveRequest& request) {
+  return impl_->reserve_imms(request);  // EngineImpl is ImmReservation's friend
+}
+
+void TransferEngine::dereg_mr(MrHandle handle) {
+  impl_->check_open();
+  std::lock_guard lock(impl_->control_mu_);
+  Worker& worker =
+      impl_->worker_of(impl_->source(handle));  // throws for an unknown or stale handle
+  RegionSlot* slot = &impl_->mrs_.slot(handle.slot);
+  // One step on the worker: the handle turns stale (no transfer taken from now on reads the
+  // region, and one being posted stops at its next WRITE), and the transfers reading it fail,
+  // each reported once. The slot is not reused until the end, so nothing can read another
+  // region's bytes through it.
+  size_t in_flight = worker.call([&] {
+    if (slot->generation.load(std::memory_order_relaxed) != handle.generation)
+      throw Error(ErrorCode::kNotFound, "dereg_mr: the region was deregistered meanwhile");
+    slot->generation.fetch_add(1, std::memory_order_release);  // even: stale from now on
+    return worker.fail_transfers_from(slot);
+  });
+  // WRITEs already handed to a NIC may still be reading the memory: the region stays registered
+  // until they complete (at most the transfer timeout: a WRITE that never completes is
+  // abandoned there too).
+  auto deadline = std::chrono::steady_clock::now() + impl_->config_.transfer_timeout;
+  while (in_flight > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    in_flight = worker.call([&] { return worker.fail_transfers_from(slot); });
+  }
+  // The worker's part first; then this thread unpins what it may (as reg_mr pinned it), and only
+  // then is the slot free for another region.
+  using Part = DomainGroup::Part;
+  std::array<DomainRegion, kMaxDomains> beside = worker.call([&] {
+    worker.deregister_region(slot->per_nic, Part::kOnWorker);
+    return std::exchange(slot->per_nic, {});
+  });
+  worker.deregister_region(beside, Part::kBesideWorker);
+  worker.call([&] { impl_->mrs_.return_slot(handle.slot); });
+}
+
+void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> bytes,
+                                 OnDone on_done) {
+  impl_->check_open();
+  impl_->check_peer(dst, "submit_send");
+  if (bytes.size() > impl_->config_.max_message_size)
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("submit_send: message of {} bytes exceeds EngineConfig::max_message_size "
+                    "({}); use a WRITE for bulk data or raise the limit",
+                    bytes.size(), impl_->config_.max_message_size));
+  if (dst.max_message() != 0 && bytes.size() > dst.max_message())
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("submit_send: message of {} bytes is longer than the peer accepts ({} bytes, "
+                    "its EngineConfig::max_message_size): it would be dropped there; raise the "
+                    "peer's limit or send less",
+                    bytes.size(), dst.max_message()));
+  TransferRequest r =
+      impl_->make_request(TransferKind::kSend, std::move(on_done), {}, {}, "submit_send");
+  r.buf = impl_->buffers_.take(r.kind);
+  // Messages go between first workers. Copy-assigned into kept capacity: no allocation after
+  // warm-up (a several-worker address is cut down to its first worker's first).
+  if (dst.worker_count() == 1)
+    r.buf->send_dst = dst;
+  else
+    r.buf->send_dst = dst.worker(0);
+  r.buf->payload.assign(bytes.begin(), bytes.end());
+  impl_->submit_request(*impl_->workers_[0], std::move(r));
+}
+
+void TransferEngine::submit_recvs(size_t len, size_t count, RecvCallback on_recv) {
+  impl_->check_open();
+  if (len == 0 || count == 0 || !on_recv)
     throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("add_remote: the descriptor has keys for {} NICs and this engine has {}",
-                            desc.keys().size(), nic_count()));
-  if (desc.keys().empty() && !reachable_locally(desc))
+                "submit_recvs: needs len > 0, count > 0 and a callback");
+  // Every buffer holds the longest message this engine accepts (what its address tells senders),
+  // so none arrives truncated: a shorter len is raised to it.
+  len = std::max(len, impl_->config_.max_message_size);
+  constexpr size_t kMaxPoolBytes = size_t{1} << 34;  // 16 GiB of receive buffers is a mistake
+  if (len > kMaxPoolBytes / count)
+    throw Error(ErrorCode::kInvalidArgument,
+                fmt::format("submit_recvs: {} buffers of {} bytes exceed the 16 GiB a receive pool "
+                            "may hold; messages are at most EngineConfig::max_message_size ({})",
+                            count, len, impl_->config_.max_message_size));
+  auto cb = std::make_shared<TransferEngine::RecvCallback>(std::move(on_recv));
+  // Registration runs on the worker; its errors reach the caller here.
+  Worker& w = *impl_->workers_[0];
+  w.call([&] { w.recv_pools().add(len, count, std::move(cb)); });
+}
+
+ImmExpectation TransferEngine::expect_imm_count(uint32_t imm, uint64_t count, OnDone on_done,
+                                                ExpectOptions opts) {
+  impl_->check_open();
+  impl_->check_unreserved(imm, "expect_imm_count");
+  return impl_->expect_reserved(imm, count, std::move(on_done), opts);
+}
+
+// Shared with ImmReservation::cancel.
+bool TransferEngine::cancel_imm_expectation(const ImmExpectation& e) {
+  return impl_->cancel_expectation(e);
+}
+
+uint64_t TransferEngine::imm_count(uint32_t imm) {
+  impl_->check_open();
+  impl_->check_unreserved(imm, "imm_count");
+  return impl_->count_reserved(imm);
+}
+
+uint64_t TransferEngine::discard_imm_count(uint32_t imm) {
+  impl_->check_open();
+  impl_->check_unreserved(imm, "discard_imm_count");
+  return impl_->discard_reserved(imm);
+}
+
+RemoteMr TransferEngine::add_remote(const MrDesc& desc) {
+  impl_->check_open();
+  impl_->check_peer(desc.owner(), "add_remote");
+  if (!desc.keys().empty() && desc.keys().size() != impl_->nic_count_)
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        fmt::format("add_remote: the descriptor has keys for {} NICs and this engine has {}",
+                    desc.keys().size(), impl_->nic_count_));
+  if (desc.keys().empty() && !impl_->reachable_locally(desc))
     throw Error(ErrorCode::kUnsupported,
                 "add_remote: the region has no NIC keys (its owner's NIC provider cannot reach "
                 "that memory) and this engine cannot reach it through cuda_ipc (needs "
                 "EngineConfig::cuda_ipc on both engines, one host)");
   std::string key = desc_key(desc);
-  std::lock_guard lock(control_mu_);
-  auto it = remote_index_.find(key);
-  if (it != remote_index_.end()) return it->second;
-  auto s = remotes_.take_free_slot();
+  std::lock_guard lock(impl_->control_mu_);
+  auto it = impl_->remote_index_.find(key);
+  if (it != impl_->remote_index_.end()) return it->second;
+  auto s = impl_->remotes_.take_free_slot();
   if (!s)
     throw Error(ErrorCode::kResourceExhausted,
                 fmt::format("add_remote: all {} remote slots are in use; remove_remote regions "
                             "that are no longer written or raise EngineConfig::max_remotes",
-                            remotes_.capacity()));
-  RemoteSlot& slot = remotes_.slot(*s);
+                            impl_->remotes_.capacity()));
+  RemoteSlot& slot = impl_->remotes_.slot(*s);
   slot.desc = desc;
   // Each worker resolves its own route to the owner (address-vector insertion, connection set-up).
   size_t attached = 0;
   try {
-    for (; attached < workers_.size(); attached++) {
-      Worker& w = *workers_[attached];
-      w.call([&] { w.attach_remote(*s); });
+    for (; attached < impl_->workers_.size(); attached++) {
+      Worker& w = *impl_->workers_[attached];
+      w.call([&] { w.peers().attach_remote(*s); });
     }
   } catch (...) {
     while (attached-- > 0) {
-      Worker& w = *workers_[attached];
-      w.call([&] { w.detach_remote(*s); });
+      Worker& w = *impl_->workers_[attached];
+      w.call([&] { w.peers().detach_remote(*s); });
     }
     slot.desc = MrDesc{};
-    remotes_.return_slot(*s);
+    impl_->remotes_.return_slot(*s);
     throw;
   }
   // Release, as in reg_mr: a reader that sees these also sees the slot's last removal.
@@ -593,22 +633,22 @@ RemoteMr EngineImpl::add_remote(const MrDesc& desc) {
   slot.local.store(slot.target(0).local, std::memory_order_release);  // every worker shares one host
   slot.imm_bits.store(desc.imms().bits, std::memory_order_release);
   uint32_t gen = slot.generation.fetch_add(1, std::memory_order_release) + 1;  // odd: live
-  RemoteMr r{*s, gen, engine_id_};
-  remote_index_.emplace(std::move(key), r);
+  RemoteMr r{*s, gen, impl_->engine_id_};
+  impl_->remote_index_.emplace(std::move(key), r);
   return r;
 }
 
-void EngineImpl::remove_remote(RemoteMr r) {
-  check_open();
-  check_engine(r.engine, engine_id_, "remove_remote", "RemoteMr", "add_remote");
-  std::lock_guard lock(control_mu_);
-  remove_remote_locked(r);
+void TransferEngine::remove_remote(RemoteMr r) {
+  impl_->check_open();
+  check_engine(r.engine, impl_->engine_id_, "remove_remote", "RemoteMr", "add_remote");
+  std::lock_guard lock(impl_->control_mu_);
+  impl_->remove_remote_locked(r);
 }
 
-void EngineImpl::connect(RemoteMr r) {
+void TransferEngine::connect(RemoteMr r) {
   constexpr const char* what = "connect";
-  check_open();
-  remote(r, what);  // this engine's, and live
+  impl_->check_open();
+  impl_->remote(r, what);  // this engine's, and live
   // Counted by the WRITEs' OnDones, which keep it alive: a wait that gives up leaves it to them.
   struct Progress {
     std::atomic<uint64_t> done{0}, failed{0};
@@ -616,19 +656,19 @@ void EngineImpl::connect(RemoteMr r) {
   };
   auto p = std::make_shared<Progress>();
   uint64_t posted = 0;
-  for (auto& w : workers_)
-    for (size_t k = 0; k < nic_count(); k++) {
+  for (auto& w : impl_->workers_)
+    for (size_t k = 0; k < impl_->nic_count_; k++) {
       OnDone d = OnDone::counter(&p->done, &p->failed, &p->status).keep_alive(p);
-      TransferRequest q = make_request(TransferKind::kBarrier, std::move(d), std::nullopt,
-                                       static_cast<uint8_t>(k), what);
+      TransferRequest q = impl_->make_request(TransferKind::kBarrier, std::move(d), std::nullopt,
+                                              static_cast<uint8_t>(k), what);
       q.count = 1;
-      q.buf = buffers_.take(q.kind);
+      q.buf = impl_->buffers_.take(q.kind);
       q.buf->remotes.assign(1, r);
-      submit_request(*w, std::move(q));
+      impl_->submit_request(*w, std::move(q));
       posted++;
     }
   // Every WRITE ends by its deadline (transfer_timeout); the margin covers a worker's last poll.
-  const auto deadline = Clock::now() + config_.transfer_timeout + std::chrono::seconds(5);
+  const auto deadline = Clock::now() + impl_->config_.transfer_timeout + std::chrono::seconds(5);
   while (p->done.load(std::memory_order_acquire) + p->failed.load(std::memory_order_acquire) < posted) {
     if (Clock::now() > deadline)
       throw Error(ErrorCode::kTimeout, "connect: the peer's WRITEs did not complete within transfer_timeout");
@@ -638,46 +678,36 @@ void EngineImpl::connect(RemoteMr r) {
     throw Error(failure->code(), fmt::format("connect: {}", failure->message()));
 }
 
-void EngineImpl::remove_remote_locked(RemoteMr r) {
-  RemoteSlot* slot = remotes_.live(r);
-  if (!slot) throw Error(ErrorCode::kNotFound, "remove_remote: unknown or already removed RemoteMr");
-  // Stale first, so no worker takes a new request naming it; then each drops its route.
-  slot->generation.fetch_add(1, std::memory_order_release);
-  for (auto& w : workers_) w->call([&] { w->detach_remote(r.slot); });
-  slot->desc = MrDesc{};
-  remotes_.return_slot(r.slot);
-  std::erase_if(remote_index_, [&](const auto& kv) { return kv.second == r; });
-}
-
-void EngineImpl::submit(const SingleWrite& w, OnDone on_done) {
+void TransferEngine::submit(const SingleWrite& w, OnDone on_done) {
   constexpr const char* what = "submit(SingleWrite)";
-  check_open();
-  const SourceView s = source(w.src.mr);
+  impl_->check_open();
+  const SourceView s = impl_->source(w.src.mr);
   if (!in_bounds(w.src.offset, w.len, s.len))
     out_of_bounds(what, {}, "source", w.src.offset, w.len, "the registered region", s.len);
-  RemoteView d = remote(w.dst.mr, what);
+  RemoteView d = impl_->remote(w.dst.mr, what);
   if (!in_bounds(w.dst.offset, w.len, d.len))
     out_of_bounds(what, {}, "destination", w.dst.offset, w.len, "the remote region", d.len);
-  check_route(s, d.local, what);
+  impl_->check_route(s, d.local, what);
   check_imm(what, {}, w.imm, d.imm_bits);
   if (w.num_shards && (*w.num_shards == 0 || *w.num_shards > kMaxShards))
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{}: num_shards must be 1 to {}, got {}", what, kMaxShards, *w.num_shards));
-  TransferRequest r = make_request(TransferKind::kSingle, std::move(on_done), w.imm, w.nic, what);
+  TransferRequest r =
+      impl_->make_request(TransferKind::kSingle, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src.mr;
   r.len = w.len;
   r.src_offset = w.src.offset;
   r.dst_offset = w.dst.offset;
   r.dst = w.dst.mr;
-  r.shards = static_cast<uint32_t>(single_write_imm_count(w, nic_count()));
-  submit_request(worker_of(s), std::move(r));
+  r.shards = static_cast<uint32_t>(single_write_imm_count(w, impl_->nic_count_));
+  impl_->submit_request(impl_->worker_of(s), std::move(r));
 }
 
-void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
+void TransferEngine::submit(const PagedWrites& w, OnDone on_done) {
   constexpr const char* what = "submit(PagedWrites)";
-  check_open();
-  const SourceView s = source(w.src);
-  RemoteView d = remote(w.dst, what);
+  impl_->check_open();
+  const SourceView s = impl_->source(w.src);
+  RemoteView d = impl_->remote(w.dst, what);
   if (w.page_len == 0) throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: page_len must be > 0", what));
   if (w.src_pages.indices.size() != w.dst_pages.indices.size())
     throw Error(ErrorCode::kInvalidArgument,
@@ -697,9 +727,10 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
                               "(offset + stride * max index + page_len)",
                               what, d.len));
   }
-  check_route(s, d.local, what);
+  impl_->check_route(s, d.local, what);
   check_imm(what, {}, w.imm, d.imm_bits);
-  TransferRequest r = make_request(TransferKind::kPaged, std::move(on_done), w.imm, w.nic, what);
+  TransferRequest r =
+      impl_->make_request(TransferKind::kPaged, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.len = w.page_len;
   r.dst = w.dst;
@@ -708,41 +739,42 @@ void EngineImpl::submit(const PagedWrites& w, OnDone on_done) {
   r.dst_offset = w.dst_pages.offset;
   r.dst_stride = w.dst_pages.stride;
   r.count = static_cast<uint32_t>(w.src_pages.indices.size());
-  r.buf = buffers_.take(r.kind);
+  r.buf = impl_->buffers_.take(r.kind);
   r.buf->src_pages.assign(w.src_pages.indices.begin(), w.src_pages.indices.end());
   r.buf->dst_pages.assign(w.dst_pages.indices.begin(), w.dst_pages.indices.end());
-  submit_request(worker_of(s), std::move(r));
+  impl_->submit_request(impl_->worker_of(s), std::move(r));
 }
 
-void EngineImpl::submit(const Scatter& w, OnDone on_done) {
+void TransferEngine::submit(const Scatter& w, OnDone on_done) {
   constexpr const char* what = "submit(Scatter)";
-  check_open();
-  const SourceView s = source(w.src);
+  impl_->check_open();
+  const SourceView s = impl_->source(w.src);
   if (w.slices.size() > UINT32_MAX)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many slices", what));
   for (size_t i = 0; i < w.slices.size(); i++) {
     const ScatterSlice& sl = w.slices[i];
     if (!in_bounds(sl.src_offset, sl.len, s.len))
       out_of_bounds(what, i, "source", sl.src_offset, sl.len, "the registered region", s.len);
-    RemoteView d = remote(sl.dst.mr, what);
+    RemoteView d = impl_->remote(sl.dst.mr, what);
     if (!in_bounds(sl.dst.offset, sl.len, d.len))
       out_of_bounds(what, i, "destination", sl.dst.offset, sl.len, "the remote region", d.len);
-    check_route(s, d.local, what);
+    impl_->check_route(s, d.local, what);
     check_imm(what, i, w.imm, d.imm_bits);
   }
-  TransferRequest r = make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
+  TransferRequest r =
+      impl_->make_request(TransferKind::kScatter, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.count = static_cast<uint32_t>(w.slices.size());
-  r.buf = buffers_.take(r.kind);
+  r.buf = impl_->buffers_.take(r.kind);
   r.buf->slices.assign(w.slices.begin(), w.slices.end());
-  submit_request(worker_of(s), std::move(r));
+  impl_->submit_request(impl_->worker_of(s), std::move(r));
 }
 
-void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
+void TransferEngine::submit(const GroupScatter& w, OnDone on_done) {
   constexpr const char* what = "submit(GroupScatter)";
-  check_open();
-  const SourceView s = source(w.src);
-  const PeerGroup& g = group(w.group, what);
+  impl_->check_open();
+  const SourceView s = impl_->source(w.src);
+  const PeerGroup& g = impl_->group(w.group, what);
   if (w.slices.size() != g.lens.size())
     throw Error(ErrorCode::kInvalidArgument,
                 fmt::format("{}: {} slices for a group of {} members (one slice per member)", what,
@@ -755,160 +787,120 @@ void EngineImpl::submit(const GroupScatter& w, OnDone on_done) {
       out_of_bounds(what, i, "destination", sl.dst_offset, sl.len,
                     fmt::format("member {}'s region", i), g.lens[i]);
   }
-  check_route(s, g.all_local, what);
+  impl_->check_route(s, g.all_local, what);
   check_imm(what, {}, w.imm, g.imm_bits);
-  TransferRequest r = make_request(TransferKind::kGroupScatter, std::move(on_done), w.imm, w.nic, what);
+  TransferRequest r =
+      impl_->make_request(TransferKind::kGroupScatter, std::move(on_done), w.imm, w.nic, what);
   r.src = w.src;
   r.group = w.group.id;
   r.count = static_cast<uint32_t>(w.slices.size());
-  r.buf = buffers_.take(r.kind);
+  r.buf = impl_->buffers_.take(r.kind);
   r.buf->group_slices.assign(w.slices.begin(), w.slices.end());
-  submit_request(worker_of(s), std::move(r));
+  impl_->submit_request(impl_->worker_of(s), std::move(r));
 }
 
-void EngineImpl::submit(const Barrier& w, OnDone on_done) {
+void TransferEngine::submit(const Barrier& w, OnDone on_done) {
   constexpr const char* what = "submit(Barrier)";
-  check_open();
+  impl_->check_open();
   if (w.dsts.size() > UINT32_MAX)
     throw Error(ErrorCode::kInvalidArgument, fmt::format("{}: too many destinations", what));
-  for (size_t i = 0; i < w.dsts.size(); i++) check_imm(what, i, w.imm, remote(w.dsts[i], what).imm_bits);
-  Worker& worker = *workers_[worker_index(w.device, what)];
-  TransferRequest r = make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
+  for (size_t i = 0; i < w.dsts.size(); i++)
+    check_imm(what, i, w.imm, impl_->remote(w.dsts[i], what).imm_bits);
+  Worker& worker = *impl_->workers_[impl_->worker_index(w.device, what)];
+  TransferRequest r =
+      impl_->make_request(TransferKind::kBarrier, std::move(on_done), w.imm, w.nic, what);
   r.count = static_cast<uint32_t>(w.dsts.size());
-  r.buf = buffers_.take(r.kind);
+  r.buf = impl_->buffers_.take(r.kind);
   r.buf->remotes.assign(w.dsts.begin(), w.dsts.end());
-  submit_request(worker, std::move(r));
+  impl_->submit_request(worker, std::move(r));
 }
 
-void EngineImpl::submit(const GroupBarrier& w, OnDone on_done) {
+void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) {
   constexpr const char* what = "submit(GroupBarrier)";
-  check_open();
-  const PeerGroup& g = group(w.group, what);
+  impl_->check_open();
+  const PeerGroup& g = impl_->group(w.group, what);
   check_imm(what, {}, w.imm, g.imm_bits);
-  Worker& worker = *workers_[worker_index(w.device, what)];
-  TransferRequest r = make_request(TransferKind::kGroupBarrier, std::move(on_done), w.imm, w.nic, what);
+  Worker& worker = *impl_->workers_[impl_->worker_index(w.device, what)];
+  TransferRequest r =
+      impl_->make_request(TransferKind::kGroupBarrier, std::move(on_done), w.imm, w.nic, what);
   r.group = w.group.id;
   r.count = static_cast<uint32_t>(g.lens.size());
-  submit_request(worker, std::move(r));
+  impl_->submit_request(worker, std::move(r));
 }
 
-PeerGroupHandle EngineImpl::add_peer_group(std::span<const RemoteMr> members) {
-  check_open();
+PeerGroupHandle TransferEngine::add_peer_group(std::span<const RemoteMr> members) {
+  impl_->check_open();
   auto g = std::make_unique<PeerGroup>();
   for (const RemoteMr& m : members) {
-    RemoteView v = remote(m, "add_peer_group");
+    RemoteView v = impl_->remote(m, "add_peer_group");
     g->lens.push_back(v.len);
     g->all_local &= v.local;
     g->imm_bits = std::min(g->imm_bits, v.imm_bits);
   }
-  std::lock_guard lock(control_mu_);
-  if (group_storage_.size() >= kMaxGroups)
+  std::lock_guard lock(impl_->control_mu_);
+  if (impl_->group_storage_.size() >= EngineImpl::kMaxGroups)
     throw Error(ErrorCode::kResourceExhausted,
-                fmt::format("add_peer_group: at most {} peer groups", kMaxGroups));
+                fmt::format("add_peer_group: at most {} peer groups", EngineImpl::kMaxGroups));
   // Every worker builds the group's routes from its own NICs; they number groups alike (each takes
   // every group, in this order, under this lock).
   uint32_t id = UINT32_MAX;
-  for (auto& w : workers_) {
-    uint32_t got = w->call([&] { return w->add_group(members); });
+  for (auto& w : impl_->workers_) {
+    uint32_t got = w->call([&] { return w->peers().add_group(members); });
     if (id != UINT32_MAX && got != id)
-      throw Error(ErrorCode::kProvider, fmt::format("add_peer_group: workers disagree on the group id ({} and {})", id, got));
+      throw Error(
+          ErrorCode::kProvider,
+          fmt::format("add_peer_group: workers disagree on the group id ({} and {})", id, got));
     id = got;
   }
-  groups_[id].store(g.get(), std::memory_order_release);
-  group_storage_.push_back(std::move(g));
-  return PeerGroupHandle{id, static_cast<uint32_t>(members.size()), engine_id_};
+  impl_->groups_[id].store(g.get(), std::memory_order_release);
+  impl_->group_storage_.push_back(std::move(g));
+  return PeerGroupHandle{id, static_cast<uint32_t>(members.size()), impl_->engine_id_};
 }
 
-std::vector<NicStats> EngineImpl::nic_stats() const {
-  check_open();
+void TransferEngine::remove_peer(const NetAddr& peer) {
+  impl_->check_open();
+  impl_->check_peer(peer, "remove_peer");
+  std::lock_guard lock(impl_->control_mu_);
+  // Every worker of ours holds its own record of every worker of the peer.
+  std::vector<RemoteMr> removed;
+  for (size_t g = 0; g < peer.worker_count(); g++) {
+    const NetAddr one = peer.worker(g);
+    for (auto& w : impl_->workers_)
+      for (RemoteMr r : w->call([&] { return w->peers().remove_peer(one); })) {
+        r.engine = impl_->engine_id_;  // the worker knows slots, not engines
+        if (std::find(removed.begin(), removed.end(), r) == removed.end()) removed.push_back(r);
+      }
+  }
+  // Its interned regions go with it (a process at the same address later is another peer, with
+  // other keys). Groups keep their member, which fails with kCancelled from now on.
+  for (const RemoteMr& r : removed) impl_->remove_remote_locked(r);
+}
+
+size_t TransferEngine::peer_count() {
+  impl_->check_open();
+  size_t n = 0;
+  for (auto& w : impl_->workers_) n += w->call([&] { return w->peers().peer_count(); });
+  return n;
+}
+
+std::vector<NicStats> TransferEngine::nic_stats() {
+  impl_->check_open();
   std::vector<NicStats> out;
-  for (uint32_t w = 0; w < workers_.size(); w++)
-    for (size_t i = 0; i < workers_[w]->domain_count(); i++) {
-      const Worker& worker = *workers_[w];
-      const AtomicNicStats& a = worker.stats(i);
-      const auto [injected, duplicated_imms] = worker.injected_faults(i);
-      const DomainCaps& caps = worker.caps(i);
+  for (uint32_t w = 0; w < impl_->workers_.size(); w++) {
+    const DomainGroup& domains = impl_->workers_[w]->domains();  // read by any thread
+    for (size_t i = 0; i < domains.domain_count(); i++) {
+      const AtomicNicStats& a = domains.stats(i);
+      const auto [injected, duplicated_imms] = domains.injected_faults(i);
+      const DomainCaps& caps = domains.caps(i);
       out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
                      a.imms_received.load(), a.messages_received.load(), a.errors.load(), injected,
                      duplicated_imms, a.imms_dropped.load(), a.messages_dropped.load(), caps.nic_name, w,
                      caps.link_gbps});
     }
+  }
   return out;
 }
 
-std::pair<GpuSignals&, uint32_t> EngineImpl::signals(std::optional<int> cuda_device) {
-  uint32_t w = cuda_device ? worker_index(Device::cuda(*cuda_device), "GPU signals") : 0;
-  return {signals_of(w), w};
-}
-
-GpuSignals& EngineImpl::signals_of(uint32_t w) {
-  if (w >= workers_.size())
-    throw Error(ErrorCode::kNotFound, fmt::format("GPU signals: no worker {}", w));
-  std::lock_guard lock(signals_mu_);
-  if (!signals_[w]) signals_[w] = make_gpu_signals(worker_configs_[w]);
-  return *signals_[w];
-}
-
-// ---- TransferEngine: the public face ----
-
-size_t single_write_imm_count(uint64_t len, size_t nic_count, bool pinned_to_one_nic) {
-  return single_write_shards(len, nic_count, pinned_to_one_nic);
-}
-
-size_t single_write_imm_count(const SingleWrite& w, size_t nic_count) {
-  return w.num_shards ? *w.num_shards : single_write_shards(w.len, nic_count, w.nic.has_value());
-}
-
-TransferEngine::TransferEngine(EngineConfig config)
-    : impl_(std::make_unique<EngineImpl>(std::move(config))) {}
-TransferEngine::~TransferEngine() = default;
-
-NetAddr TransferEngine::main_address() const { return impl_->address(); }
-size_t TransferEngine::nic_count() const { return impl_->nic_count(); }
-size_t TransferEngine::worker_count() const { return impl_->worker_count(); }
-std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device) {
-  return impl_->reg_mr(ptr, len, device);
-}
-std::pair<MrHandle, MrDesc> TransferEngine::reg_mr(void* ptr, size_t len, Device device,
-                                                   const ImmReservation& imms) {
-  if (!imms.held())
-    throw Error(ErrorCode::kInvalidArgument, "reg_mr: the immediate reservation is not held");
-  return impl_->reg_mr(ptr, len, device, imms.range());
-}
-ImmReservation TransferEngine::reserve_imms(const ImmReserveRequest& request) {
-  return impl_->reserve_imms(request);
-}
-void TransferEngine::dereg_mr(MrHandle handle) { impl_->dereg_mr(handle); }
-void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> bytes, OnDone on_done) {
-  impl_->send(dst, bytes, std::move(on_done));
-}
-void TransferEngine::submit_recvs(size_t len, size_t count, RecvCallback on_recv) {
-  impl_->recvs(len, count, std::move(on_recv));
-}
-ImmExpectation TransferEngine::expect_imm_count(uint32_t imm, uint64_t count, OnDone on_reached,
-                                                ExpectOptions opts) {
-  return impl_->expect(imm, count, std::move(on_reached), opts);
-}
-bool TransferEngine::cancel_imm_expectation(const ImmExpectation& e) {
-  return impl_->cancel_expectation(e);
-}
-void TransferEngine::remove_peer(const NetAddr& peer) { impl_->remove_peer(peer); }
-size_t TransferEngine::peer_count() { return impl_->peer_count(); }
-uint64_t TransferEngine::imm_count(uint32_t imm) { return impl_->imm_count(imm); }
-uint64_t TransferEngine::discard_imm_count(uint32_t imm) { return impl_->discard_imm_count(imm); }
-RemoteMr TransferEngine::add_remote(const MrDesc& desc) { return impl_->add_remote(desc); }
-void TransferEngine::remove_remote(RemoteMr remote) { impl_->remove_remote(remote); }
-void TransferEngine::connect(RemoteMr remote) { impl_->connect(remote); }
-void TransferEngine::submit(const SingleWrite& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-void TransferEngine::submit(const PagedWrites& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-void TransferEngine::submit(const Scatter& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-void TransferEngine::submit(const GroupScatter& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-void TransferEngine::submit(const Barrier& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) { impl_->submit(w, std::move(on_done)); }
-PeerGroupHandle TransferEngine::add_peer_group(std::span<const RemoteMr> members) {
-  return impl_->add_peer_group(members);
-}
-std::vector<NicStats> TransferEngine::nic_stats() { return impl_->nic_stats(); }
 UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb, std::optional<int> cuda_device) {
   auto [signals, worker] = impl_->signals(cuda_device);
   UvmWatcher w = signals.add_watcher(std::move(cb));
@@ -926,7 +918,16 @@ void TransferEngine::free_gpu_counter(const GpuCounter& c) { impl_->signals_of(c
 void TransferEngine::gpu_stream_wait(void* cuda_stream, const GpuCounter& counter, uint64_t at_least) {
   fabric::gpu_stream_wait(cuda_stream, counter, at_least);
 }
-std::vector<PostTiming> TransferEngine::take_post_timings() { return impl_->take_post_timings(); }
+
+std::vector<PostTiming> TransferEngine::take_post_timings() {
+  impl_->check_open();
+  std::vector<PostTiming> out;
+  for (auto& w : impl_->workers_) {
+    auto t = w->call([&] { return w->poster().take_post_timings(); });
+    out.insert(out.end(), t.begin(), t.end());
+  }
+  return out;
+}
 
 // ---- configuration from the environment ----
 

@@ -80,7 +80,7 @@ Error Worker::stall_error(const char* what) const {
                fmt::format("{}: the engine's worker has made no progress for {} ms, stuck inside "
                            "the '{}' provider (shm does this after a peer died holding its lock); "
                            "restart this process (EngineConfig::worker_stall_timeout)",
-                           what, config_.worker_stall_timeout.count(), provider()));
+                           what, config_.worker_stall_timeout.count(), domains_.provider()));
 }
 
 void Worker::submit(Request&& request) {

@@ -60,18 +60,15 @@ class Worker {
   // touch this object, the region table and the callback thread, which must then never be freed.
   bool stop();
 
-  // Any thread: its domains (DomainGroup) as opened.
-  const std::vector<std::string>& nic_addresses() const { return domains_.nic_addresses(); }
-  const std::string& provider() const { return domains_.provider(); }
-  size_t nic_count() const { return domains_.nic_count(); }
-  // The local (cuda_ipc) domain: its address ("" without one) and its index after the NICs.
-  const std::string& local_address() const { return domains_.local_address(); }
-  bool has_local() const { return domains_.has_local(); }
-  size_t domain_count() const { return domains_.domain_count(); }
-  const AtomicNicStats& stats(size_t domain) const { return domains_.stats(domain); }
-  // The domains live as long as the worker.
-  std::pair<uint64_t, uint64_t> injected_faults(size_t domain) const { return domains_.injected_faults(domain); }
-  const DomainCaps& caps(size_t domain) const { return domains_.caps(domain); }
+  // Its components, for the engine's control calls. The DomainGroup's addresses, counts,
+  // statistics and capabilities: any thread once opened (they live as long as the worker). The
+  // rest, and everything else of theirs: the worker thread only, i.e. inside call().
+  DomainGroup& domains() { return domains_; }
+  const DomainGroup& domains() const { return domains_; }
+  PeerTable& peers() { return peers_; }  // peer records, routes, groups (peer_table.h)
+  Expectations& expectations() { return expectations_; }  // immediate counts and expectations
+  RecvPools& recv_pools() { return recv_pools_; }         // receive buffers (RecvPools::add)
+  Poster& poster() { return poster_; }                    // posting (its post timings)
 
   // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has
   // stopped taking requests (nothing submitted is ever silently lost).
@@ -112,25 +109,6 @@ class Worker {
   // Fails every unreported transfer that reads from `src` (it is being deregistered) and returns
   // how many WRITEs from it are still with the NICs, which may be reading the memory.
   size_t fail_transfers_from(const RegionSlot* src);
-  // Peer records, routes and groups: the PeerTable's (peer_table.h says what each does).
-  ResolvedTarget resolve(const NetAddr& peer) { return peers_.resolve(peer); }
-  ResolvedTarget route(const MrDesc& dst) { return peers_.route(dst); }
-  void attach_remote(uint32_t slot) { peers_.attach_remote(slot); }
-  void detach_remote(uint32_t slot) { peers_.detach_remote(slot); }
-  uint32_t add_group(std::span<const RemoteMr> members) { return peers_.add_group(members); }
-  // Application says the peer (one worker of it) left: its pending transfers end with kCancelled
-  // and its resources go; returns the remote regions interned for it, which the engine removes.
-  std::vector<RemoteMr> remove_peer(const NetAddr& peer) { return peers_.remove_peer(peer); }
-  size_t peer_count() const { return peers_.peer_count(); }
-  uint64_t imm_count(uint32_t imm) const { return expectations_.count(imm); }
-  uint64_t discard_imm_count(uint32_t imm) { return expectations_.discard(imm); }
-  bool cancel_expectation(uint32_t imm, uint64_t id) { return expectations_.cancel(imm, id); }
-  // A pool of receive buffers (RecvPools::add). Throws what registration throws.
-  void add_recv_pool(size_t len, size_t count,
-                     std::shared_ptr<TransferEngine::RecvCallback> on_recv) {
-    recv_pools_.add(len, count, std::move(on_recv));
-  }
-  std::vector<PostTiming> take_post_timings() { return poster_.take_post_timings(); }
 
  private:
   // Between a caller that may give up and the worker that may start its task: whoever comes
