@@ -22,7 +22,9 @@
 #include "domain/domain.h"
 #include "providers/ipc/ipc_shared.h"
 #include "providers/ipc/shm_segment.h"
+#include "util/free_slots.h"
 #include "util/log.h"
+#include "util/slot_map.h"
 
 namespace fabric::ipc {
 
@@ -104,24 +106,16 @@ template <class Peer>
 class PeerSlots {
  public:
   Peer* live(PeerId id) {
-    auto slot = static_cast<uint32_t>(id);
-    if (slot >= slots_.size() || slots_[slot].epoch != static_cast<uint32_t>(id >> 32))
-      return nullptr;
-    return slots_[slot].peer.get();
+    Slot* s = slots_.find(static_cast<uint32_t>(id));
+    if (!s || s->epoch != static_cast<uint32_t>(id >> 32)) return nullptr;
+    return s->peer.get();
   }
   std::optional<PeerId> find(const std::string& address) const {
     auto it = by_address_.find(address);
     return it == by_address_.end() ? std::nullopt : std::optional<PeerId>(it->second);
   }
   PeerId add(std::unique_ptr<Peer> p) {
-    uint32_t slot;
-    if (!free_.empty()) {
-      slot = free_.back();
-      free_.pop_back();
-    } else {
-      slot = static_cast<uint32_t>(slots_.size());
-      slots_.emplace_back();
-    }
+    const uint32_t slot = *slots_.take();  // unbounded: always a slot
     Slot& s = slots_[slot];
     s.epoch++;
     const PeerId id = static_cast<PeerId>(s.epoch) << 32 | slot;
@@ -136,12 +130,12 @@ class PeerSlots {
     Slot& s = slots_[static_cast<uint32_t>(id)];
     by_address_.erase(s.peer->address);
     s.peer.reset();
-    free_.push_back(static_cast<uint32_t>(id));
+    slots_.give(static_cast<uint32_t>(id));
   }
   template <class F>
   void for_each(F&& f) {
-    for (Slot& s : slots_)
-      if (s.peer) f(*s.peer);
+    for (uint32_t i = 0; i < slots_.size(); i++)
+      if (slots_[i].peer) f(*slots_[i].peer);
   }
 
  private:
@@ -149,8 +143,7 @@ class PeerSlots {
     uint32_t epoch = 0;
     std::unique_ptr<Peer> peer;
   };
-  std::vector<Slot> slots_;
-  std::vector<uint32_t> free_;
+  util::SlotMap<Slot> slots_;
   std::unordered_map<std::string, PeerId> by_address_;
 };
 
@@ -165,7 +158,6 @@ class OwnEndpoint {
     Endpoint::format(shm_.data(), shm_.nonce(), static_cast<uint32_t>(getpid()), max_message_size,
                      kind);
     inbox_ = Endpoint(shm_.data());
-    for (uint32_t s = kMaxRegions; s-- > 0;) free_slots_.push_back(s);
     scope_ = shm::host_scope();
     address_ = shm::endpoint_address(scope_, shm_.name());
     shm::LocalEndpoints::add(shm_.nonce());
@@ -189,12 +181,9 @@ class OwnEndpoint {
   RegionEntry& region(uint32_t slot) { return inbox_.region(slot); }
 
   uint32_t take_slot() {
-    if (free_slots_.empty())
-      throw Error(ErrorCode::kResourceExhausted,
-                  fmt::format("{}: all {} exported regions are in use", provider_, kMaxRegions));
-    const uint32_t slot = free_slots_.back();
-    free_slots_.pop_back();
-    return slot;
+    if (auto slot = free_slots_.take()) return *slot;
+    throw Error(ErrorCode::kResourceExhausted,
+                fmt::format("{}: all {} exported regions are in use", provider_, kMaxRegions));
   }
 
   // After revoke() of the region in `slot`: waits until no writer holds it, calling `progress`
@@ -203,7 +192,7 @@ class OwnEndpoint {
   template <class Progress>
   void retire(uint32_t slot, std::chrono::milliseconds timeout, Progress&& progress) {
     if (wait_for_writers(slot, std::chrono::steady_clock::now() + timeout, timeout, progress))
-      free_slots_.push_back(slot);
+      free_slots_.give(slot);
   }
 
   // Revokes every region still published and waits for their writers (one deadline for all):
@@ -288,7 +277,7 @@ class OwnEndpoint {
   std::string provider_;
   ShmSegment shm_;
   Endpoint inbox_;
-  std::vector<uint32_t> free_slots_;
+  util::FreeSlots free_slots_{kMaxRegions};
   std::string scope_;
   std::string address_;
   bool closed_ = false;

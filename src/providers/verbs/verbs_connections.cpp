@@ -46,7 +46,8 @@ Connections::Connections(const VerbsConfig& cfg, const DeviceContext& dev, Share
 }
 
 Connections::~Connections() {
-  for (auto& p : slots_) {
+  for (uint32_t i = 0; i < slots_.size(); i++) {
+    const std::unique_ptr<Peer>& p = slots_[i].peer;
     if (!p) continue;
     for (SendQueue* q : {p->msg.get(), p->write.get()})
       if (q) ibv_destroy_qp(q->qp);
@@ -71,17 +72,16 @@ void Connections::remove_peer(PeerId id) {
   peer_ids_.erase(p->key);
   if (p->ah) ibv_destroy_ah(p->ah);
   uint32_t slot = id_slot(id);
-  slots_[slot].reset();
-  generations_[slot]++;
-  free_slots_.push_back(slot);
+  slots_[slot].peer.reset();
+  slots_[slot].generation++;
+  slots_.give(slot);
   peer_count_--;
 }
 
 Peer* Connections::find(PeerId id) {
-  uint32_t slot = id_slot(id);
-  if (slot >= slots_.size() || !slots_[slot] || generations_[slot] != id_generation(id))
-    return nullptr;
-  return slots_[slot].get();
+  const PeerSlot* s = slots_.find(id_slot(id));
+  if (!s || !s->peer || s->generation != id_generation(id)) return nullptr;
+  return s->peer.get();
 }
 
 // A known peer, not connected yet: its queue pairs are made by the first post to it or by its
@@ -92,22 +92,14 @@ Peer& Connections::add_peer(const VerbsAddress& a, const std::string& key) {
                 fmt::format("verbs: {} peers on {} already", kMaxPeers, dev_.name));
   ibv_ah_attr ah = dev_.ah_attr(gid_of(a), a.lid);
   ibv_ah* handle = check_ptr(ibv_create_ah(dev_.pd, &ah), "ibv_create_ah", dev_.name);
-  uint32_t slot;
-  if (!free_slots_.empty()) {
-    slot = free_slots_.back();
-    free_slots_.pop_back();
-  } else {
-    slot = static_cast<uint32_t>(slots_.size());
-    slots_.emplace_back();
-    generations_.push_back(0);
-  }
+  const uint32_t slot = *slots_.take();  // unbounded: always a slot
   auto p = std::make_unique<Peer>(Handshake::Clock::now(), timing_);
   p->addr = a;
   p->key = key;
   p->ah = handle;
-  p->id = make_id(slot, generations_[slot]);
+  p->id = make_id(slot, slots_[slot].generation);
   Peer& ref = *p;
-  slots_[slot] = std::move(p);
+  slots_[slot].peer = std::move(p);
   peer_count_++;
   peer_ids_.emplace(key, ref.id);
   return ref;

@@ -25,6 +25,7 @@
 #include "providers/verbs/verbs_posting.h"
 #include "providers/verbs/verbs_queues.h"
 #include "providers/verbs/verbs_wire.h"
+#include "util/slot_map.h"
 
 namespace fabric::verbs {
 
@@ -106,9 +107,11 @@ class Connections {
   VerbsAddress me_;
   uint32_t polls_ = 0;
 
-  std::vector<std::unique_ptr<Peer>> slots_;  // by the slot of a PeerId; null: free
-  std::vector<uint32_t> generations_;         // per slot
-  std::vector<uint32_t> free_slots_;
+  struct PeerSlot {
+    uint32_t generation = 0;     // of the PeerId that names it now
+    std::unique_ptr<Peer> peer;  // null: free
+  };
+  util::SlotMap<PeerSlot> slots_;  // by the slot of a PeerId
   size_t peer_count_ = 0;
   std::unordered_map<std::string, PeerId> peer_ids_;
   std::vector<Peer*> handshaking_;
