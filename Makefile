@@ -14,8 +14,9 @@ ifeq ($(origin CXX),default)
 CXX := $(shell python3 -c 'import sysconfig; print((sysconfig.get_config_var("CXX") or "g++").split()[0])' 2>/dev/null || echo g++)
 endif
 export CXX
-# Only the Python tests need these (tests/python/conftest.py's etcd_endpoint fixture runs etcd).
-PY_TEST_PACKAGES := etcd-server
+# Only the Python tests need these (tests/python/conftest.py's etcd_endpoint fixture runs etcd, its
+# prometheus fixture a Prometheus server that test_prometheus.py queries).
+PY_TEST_PACKAGES := etcd-server prometheus
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: deps build demo test test-python clean format

@@ -114,3 +114,33 @@ def etcd_endpoint(tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.fixture
+def prometheus():
+    """prometheus(targets) starts a private Prometheus on loopback (a free port, its own storage
+    dir, every target scraped each second; targets: job name -> ["127.0.0.1:PORT", ...]) and
+    returns it (prometheus_server.Prometheus: query, value, wait_scraped_after). Stopped and its
+    dir removed at the end of the test. Fails (never skips) when no prometheus binary can be had:
+    the test it serves is part of `make test`, which installs it."""
+    from prometheus_server import Prometheus, find_prometheus
+
+    started = []
+
+    def start(targets):
+        binary = find_prometheus()
+        if binary is None:
+            pytest.fail("no prometheus binary (Debian package prometheus; `make test-python` installs it)")
+        for attempt in range(3):  # a free port can be taken by someone else before prometheus binds it
+            try:
+                server = Prometheus(binary, _free_port(), targets)
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
