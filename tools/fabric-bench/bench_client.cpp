@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -39,7 +40,7 @@ void summarize(std::vector<double> lat, Row& r) {
 class Client {
  public:
   Client(const Options& o, const std::string& server_hex)
-      : o_(o), engine_(o.engine_config()), ctl_(engine_) {
+      : o_(o), engine_(o.engine_config()), ctl_(engine_), progress_(o.progress) {
     // Without --link-gbps, the % column uses the link speed the NICs report (Gbit/s, as NICs
     // report it; 0 on loopback).
     link_gbps_ = o.link_gbps;
@@ -65,18 +66,27 @@ class Client {
   }
 
   void run() {
+    // The measurements are listed first, so the progress line can say "step 3 of 17".
+    std::vector<std::function<void()>> steps;
     if (o_.wants("single"))
       for (uint64_t size : sizes(o_.single_sizes, {1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20,
                                                      4 << 20, 16 << 20, 64 << 20}))
-        if (size <= descs_[0].len()) single(size);
+        if (size <= descs_[0].len()) steps.push_back([this, size] { single(size); });
     if (o_.wants("paged"))
       for (uint64_t page : sizes(o_.page_sizes, {1 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10}))
-        for (uint64_t n : o_.page_counts) paged(page, n);
-    if (o_.wants("scatter")) scatter();
-    if (o_.wants("barrier")) barrier();
-    if (o_.wants("imm")) imm_round_trip();
-    if (o_.wants("msg")) message_round_trip();
-    if (o_.wants("post")) post_cost();
+        for (uint64_t n : o_.page_counts)
+          if (paged_fits(page, n)) steps.push_back([this, page, n] { paged(page, n); });
+    if (o_.wants("scatter")) steps.push_back([this] { scatter(); });
+    if (o_.wants("barrier")) steps.push_back([this] { barrier(); });
+    if (o_.wants("imm")) steps.push_back([this] { imm_round_trip(); });
+    if (o_.wants("msg")) steps.push_back([this] { message_round_trip(); });
+    if (o_.wants("post")) steps.push_back([this] { post_cost(); });
+    progress_.start(steps.size());
+    for (auto& step : steps) {
+      progress_.next_step();
+      step();
+    }
+    progress_.finish();
     ctl_.call("bye", "bye");
     if (!o_.json.empty()) write_json();
   }
@@ -99,13 +109,18 @@ class Client {
     alarm(kWatchdogSeconds);  // a stuck measurement ends the program instead of hanging it
     uint64_t lat_iters = std::clamp<uint64_t>((64ull << 20) / std::max<uint64_t>(r.bytes, 1), 3, 200);
     std::vector<double> lat;
-    for (uint64_t i = 0; i < o_.warmup + lat_iters; i++) {
-      std::atomic<int> f{kDonePending};
-      double t0 = now_us();
-      submit(OnDone::flag(&f), std::nullopt);
-      f.wait(kDonePending);
-      if (f.load() != kDoneSucceeded) throw Error(ErrorCode::kProvider, r.test + ": transfer failed");
-      if (i >= o_.warmup) lat.push_back(now_us() - t0);
+    {
+      std::atomic<uint64_t> lat_done{0};  // for the progress line, bumped outside the timed span
+      auto pass = progress_.pass(label(r) + " latency", r.bytes, o_.warmup + lat_iters, lat_done);
+      for (uint64_t i = 0; i < o_.warmup + lat_iters; i++) {
+        std::atomic<int> f{kDonePending};
+        double t0 = now_us();
+        submit(OnDone::flag(&f), std::nullopt);
+        f.wait(kDonePending);
+        if (f.load() != kDoneSucceeded) throw Error(ErrorCode::kProvider, r.test + ": transfer failed");
+        if (i >= o_.warmup) lat.push_back(now_us() - t0);
+        lat_done.store(i + 1, std::memory_order_relaxed);
+      }
     }
     summarize(lat, r);
 
@@ -140,6 +155,8 @@ class Client {
     auto wait_done_while = [&](auto cond) {  // `done` is read before `failed`: no lost wake
       for (uint64_t d = done.load(); !failed.load() && cond(d); d = done.load()) done.wait(d);
     };
+    // The engine counts `done` anyway: the progress thread reads it, the loop pays nothing.
+    auto pass = progress_.pass(label(r) + " bandwidth", r.bytes, r.iters, done);
     double t0 = now_us();
     for (uint64_t i = 0; i < r.iters; i++) {
       wait_done_while([&](uint64_t d) { return i - d >= o_.window; });
@@ -165,9 +182,13 @@ class Client {
     }, fmt::format("single {}", size));
   }
 
+  static uint64_t page_stride(uint64_t page) { return page + page / 4; }  // the pages are scattered
+  bool paged_fits(uint64_t page, uint64_t n) const {
+    return page_stride(page) * n <= descs_[0].len() && page_stride(page) * n <= src_.size();
+  }
+
   void paged(uint64_t page, uint64_t n) {
-    uint64_t stride = page + page / 4;  // larger than the page: the pages are scattered
-    if (stride * n > descs_[0].len() || stride * n > src_.size()) return;
+    uint64_t stride = page_stride(page);
     uint32_t seed = static_cast<uint32_t>(page * 7 + n);
     const std::vector<uint32_t> src_idx = page_order(static_cast<uint32_t>(n), seed);
     const std::vector<uint32_t> dst_idx = page_order(static_cast<uint32_t>(n), seed + 1);
@@ -203,6 +224,8 @@ class Client {
     uint64_t iters = 1000;
     ctl_.call(fmt::format("pong {} {} {} {}", in, out, iters + o_.warmup, pong_desc_.to_hex()), "armed");
     std::vector<double> lat;
+    std::atomic<uint64_t> round_trips{0};
+    auto pass = progress_.pass("imm round trip", 64, iters + o_.warmup, round_trips);
     for (uint64_t i = 0; i < iters + o_.warmup; i++) {
       std::atomic<int> back{kDonePending};
       engine_.expect_imm_count(out, 1, OnDone::flag(&back));
@@ -211,6 +234,7 @@ class Client {
                      OnDone::none());
       back.wait(kDonePending);
       if (i >= o_.warmup) lat.push_back(now_us() - t0);
+      round_trips.store(i + 1, std::memory_order_relaxed);
     }
     Row r{"imm round trip", 64, 1, iters};
     summarize(lat, r);
@@ -219,10 +243,14 @@ class Client {
 
   void message_round_trip() {
     std::vector<double> lat;
+    std::atomic<uint64_t> round_trips{0};
+    // SENDs, not WRITEs: no bytes counted, only the round trips.
+    auto pass = progress_.pass("send/recv round trip", 0, 1000 + o_.warmup, round_trips);
     for (uint64_t i = 0; i < 1000 + o_.warmup; i++) {
       double t0 = now_us();
       ctl_.call("ping", "pong");
       if (i >= o_.warmup) lat.push_back(now_us() - t0);
+      round_trips.store(i + 1, std::memory_order_relaxed);
     }
     Row r{"send/recv round trip", 4, 1, 1000};
     summarize(lat, r);
@@ -234,11 +262,14 @@ class Client {
     engine_.take_post_timings();
     auto run = [&](const std::string& name, auto submit, size_t writes) {
       std::vector<double> first, last;
+      std::atomic<uint64_t> posted{0};
+      auto pass = progress_.pass(name, 64 * writes, 1000 + o_.warmup, posted);
       for (int i = 0; i < 1000 + static_cast<int>(o_.warmup); i++) {
         std::atomic<int> f{kDonePending};
         submit(OnDone::flag(&f));
         f.wait(kDonePending);
         if (i < static_cast<int>(o_.warmup)) engine_.take_post_timings();
+        posted.store(i + 1, std::memory_order_relaxed);
       }
       for (auto& t : engine_.take_post_timings()) {
         first.push_back(t.first_post_ns / 1000.0);
@@ -265,13 +296,20 @@ class Client {
     }, plain.size());
   }
 
+  // A measurement's name on the progress line: single's table name has no size.
+  static std::string label(const Row& r) {
+    return r.test == "single" ? fmt::format("single {}", r.bytes) : r.test;
+  }
+
   void print(const Row& r) {
     // The link speed is in Gbit/s (as NICs report it), the figure in GB/s: 8 bits a byte.
     std::string link =
         link_gbps_ > 0 && r.gb_per_s > 0 ? fmt::format("{:.1f}", 100 * r.gb_per_s * 8 / link_gbps_) : "-";
-    fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.4f} {:>7} {:>9.4f} {}\n", r.test,
-               r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gb_per_s, link, r.mops, r.verified);
-    std::fflush(stdout);
+    progress_.row([&] {
+      fmt::print("{:<24} {:>10} {:>7} {:>7} {:>10.2f} {:>10.2f} {:>10.2f} {:>9.4f} {:>7} {:>9.4f} {}\n", r.test,
+                 r.bytes, r.writes, r.iters, r.avg_us, r.p50_us, r.p99_us, r.gb_per_s, link, r.mops, r.verified);
+      std::fflush(stdout);
+    });
     rows_.push_back(r);
     if (r.verified == "BAD") failed_verify_ = true;
   }
@@ -307,6 +345,8 @@ class Client {
   PeerGroupHandle group_;
   uint32_t next_imm_ = 0x1000;
   std::vector<Row> rows_;
+  // Last, so it goes first: a run that throws clears its line before the engine closes (and logs).
+  Progress progress_;
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "progress.h"
 
 namespace fabric::bench {
 
@@ -34,6 +35,7 @@ struct Options {
   std::vector<uint64_t> page_counts = {100, 10000};
   uint64_t scatter_len = 16384;
   uint64_t peer_idle_us = 50;  // idle sleep of the server's extra engines (many peers, few cores)
+  ProgressMode progress = ProgressMode::kAuto;  // the client's progress line on stderr
 
   EngineConfig server_engine_config(size_t index) const {
     EngineConfig c = engine_config();

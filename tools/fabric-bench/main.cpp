@@ -6,6 +6,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <map>
 #include <unistd.h>
 
 #include "bench_options.h"
@@ -60,6 +61,14 @@ int main(int argc, char** argv) {
   client->add_option("address", server_addr, "the server's address (hex)")->required();
   auto* local = app.add_subcommand("local", "server and client as two processes on this machine");
   for (auto* c : {server, client, local}) add_common(c);
+  for (auto* c : {client, local})
+    c->add_option("--progress", o.progress,
+                  "a progress line on stderr (rate, bytes moved, ETA): auto (the default) shows it "
+                  "on a terminal after 2 s and never when stdout or stderr is not one")
+        ->transform(CLI::CheckedTransformer(
+            std::map<std::string, ProgressMode>{{"auto", ProgressMode::kAuto},
+                                                {"always", ProgressMode::kAlways},
+                                                {"never", ProgressMode::kNever}}));
   std::string sysfs_root = "/sys";
   auto* topo = app.add_subcommand("topo", "print this host's GPUs, RDMA NICs and cores as detect_topology assigns them");
   topo->add_option("--sysfs", sysfs_root, "the sysfs root to read (a materialised fixture in tests)")
