@@ -172,6 +172,13 @@ struct EngineConfig {
   // transfer when on.
   bool record_post_timings = false;
 
+  // Serve GET /metrics (TransferEngine::metrics_text) over HTTP on this TCP port, for processes
+  // without Python (0: off). A small thread of its own answers one request at a time; it never
+  // touches a worker's data path. Bound to metrics_address (loopback unless said otherwise:
+  // metrics name peers). The engine throws kInvalidArgument when it cannot bind.
+  uint16_t metrics_port = 0;
+  std::string metrics_address = "127.0.0.1";
+
   // Reads FABRIC_PROVIDER, FABRIC_NICS (comma-separated, NicConfig::parse_list),
   // FABRIC_GID_INDEX (verbs), FABRIC_POLL (busy|adaptive), FABRIC_CUDA_DEVICE (index) and
   // FABRIC_CUDA_IPC (1) on top of the defaults; used by examples and tests.

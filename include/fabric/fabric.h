@@ -3,6 +3,7 @@
 
 #include "fabric/config.h"
 #include "fabric/error.h"
+#include "fabric/metrics.h"
 #include "fabric/on_done.h"
 #include "fabric/shm_cleanup.h"
 #include "fabric/topology.h"

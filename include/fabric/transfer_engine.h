@@ -17,6 +17,7 @@
 #include "fabric/config.h"
 #include "fabric/error.h"
 #include "fabric/imm_range.h"
+#include "fabric/metrics.h"
 #include "fabric/on_done.h"
 #include "fabric/requests.h"
 #include "fabric/types.h"
@@ -241,6 +242,16 @@ class TransferEngine {
   // Per worker in order: one entry per NIC, then one for the cuda_ipc domain where
   // EngineConfig::cuda_ipc is on.
   std::vector<NicStats> nic_stats();
+
+  // Every metric of this engine (docs/api.md, "Metrics reference"), then every metrics source's
+  // samples, in the Prometheus text exposition format 0.0.4. Any thread. Counters are read where
+  // the workers keep them; the per-peer ones are asked of each worker (a round trip): a worker that
+  // does not answer within a second is left out of them (fabric_worker_stalled says so).
+  std::string metrics_text();
+  // Adds `source` to every metrics_text() (and the metrics endpoint, EngineConfig::metrics_port)
+  // until the returned registration is destroyed or removed. Throws kShutdown once the engine
+  // closes.
+  MetricsRegistration add_metrics_source(MetricsSource source);
 
   // GPU signals (CUDA builds, EngineConfig::cuda_device set; kUnsupported otherwise). Each
   // worker has its own watcher thread; `cuda_device` picks the GPU's worker (none: the first).

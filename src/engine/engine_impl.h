@@ -15,6 +15,7 @@
 #include "cuda/gpu_signals.h"
 #include "engine/imm_registry.h"
 #include "fabric/transfer_engine.h"
+#include "metrics/metrics_sources.h"
 #include "shared_state/callback_thread.h"
 #include "shared_state/mr_table.h"
 #include "shared_state/remote_table.h"
@@ -50,6 +51,8 @@ class EngineImpl {
   // That GPU's worker's signals (none: the first worker's) and the worker; created on first use.
   std::pair<GpuSignals&, uint32_t> signals(std::optional<int> cuda_device);
   GpuSignals& signals_of(uint32_t worker);
+  // TransferEngine::metrics_text (engine_metrics.cpp).
+  std::string metrics_text();
 
  private:
   friend class TransferEngine;  // its calls are this object's (the public face of a pimpl)
@@ -95,6 +98,7 @@ class EngineImpl {
   std::vector<std::unique_ptr<PeerGroup>> group_storage_;
   std::mutex signals_mu_;
   std::array<std::unique_ptr<GpuSignals>, kMaxWorkers> signals_;
+  std::shared_ptr<MetricsSources> metrics_sources_ = std::make_shared<MetricsSources>();
 };
 
 }  // namespace fabric

@@ -177,6 +177,7 @@ EngineImpl::EngineImpl(EngineConfig config)
 }
 
 EngineImpl::~EngineImpl() {
+  metrics_sources_->close();  // what the sources captured goes now, whoever holds a registration
   imm_registry_->close();  // reservations that outlive the engine throw kShutdown from now on
   for (auto& s : signals_) s.reset();  // watcher callbacks may submit: stop them while the engine still works
   // From here on every call throws kShutdown, callbacks of the failed transfers included (they
@@ -899,6 +900,16 @@ std::vector<NicStats> TransferEngine::nic_stats() {
     }
   }
   return out;
+}
+
+std::string TransferEngine::metrics_text() {
+  impl_->check_open();
+  return impl_->metrics_text();
+}
+
+MetricsRegistration TransferEngine::add_metrics_source(MetricsSource source) {
+  impl_->check_open();
+  return impl_->metrics_sources_->add(std::move(source));
 }
 
 UvmWatcher TransferEngine::alloc_uvm_watcher(UvmCallback cb, std::optional<int> cuda_device) {

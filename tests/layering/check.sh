@@ -31,6 +31,8 @@ check "include/fabric/weights" '"fabric/(kv|moe)/' $(src include/fabric/weights)
 check "include/fabric/moe" '"fabric/(kv|weights)/' $(src include/fabric/moe)
 # fabric_base: value types, errors, logging.
 check "src/util" "$APPS|$CORE_INTERNALS|\"(cuda|topology)/" $(src src/util) src/engine/types.cpp
+# The metrics writer and endpoint (in fabric_base): the public types and util/ only.
+check "src/metrics" "$APPS|$CORE_INTERNALS|\"(cuda|topology)/" $(src src/metrics)
 # fabric_core: no application, no topology internals.
 check "fabric_core" "$APPS|\"topology/" $(src src/engine src/worker src/shared_state src/domain src/providers src/cuda src/imm)
 # fabric_topology: the base and its own files.
