@@ -6,6 +6,7 @@
 #include <set>
 
 #include "kv/endpoint.h"
+#include "kv/kv_stats.h"
 
 namespace fabric::kv {
 
@@ -19,11 +20,13 @@ struct KvReceiver::State : Endpoint {
                                  .base = o.imm_base})),
         options(o) {}
   KvReceiverOptions options;
+  std::shared_ptr<KvReceiverStats> stats = std::make_shared<KvReceiverStats>();  // requests' callbacks hold it too
   std::set<uint64_t> in_flight;                // request tags
   std::map<uint64_t, Clock::time_point> retired;  // failed tags, until their late WRITEs can no longer land
   std::set<uint64_t> discarding;                  // expired retired tags whose counts are being dropped
   // How each request in flight ends (by tag, with its id): fail() ends one from outside.
   std::map<uint64_t, std::pair<uint64_t, std::function<bool(const Status&)>>> finishers;
+  MetricsRegistration metrics;  // last: removed before what its source reads
 
   // Takes `tag` for a new request, or throws. Retired tags whose window has passed (this one or
   // any other) have their late immediates discarded first, so none counts toward a later request
@@ -68,9 +71,11 @@ KvReceiver::KvReceiver(TransferEngine& engine, KvLayout layout, KvTensors tensor
                        KvReceiverOptions options) {
   check_layout(layout, tensors, rank);
   state_ = std::make_shared<State>(engine, layout, std::move(tensors), rank, options);
+  state_->metrics =
+      engine.add_metrics_source([st = state_.get()](MetricsWriter& w) { write_metrics(w, *st->stats, st->rank); });
 }
 
-KvReceiver::~KvReceiver() = default;
+KvReceiver::~KvReceiver() { state_->metrics.remove(); }  // now, though a request's callback may keep the state a while
 
 std::vector<uint8_t> KvReceiver::descriptor() const { return wire::encode(state_->descriptor()); }
 
@@ -139,9 +144,13 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
   req->on_done = std::move(a.on_done);
   std::weak_ptr<State> weak = state_;
   const auto late_writes = s.options.late_writes;
+  std::shared_ptr<KvReceiverStats> stats = s.stats;
+  // What one layer (and the extras) brings into this rank: its K and V pages.
+  const uint64_t layer_bytes = 2 * s.layout.page_bytes() * a.pages.size(), extras_bytes = s.tensors.extra_bytes;
   // False when the request had ended already.
-  auto finish = [weak, req, tag, late_writes](const Status& status) {
+  auto finish = [weak, req, tag, late_writes, stats](const Status& status) {
     if (req->ended.exchange(true)) return false;
+    (status.ok() ? stats->completed : stats->failed).add();
     if (auto st = weak.lock()) {
       if (!status.ok()) {
         std::lock_guard l(req->mu);
@@ -155,14 +164,16 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
     req->on_done.fire(status);
     return true;
   };
-  auto step_landed = [req, finish](uint32_t layer) {
-    return OnDone::callback([req, finish, layer](const Status& st) {
+  auto step_landed = [req, finish, stats, layer_bytes, extras_bytes](uint32_t layer) {
+    return OnDone::callback([req, finish, layer, stats, layer_bytes, extras_bytes](const Status& st) {
       if (!st.ok()) {
         finish(Status(st.code(), layer == kExtrasLayer
                                      ? fmt::format("KV request: the extras did not land: {}", st.message())
                                      : fmt::format("KV request: layer {} did not land: {}", layer, st.message())));
         return;
       }
+      if (layer != kExtrasLayer) stats->layers.add();
+      stats->bytes.add(layer == kExtrasLayer ? extras_bytes : layer_bytes);
       if (req->landed) req->landed->fetch_add(1, std::memory_order_release);
       if (layer != kExtrasLayer && req->on_layer && !req->ended.load()) req->on_layer(layer);
       if (req->left.fetch_sub(1) == 1) finish(Status{});
@@ -172,6 +183,7 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
     std::lock_guard l(s.mu);
     s.finishers[tag] = {a.request, finish};  // before arming: an expectation may end at once
   }
+  s.stats->admitted.add();  // before arming too: a reader never sees more ended than admitted
   const ExpectOptions opts{.timeout = a.timeout, .device = s.tensors.device};
   try {
     std::lock_guard armed(req->mu);
@@ -182,7 +194,7 @@ std::vector<uint8_t> KvReceiver::admit(KvAdmit a) {
       req->expectations.push_back(
           s.imms.expect(layer_imm(a.request, kExtrasLayer), 1, step_landed(kExtrasLayer), opts));
   } catch (...) {  // the engine refused (shut down): nothing of the request stays armed
-    req->ended = true;
+    if (!req->ended.exchange(true)) s.stats->failed.add();  // unless an expectation ended it already
     for (const ImmExpectation& e : req->expectations) s.engine.cancel_imm_expectation(e);
     std::lock_guard l(s.mu);
     s.in_flight.erase(tag);

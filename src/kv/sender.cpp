@@ -6,6 +6,7 @@
 
 #include "kv/endpoint.h"
 #include "kv/forward_steps.h"
+#include "kv/kv_stats.h"
 #include "util/log.h"
 
 namespace fabric::kv {
@@ -41,7 +42,11 @@ struct Request {
   std::atomic<uint64_t> writes_left{0};
   std::atomic<bool> ended{false};
   OnDone on_sent;
+  std::shared_ptr<KvSenderStats> stats;  // the sender's: a request may end after it
+  std::atomic<int64_t> last_layer_ns{0};  // steady clock when its last layer was handed over (0: not yet)
 };
+
+int64_t now_ns() { return std::chrono::steady_clock::now().time_since_epoch().count(); }
 
 }  // namespace
 
@@ -51,6 +56,8 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
   std::map<uint64_t, std::shared_ptr<Request>> requests;
   ForwardSteps steps{layout.num_layers};
   std::optional<UvmWatcher> trigger;
+  std::shared_ptr<KvSenderStats> stats = std::make_shared<KvSenderStats>();
+  MetricsRegistration metrics;  // last: removed before what its source reads
 
   std::shared_ptr<Request> find_locked(uint64_t request, const char* call) {
     auto it = requests.find(request);
@@ -63,6 +70,14 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
   // its on_sent fires. False when it had ended already.
   static bool end(State* s, const std::shared_ptr<Request>& req, const Status& status) {
     if (req->ended.exchange(true)) return false;
+    if (!status.ok()) {
+      req->stats->failed.add();
+    } else {
+      req->stats->completed.add();
+      // Every write completed: how long the request outlived its last layer's computation.
+      if (const int64_t t = req->last_layer_ns.load(std::memory_order_relaxed))
+        req->stats->exposed.observe(std::chrono::nanoseconds(now_ns() - t));
+    }
     if (s) {
       std::lock_guard l(s->mu);
       auto it = s->requests.find(req->id);
@@ -88,7 +103,10 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
   void submit_all(const std::shared_ptr<Request>& req, EachWrite each) {
     OnDone done = write_done(req);
     try {
-      each([&](const PagedWrites& w) { engine.submit(w, done); });
+      each([&](const PagedWrites& w) {
+        engine.submit(w, done);
+        stats->bytes.add(w.page_len * w.src_pages.indices.size());
+      });
     } catch (const Error& e) {
       // The writes not posted would never report: the request ends now.
       end(this, req, Status(e.code(), fmt::format("KV request {}: a write was refused: {}", req->id, e.what())));
@@ -134,10 +152,12 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
         throw Error(ErrorCode::kInvalidArgument, fmt::format("KvSender::layer_done: layer {} was already sent", layer));
       req->layer_posted[layer] = true;
       req->layers_posted++;
+      if (req->layers_posted == layout.num_layers) req->last_layer_ns.store(now_ns(), std::memory_order_relaxed);
       extras_now = req->writes_extras && req->extras_ready && req->layers_posted == layout.num_layers;
       req->extras_posted |= extras_now;
     }
     post_layer(req, layer);
+    stats->layers.add();
     if (extras_now) post_extras(req);
   }
 
@@ -190,9 +210,11 @@ struct KvSender::State : Endpoint, std::enable_shared_from_this<KvSender::State>
 KvSender::KvSender(TransferEngine& engine, KvLayout layout, KvTensors tensors, KvRank rank) {
   check_layout(layout, tensors, rank);
   state_ = std::make_shared<State>(engine, layout, std::move(tensors), rank);
+  state_->metrics = engine.add_metrics_source([st = state_.get()](MetricsWriter& w) { write_metrics(w, *st->stats, st->rank); });
 }
 
 KvSender::~KvSender() {
+  state_->metrics.remove();  // now, though a request's callback may keep the state a while
   if (state_->trigger) state_->engine.free_uvm_watcher(*state_->trigger);
 }
 
@@ -263,6 +285,7 @@ void KvSender::begin(KvSend send) {
                             a.prefill_size, s.rank.tp.size));
   auto req = std::make_shared<Request>();
   req->id = a.request;
+  req->stats = s.stats;
   req->on_sent = std::move(send.on_sent);
   req->layer_posted.assign(s.layout.num_layers, false);
   std::unique_lock l(s.mu);
@@ -294,8 +317,10 @@ void KvSender::begin(KvSend send) {
                          req->group->size, send.src_pages, a.pages);
   req->writes_left =
       uint64_t{s.layout.num_layers} * req->plan.size() + (req->writes_extras ? req->group->ranks.size() : 0);
+  s.stats->begun.add();
   if (req->writes_left == 0) {  // an empty prompt: nothing to send
     l.unlock();  // on_sent may call back into this sender
+    s.stats->completed.add();
     req->on_sent.fire(Status{});
     return;
   }

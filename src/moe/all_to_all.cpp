@@ -14,6 +14,7 @@
 #include "fabric/error.h"
 #include "kernel_side.h"
 #include "memory.h"
+#include "moe_stats.h"
 #include "proxy.h"
 #include "util/log.h"
 
@@ -189,6 +190,7 @@ struct BufferSet {
   uint64_t combines = 0;  // this set's combines: the combine sequence (host kernels; layout.h)
   uint64_t handle = 0;  // the dispatch number of the handle holding the set (0: none yet)
   uint32_t tokens = 0;  // of that dispatch
+  std::chrono::nanoseconds send_time{0};  // of the half sent last (host kernels; for MoeStats)
 
   const std::atomic<uint64_t>& signal(uint64_t offset) const {
     return *reinterpret_cast<const std::atomic<uint64_t>*>(signals->host() + offset);
@@ -202,9 +204,12 @@ struct AllToAll::Impl {
   std::vector<std::unique_ptr<BufferSet>> sets;
   uint64_t dispatches = 0;  // dispatch_send calls that were accepted
   bool failed = false;      // a host receive half failed
+  MoeStats stats;
+  MetricsRegistration metrics;  // its source reads the sets and their proxies
 
   Impl(TransferEngine& e, AllToAllConfig c) : engine(e), cfg(std::move(c)) {}
   ~Impl() {
+    metrics.remove();  // first: it reads the proxies
     for (auto& b : sets) b->proxy.reset();  // no more submits or expectations
     for (auto& b : sets) {
       for (RemoteMr r : b->remotes)
@@ -214,6 +219,28 @@ struct AllToAll::Impl {
     }
   }
   bool cuda() const { return cfg.side == KernelSide::kCuda; }
+
+  // For the metrics source, on the thread reading the metrics: what the sets' proxies and signal
+  // words say now (read only; the sets and proxies do not change after construction).
+  MoeReading read_metrics() const {
+    MoeReading r;
+    r.failed = stats.failed.load(std::memory_order_relaxed);
+    for (const auto& b : sets) {
+      if (b->proxy) {
+        const ProxyStats p = b->proxy->stats();
+        r.proxy_dispatches += b->proxy->dispatch_steps();
+        r.proxy.steps += p.steps, r.proxy.writes += p.writes, r.proxy.bytes += p.bytes, r.proxy.cpu_ms += p.cpu_ms;
+        r.proxy.dispatch_wait_ms += p.dispatch_wait_ms, r.proxy.combine_wait_ms += p.combine_wait_ms;
+      }
+      r.failed |= b->signal(lay.signals.kernel_error).load(std::memory_order_relaxed) != 0 ||
+                  b->signal(lay.signals.failed).load(std::memory_order_relaxed) != 0;
+    }
+    for (uint32_t rank = 0; rank < cfg.ranks; ++rank)  // masked in any set (share_masks spreads it at the next call)
+      r.masked += std::any_of(sets.begin(), sets.end(), [&](const auto& b) {
+        return b->signal(signal_at(lay.signals.mask, rank)).load(std::memory_order_relaxed) != 0;
+      });
+    return r;
+  }
 
   void allocate(BufferSet& b, uint32_t index) {
     if (cuda()) {
@@ -413,11 +440,20 @@ struct AllToAll::Impl {
   void guarded(F&& f, Mark&& mark) {
     try {
       f();
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::kTimeout) stats.timeouts.add();
+      fail(mark);
+      throw;
     } catch (...) {
-      failed = true;
-      mark();
+      fail(mark);
       throw;
     }
+  }
+  template <typename Mark>
+  void fail(Mark&& mark) {
+    failed = true;
+    stats.failed.store(true, std::memory_order_relaxed);
+    mark();
   }
 };
 
@@ -510,6 +546,7 @@ AllToAll::AllToAll(TransferEngine& engine, AllToAllConfig config, const AllGathe
                                                           .recv = b.remotes,
                                                           .busy_poll = c.proxy_busy_poll});
   }
+  s.metrics = engine.add_metrics_source([&s](MetricsWriter& w) { write_metrics(w, s.stats, s.read_metrics(), s.cfg); });
 }
 
 AllToAll::~AllToAll() = default;
@@ -531,12 +568,15 @@ Handle AllToAll::dispatch_send(const DispatchArgs& args) {
                             s.cfg.rank, s.cfg.buffers, s.cfg.buffers, b.handle, index, phase_name(b.phase),
                             b.phase == Phase::kDispatchSent ? "receive it (dispatch_recv, or its hook)"
                                                             : "receive its combine (combine_recv, or its hook)"));
+  const auto t0 = std::chrono::steady_clock::now();
   if (s.cuda()) {
     cuda::dispatch_send(b.views, args);
   } else {
     host::check_dispatch_args(s.lay.dims, args);  // refused input changes nothing
     s.guarded([&] { host::dispatch_send(b.views, args, b.step + 1); }, [] {});
   }
+  b.send_time = std::chrono::steady_clock::now() - t0;
+  s.stats.dispatches.add();
   ++b.step;
   b.handle = ++s.dispatches;
   b.tokens = args.num_tokens;
@@ -547,11 +587,14 @@ Handle AllToAll::dispatch_send(const DispatchArgs& args) {
 void AllToAll::dispatch_recv(const Handle& h, void* stream, int64_t* wait_ns) {
   Impl& s = *impl_;
   BufferSet& b = s.set_of(h, Phase::kDispatchSent, "dispatch receive");
-  if (s.cuda())
+  if (s.cuda()) {
     cuda::dispatch_recv(b.views, stream, wait_ns);
-  else
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
     s.guarded([&] { host::dispatch_recv(b.views, b.step, wait_ns); },
               [&] { host::mark_dispatch_failed(b.views); });
+    s.stats.dispatch_seconds.observe(b.send_time + (std::chrono::steady_clock::now() - t0));
+  }
   b.phase = Phase::kDispatched;
 }
 
@@ -560,10 +603,13 @@ void AllToAll::combine_send(const Handle& h, const CombineArgs& args) {
   BufferSet& b = s.set_of(h, Phase::kDispatched, "combine send");
   if (!args.expert_out)
     throw Error(ErrorCode::kInvalidArgument, "MoE combine send: expert_out must be given");
+  const auto t0 = std::chrono::steady_clock::now();
   if (s.cuda())
     cuda::combine_send(b.views, args);
   else
     s.guarded([&] { host::combine_send(b.views, args, b.combines + 1); }, [] {});
+  b.send_time = std::chrono::steady_clock::now() - t0;
+  s.stats.combines.add();
   ++b.combines;
   b.phase = Phase::kCombineSent;
 }
@@ -572,11 +618,14 @@ void AllToAll::combine_recv(const Handle& h, const CombineArgs& args) {
   Impl& s = *impl_;
   BufferSet& b = s.set_of(h, Phase::kCombineSent, "combine receive");
   s.check_combine_out(b, args, "combine receive");
-  if (s.cuda())
+  if (s.cuda()) {
     cuda::combine_recv(b.views, args);
-  else
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
     s.guarded([&] { host::combine_recv(b.views, args, b.combines); },
               [&] { host::mark_combine_failed(b.views, args); });
+    s.stats.combine_seconds.observe(b.send_time + (std::chrono::steady_clock::now() - t0));
+  }
   b.phase = Phase::kDispatched;  // combined; it may be combined again (DeepEP's test does) until its set is taken
 }
 

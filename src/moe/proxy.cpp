@@ -71,12 +71,12 @@ void Proxy::post(const Request& request) {
 
 ProxyStats Proxy::stats() const {
   ProxyStats s;
-  s.steps = steps_.load();
-  s.writes = writes_.load();
-  s.bytes = bytes_.load();
-  s.cpu_ms = static_cast<double>(work_ns_.load()) / 1e6;
-  s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.load()) / 1e6;
-  s.combine_wait_ms = static_cast<double>(combine_wait_ns_.load()) / 1e6;
+  s.steps = steps_.get();
+  s.writes = writes_.get();
+  s.bytes = bytes_.get();
+  s.cpu_ms = static_cast<double>(work_ns_.get()) / 1e6;
+  s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.get()) / 1e6;
+  s.combine_wait_ms = static_cast<double>(combine_wait_ns_.get()) / 1e6;
   return s;
 }
 
@@ -150,7 +150,8 @@ void Proxy::loop() {
       start_dispatch(step);
       dispatched = dispatch_arriving = step;
       dispatch_t0 = t0;
-      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      dispatches_.add();
+      work_ns_.add(now_ns() - t0);
       worked = true;
     }
     if (const uint64_t seq = signal(sig.combine_sent).load(std::memory_order_acquire); seq > combined) {
@@ -158,16 +159,16 @@ void Proxy::loop() {
       start_combine(seq);
       combined = combine_arriving = seq;
       combine_t0 = t0;
-      steps_.fetch_add(1, std::memory_order_relaxed);
-      work_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      steps_.add();
+      work_ns_.add(now_ns() - t0);
       worked = true;
     }
     if (dispatch_arriving != 0 && remotes_arrived(sig.dispatch_seen, dispatch_arriving)) {
-      dispatch_wait_ns_.fetch_add(now_ns() - dispatch_t0, std::memory_order_relaxed);
+      dispatch_wait_ns_.add(now_ns() - dispatch_t0);
       dispatch_arriving = 0;
     }
     if (combine_arriving != 0 && remotes_arrived(sig.combine_seen, combine_arriving)) {
-      combine_wait_ns_.fetch_add(now_ns() - combine_t0, std::memory_order_relaxed);
+      combine_wait_ns_.add(now_ns() - combine_t0);
       combine_arriving = 0;
     }
     if (worked || cfg_.busy_poll) {
@@ -222,8 +223,8 @@ void Proxy::start_dispatch(uint64_t step) {
          .imm = moe_imm(ImmKind::kDispatch, step, me)});
   }
   log::debug("MoE proxy of rank {}: step {}: counts, private and shared rows posted", me, step);
-  writes_.fetch_add(route_slices_.size() + 2 * remote_slices_.size(), std::memory_order_relaxed);
-  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  writes_.add(route_slices_.size() + 2 * remote_slices_.size());
+  bytes_.add(bytes);
 }
 
 bool Proxy::remotes_arrived(uint64_t counter_offset, uint64_t step) const {
@@ -257,8 +258,8 @@ void Proxy::start_combine(uint64_t seq) {
     post(GroupScatter{.group = remotes_group_, .src = cfg_.send_mr, .slices = remote_slices_,
          .imm = moe_imm(ImmKind::kCombine, seq, me)});
   log::debug("MoE proxy of rank {}: combine {}: rows posted", me, seq);
-  writes_.fetch_add(remote_slices_.size(), std::memory_order_relaxed);
-  bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  writes_.add(remote_slices_.size());
+  bytes_.add(bytes);
 }
 
 }  // namespace fabric::moe::detail

@@ -14,6 +14,7 @@
 #include "fabric/transfer_engine.h"
 #include "kernel_side.h"
 #include "memory.h"
+#include "util/app_stats.h"
 
 namespace fabric::moe::detail {
 
@@ -33,6 +34,7 @@ class Proxy {
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
   ProxyStats stats() const;
+  uint64_t dispatch_steps() const { return dispatches_.get(); }  // dispatch halves posted (stats().steps: combines)
 
  private:
   void run();
@@ -59,8 +61,10 @@ class Proxy {
   std::vector<GroupSlice> route_slices_, remote_slices_, shared_slices_;
   std::vector<ImmExpectation> pending_;  // this step's expectations (cancelled at shutdown)
   std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> steps_{0}, writes_{0}, bytes_{0}, work_ns_{0};
-  std::atomic<uint64_t> dispatch_wait_ns_{0}, combine_wait_ns_{0};
+  // Written by the proxy thread alone (no locked instruction per step), read by stats() and the
+  // AllToAll's metrics on other threads.
+  util::OwnedCounter dispatches_, steps_, writes_, bytes_, work_ns_;
+  util::OwnedCounter dispatch_wait_ns_, combine_wait_ns_;
   std::atomic<uint64_t> posted_{0};  // scatters submitted (each completes writes_done or failed once)
   std::thread thread_;
 };

@@ -10,6 +10,7 @@
 #include "fabric/error.h"
 #include "fabric/weights/update.h"
 #include "schedule.h"
+#include "weights_stats.h"
 
 namespace fabric::weights {
 
@@ -29,10 +30,13 @@ struct WeightReceiver::State {
   WeightReceiverConfig cfg;
   ImmReservation& imms;  // this rank's: the training ranks' data WRITEs are counted there
   std::vector<uint64_t> expected;  // per training rank: immediates it sends here each step
+  uint64_t step_bytes = 0;         // what the plan writes into this rank each step
+  detail::ReceiverStats stats;
   std::vector<RemoteMr> sources;   // per training rank
   std::mutex mu;
   std::map<uint64_t, Armed> armed;      // by step
   std::map<uint32_t, uint64_t> failed;  // step tag -> the failed step
+  MetricsRegistration metrics;          // last: removed before what its source reads
 
   State(TransferEngine& e, WeightReceiverConfig c) : engine(e), cfg(std::move(c)), imms(*cfg.imms) {}
 };
@@ -53,8 +57,12 @@ WeightReceiver::WeightReceiver(TransferEngine& engine, WeightReceiverConfig conf
   // The window does not change what lands here, only when: any window gives the same counts.
   const detail::Schedule sched = detail::schedule_update(s.cfg.plan, 1);
   for (const detail::ScheduledWrite& w : sched.send)
-    if (w.dst_rank == s.cfg.rank) s.expected[w.src_rank] += single_write_imm_count(w.len, engine.nic_count(), false);
+    if (w.dst_rank == s.cfg.rank) {
+      s.expected[w.src_rank] += single_write_imm_count(w.len, engine.nic_count(), false);
+      s.step_bytes += w.len;
+    }
   set_sources(s.cfg.train_arenas);
+  s.metrics = engine.add_metrics_source([st = &s](MetricsWriter& w) { write_metrics(w, st->stats, st->cfg.rank); });
 }
 
 WeightReceiver::~WeightReceiver() {
@@ -143,6 +151,7 @@ void WeightReceiver::wait_update(uint64_t step, std::chrono::milliseconds timeou
       for (uint32_t r : m) s.imms.discard(update_imm(ImmKind::kData, step, r));
       s.failed[update_imm(ImmKind::kData, step, 0)] = step;
       s.armed.erase(step);
+      s.stats.failed.add();
       throw Error(ErrorCode::kTimeout,
                   fmt::format("weight update step {} on inference rank {}: after {} ms, writes are missing from "
                               "training ranks {}",
@@ -153,6 +162,8 @@ void WeightReceiver::wait_update(uint64_t step, std::chrono::milliseconds timeou
   }
   std::lock_guard lock(s.mu);
   s.armed.erase(step);
+  s.stats.updates.add();
+  s.stats.bytes.add(s.step_bytes);
 }
 
 }  // namespace fabric::weights

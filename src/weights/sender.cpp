@@ -13,6 +13,7 @@
 #include "fabric/weights/fp8.h"
 #include "fabric/weights/update.h"
 #include "schedule.h"
+#include "weights_stats.h"
 
 namespace fabric::weights {
 
@@ -78,6 +79,8 @@ struct WeightSender::State {
   std::vector<std::vector<RemoteMr>> unit_contributors;  // per own unit
   std::vector<std::vector<uint32_t>> unit_dsts;          // per own unit: inference ranks its sends reach
   std::vector<uint32_t> iota;  // 0, 1, ...: the page indices of every run
+  detail::SenderStats stats;
+  MetricsRegistration metrics;  // last: removed before what its source reads
 
   State(TransferEngine& e, WeightSenderConfig c)
       : engine(e), cfg(std::move(c)), imms(*cfg.imms), sched(detail::schedule_update(cfg.plan, cfg.window)), me(sched.ranks.at(cfg.rank)) {}
@@ -150,6 +153,7 @@ WeightSender::WeightSender(TransferEngine& engine, WeightSenderConfig config) {
     if (writes_to[d]) s.my_dsts.push_back(d);
   s.iota.resize(s.runs.longest);
   for (uint32_t i = 0; i < s.runs.longest; i++) s.iota[i] = i;
+  s.metrics = engine.add_metrics_source([st = &s](MetricsWriter& w) { write_metrics(w, st->stats, st->cfg.rank); });
 }
 
 WeightSender::~WeightSender() = default;
@@ -411,6 +415,21 @@ class WeightSender::Step {
   Clock::time_point waiting_since_{};
 };
 
-UpdateTimes WeightSender::update(uint64_t step) { return Step(*s_, step).run(); }
+UpdateTimes WeightSender::update(uint64_t step) {
+  detail::SenderStats& m = s_->stats;
+  UpdateTimes t;
+  try {
+    t = Step(*s_, step).run();
+  } catch (...) {
+    m.failed.add();
+    throw;
+  }
+  m.updates.add();
+  m.bytes.add(t.bytes);
+  m.seconds.observe(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double, std::milli>(t.total_ms)));
+  m.last_bytes.set(static_cast<double>(t.bytes));
+  m.last_bytes_per_second.set(t.total_ms > 0 ? static_cast<double>(t.bytes) / (t.total_ms * 1e-3) : 0);
+  return t;
+}
 
 }  // namespace fabric::weights
