@@ -116,6 +116,21 @@ def test_parser_reads_labels_escapes_and_special_values():
     assert str(exp.samples[("y", ())]) == "nan"
 
 
+def test_parser_agrees_with_prometheus_client():
+    # The reference parser (the metrics extra; fabric-top itself must not need it).
+    parser = pytest.importorskip("prometheus_client.parser")
+    text = exposition(600, 1_010_000, 240, 504_000, failed=2) + (
+        "# TYPE fabric_post_seconds histogram\n"
+        'fabric_post_seconds_bucket{kind="single",le="1e-06"} 3\n'
+        'fabric_post_seconds_bucket{kind="single",le="+Inf"} 5\n'
+        'fabric_post_seconds_sum{kind="single"} 1.5e-05\n'
+        'fabric_post_seconds_count{kind="single"} 5\n'
+        'fabric_engine_info{provider="tcp;ofi_rxm",note="a \\"q\\" \\\\ \\n"} 1\n')
+    theirs = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in parser.text_string_to_metric_families(text) for s in f.samples}
+    assert top.parse_exposition(text).samples == theirs
+
+
 @pytest.mark.parametrize("bad", ['x{a="1" 2', "x", 'x{a=1} 2', "x one", 'x{a="\\q"} 1', "1x 2"])
 def test_parser_refuses_what_is_not_the_format(bad):
     with pytest.raises(top.ExpositionError, match="line 1"):
