@@ -11,7 +11,7 @@ void write_metrics(MetricsWriter& w, const MoeStats& s, const MoeReading& r,
                    const AllToAllConfig& cfg) {
   const std::string rank = std::to_string(cfg.rank);
   const std::array<MetricLabel, 2> l_{
-      {{"job", cfg.job}, {"rank", rank}}};  // MetricLabels only views them
+      {{"moe_job", cfg.job}, {"rank", rank}}};  // MetricLabels only views them
   const MetricLabels l = std::span<const MetricLabel>(l_);
   w.counter("fabric_moe_dispatches_total",
             "MoE dispatches this rank started (dispatch_send calls accepted)", s.dispatches.get(),
@@ -37,7 +37,7 @@ void write_metrics(MetricsWriter& w, const MoeStats& s, const MoeReading& r,
       r.failed, l);
   for (const char* half : {"dispatch", "combine"}) {
     const std::array<MetricLabel, 3> lh_{
-        {{"job", cfg.job}, {"rank", rank}, {"half", half}}};  // MetricLabels only views them
+        {{"moe_job", cfg.job}, {"rank", rank}, {"half", half}}};  // MetricLabels only views them
     const MetricLabels lh = std::span<const MetricLabel>(lh_);
     const bool d = half[0] == 'd';
     w.counter("fabric_moe_proxy_steps_total", "Halves the proxy thread posted to the other nodes",

@@ -30,7 +30,8 @@ struct MoeReading {
   bool failed = false;  // MoeStats::failed, a kernel's error word or a proxy's failure
 };
 
-// The fabric_moe_* samples, labelled job and rank.
+// The fabric_moe_* samples, labelled moe_job (AllToAllConfig::job; "job" is the label Prometheus
+// gives the scrape target) and rank.
 void write_metrics(MetricsWriter& w, const MoeStats& s, const MoeReading& r,
                    const AllToAllConfig& cfg);
 

@@ -201,7 +201,7 @@ TEST(AppMetrics, MoeDispatchesCombinesAndProxyStepsCountedPerRank) {
                           .out = combined.data()});
         }
         // The proxy counts a half once it posted it, which the peer may see before the count.
-        const std::string s = fmt::format(R"({{job="metrics",rank="{}",half="combine"}})", r);
+        const std::string s = fmt::format(R"({{moe_job="metrics",rank="{}",half="combine"}})", r);
         if (!wait_until([&] {
               return value_of(engines[r]->metrics_text(), "fabric_moe_proxy_steps_total" + s) ==
                      kSteps;
@@ -215,7 +215,7 @@ TEST(AppMetrics, MoeDispatchesCombinesAndProxyStepsCountedPerRank) {
   for (uint32_t r = 0; r < mc.ranks; r++) {
     ASSERT_EQ(failures[r], "") << "rank " << r;
     const std::string& t = texts[r];
-    const std::string l = fmt::format(R"({{job="metrics",rank="{}"}})", r);
+    const std::string l = fmt::format(R"({{moe_job="metrics",rank="{}"}})", r);
     EXPECT_EQ(value_of(t, "fabric_moe_dispatches_total" + l), kSteps) << t;
     EXPECT_EQ(value_of(t, "fabric_moe_combines_total" + l), kSteps);
     EXPECT_EQ(value_of(t, "fabric_moe_dispatch_seconds_count" + l), kSteps);
@@ -226,9 +226,9 @@ TEST(AppMetrics, MoeDispatchesCombinesAndProxyStepsCountedPerRank) {
     EXPECT_EQ(value_of(t, "fabric_moe_failed" + l), 0);
     EXPECT_EQ(
         value_of(
-            t,
-            fmt::format(
-                R"(fabric_moe_proxy_steps_total{{job="metrics",rank="{}",half="dispatch"}})", r)),
+            t, fmt::format(
+                   R"(fabric_moe_proxy_steps_total{{moe_job="metrics",rank="{}",half="dispatch"}})",
+                   r)),
         kSteps);
     // Per dispatch: the counts row and the private and shared rows to the one other rank; per
     // combine: its rows back.
