@@ -158,40 +158,41 @@ def fetch(url: str, timeout: float) -> str:
 @dataclass(frozen=True)
 class Column:
     title: str
-    pattern: "re.Pattern[str]"  # the metric names summed into this column
+    metric: str  # the metric summed into this column (over every label but the row's)
     kind: str  # "rate": per second between scrapes; "gauge": the value now; "count": total and change
 
 
 @dataclass(frozen=True)
 class Table:
     title: str
-    row_label: str  # the label a row is keyed by ("nic", "peer"); "worker" joins it where present
+    keys: Tuple[str, ...]  # the labels a row is keyed by, shown as columns; the last one required
     columns: Tuple[Column, ...]
 
 
-# Samples are summed over every label but the row's (status, kind, ...); the names are those of
-# docs/api.md "Metrics reference", the per-peer ones with or without a "peer_" prefix.
+# The engine's metrics (docs/api.md, "Metrics reference"). A row sums its series over the labels
+# that are not its keys (kind, code, scope).
 TABLES = (
-    Table(
-        "NIC",
-        "nic",
-        (
-            Column("WRITE/s", re.compile(r"fabric_(nic_)?writes_total"), "rate"),
-            Column("bytes/s", re.compile(r"fabric_(nic_)?(bytes_written|write_bytes)_total"), "rate"),
-            Column("in flight", re.compile(r"fabric_(nic_)?(writes_)?in_flight(_writes)?"), "gauge"),
-            Column("failures", re.compile(r"fabric_(nic_)?\w*fail\w*_total"), "count"),
-        ),
-    ),
-    Table(
-        "PEER",
-        "peer",
-        (
-            Column("WRITE/s", re.compile(r"fabric_(peer_)?writes_total"), "rate"),
-            Column("bytes/s", re.compile(r"fabric_(peer_)?(bytes_written|write_bytes)_total"), "rate"),
-            Column("in flight", re.compile(r"fabric_(peer_)?(writes_)?in_flight(_writes)?"), "gauge"),
-            Column("failures", re.compile(r"fabric_(peer_)?\w*fail\w*_total"), "count"),
-        ),
-    ),
+    Table("WORKER", ("worker",), (
+        Column("xfer/s", "fabric_transfers_completed_total", "rate"),
+        Column("in flight", "fabric_transfers_in_flight", "gauge"),
+        Column("failures", "fabric_transfer_failures_total", "count"),
+        Column("peers", "fabric_peers", "gauge"),
+        Column("peers lost", "fabric_peers_lost_total", "count"),
+        Column("stalled", "fabric_worker_stalled", "gauge"),
+    )),
+    Table("NIC", ("worker", "rail", "nic"), (
+        Column("WRITE/s", "fabric_nic_writes_total", "rate"),
+        Column("bytes/s", "fabric_nic_write_bytes_total", "rate"),
+        Column("in flight", "fabric_nic_in_flight", "gauge"),
+        Column("retries", "fabric_nic_retries_total", "count"),
+        Column("errors", "fabric_nic_errors_total", "count"),
+    )),
+    Table("PEER", ("worker", "peer"), (
+        Column("WRITE/s", "fabric_peer_writes_total", "rate"),
+        Column("bytes/s", "fabric_peer_write_bytes_total", "rate"),
+        Column("in flight", "fabric_peer_in_flight", "gauge"),
+        Column("errors", "fabric_peer_errors_total", "count"),
+    )),
 )
 
 
@@ -215,28 +216,50 @@ class Cell:
 @dataclass
 class Row:
     endpoint: str
-    name: str
+    key: Tuple[str, ...]  # the values of the table's keys ("" where a series lacks one)
     cells: List[Cell]
 
 
-def _row_name(labels: Labels, row_label: str) -> Optional[str]:
+def _row_key(labels: Labels, keys: Tuple[str, ...]) -> Optional[Tuple[str, ...]]:
     d = dict(labels)
-    if row_label not in d:
-        return None
-    return f"w{d['worker']}/{d[row_label]}" if "worker" in d else d[row_label]
+    if keys[-1] not in d:
+        return None  # an engine-wide or other series: not a row of this table
+    return tuple(d.get(k, "") for k in keys)
 
 
-def _sums(exp: Exposition, table: Table, column: Column) -> Dict[str, Dict[SeriesKey, float]]:
-    """The column's series of each row, by row name."""
-    out: Dict[str, Dict[SeriesKey, float]] = {}
+def _by_row(exp: Exposition, table: Table, column: Column) -> Dict[Tuple[str, ...], Dict[SeriesKey, float]]:
+    """The column's series of each row, by row key."""
+    out: Dict[Tuple[str, ...], Dict[SeriesKey, float]] = {}
     for key, v in exp.samples.items():
-        name, labels = key
-        if not column.pattern.fullmatch(name):
+        if key[0] != column.metric:
             continue
-        row = _row_name(labels, table.row_label)
+        row = _row_key(key[1], table.keys)
         if row is not None:
             out.setdefault(row, {})[key] = v
     return out
+
+
+def _cell(column: Column, series: Dict[SeriesKey, float], before: Dict[SeriesKey, float], dt: float) -> Cell:
+    cell = Cell()
+    if not series:
+        return cell
+    total = sum(series.values())
+    if column.kind == "gauge":
+        cell.value = total
+        return cell
+    # Only series seen both times count: a new series' first interval is unknown.
+    known = [(v, before[k]) for k, v in series.items() if k in before]
+    if any(v < b for v, b in known):
+        cell.reset = True  # the process restarted: no rate for this interval, never a negative one
+        if column.kind == "count":
+            cell.value = total
+    elif column.kind == "count":
+        cell.value = total
+        if known:
+            cell.delta = sum(v - b for v, b in known)
+    elif known and dt > 0:
+        cell.value = sum(v - b for v, b in known) / dt
+    return cell
 
 
 def table_rows(endpoint: str, prev: Optional[Scrape], cur: Scrape, table: Table) -> List[Row]:
@@ -245,37 +268,17 @@ def table_rows(endpoint: str, prev: Optional[Scrape], cur: Scrape, table: Table)
     assert cur.exposition is not None
     old = prev.exposition if prev is not None else None
     dt = cur.at - prev.at if prev is not None else 0.0
-    cols = [_sums(cur.exposition, table, c) for c in table.columns]
-    old_cols = [_sums(old, table, c) if old else {} for c in table.columns]
-    names = sorted({r for col in cols for r in col})
-    rows = []
-    for name in names:
-        cells = []
-        for column, col, old_col in zip(table.columns, cols, old_cols):
-            series = col.get(name, {})
-            before = old_col.get(name, {})
-            cell = Cell()
-            if series:
-                total = sum(series.values())
-                if column.kind == "gauge":
-                    cell.value = total
-                else:
-                    went_down = any(k in before and v < before[k] for k, v in series.items())
-                    # Only series seen both times count: a new series' first interval is unknown.
-                    known = [(v, before[k]) for k, v in series.items() if k in before]
-                    if went_down:
-                        cell.reset = True
-                    elif column.kind == "count":
-                        cell.value = total
-                        if known:
-                            cell.delta = sum(v - b for v, b in known)
-                    elif known and dt > 0:
-                        cell.value = sum(v - b for v, b in known) / dt
-                    if column.kind == "count" and went_down:
-                        cell.value = total
-            cells.append(cell)
-        rows.append(Row(endpoint, name, cells))
-    return rows
+    cols = [_by_row(cur.exposition, table, c) for c in table.columns]
+    old_cols = [_by_row(old, table, c) if old else {} for c in table.columns]
+    keys = sorted({r for col in cols for r in col}, key=_natural)
+    return [Row(endpoint, key, [_cell(c, col.get(key, {}), old_col.get(key, {}), dt)
+                                for c, col, old_col in zip(table.columns, cols, old_cols)])
+            for key in keys]
+
+
+def _natural(key: Tuple[str, ...]):
+    """Worker 2 before worker 10."""
+    return tuple((0, int(v), "") if v.isdigit() else (1, 0, v) for v in key)
 
 
 # --- text ------------------------------------------------------------------------------------
@@ -324,15 +327,19 @@ def render(endpoints: Sequence[str], prev: Dict[str, Scrape], cur: Dict[str, Scr
                 rows += table_rows(_short(e), prev.get(e), cur[e], table)
         if not rows:
             continue
-        name_w = max([len(r.name) for r in rows] + [len(table.title)])
-        header = f"{'ENDPOINT':<{width}}  {table.title:<{name_w}}" + "".join(
-            f"  {c.title:>12}" for c in table.columns)
+        # A key column only where some row has a value for it (no rail column without rails).
+        shown = [i for i in range(len(table.keys)) if any(r.key[i] for r in rows)]
+        widths = {i: max([len(r.key[i]) for r in rows] + [len(table.keys[i])]) for i in shown}
+        header = f"{'ENDPOINT':<{width}}" + "".join(
+            f"  {(table.title if i == len(table.keys) - 1 else table.keys[i]).upper():<{widths[i]}}"
+            for i in shown) + "".join(f"  {c.title:>12}" for c in table.columns)
         lines += ["", header]
         for r in rows:
-            lines.append(f"{r.endpoint:<{width}}  {r.name:<{name_w}}" + "".join(
+            lines.append(f"{r.endpoint:<{width}}" + "".join(
+                f"  {r.key[i] or '-':<{widths[i]}}" for i in shown) + "".join(
                 f"  {format_cell(c, cell):>12}" for c, cell in zip(table.columns, r.cells)))
     if all(cur[e].exposition is not None for e in endpoints) and len(lines) == 1:
-        lines.append("(no per-NIC or per-peer metrics yet)")
+        lines.append("(no per-worker, per-NIC or per-peer metrics yet)")
     return "\n".join(lines) + "\n"
 
 

@@ -72,22 +72,30 @@ def canned():
 
 
 def exposition(writes, nbytes, peer_writes, peer_bytes, in_flight=3, failed=0):
-    return f"""# HELP fabric_writes_total WRITEs completed
+    """The engine's names and labels (docs/api.md, "Metrics reference"), two NICs and a peer."""
+    return f"""# HELP fabric_nic_writes_total WRITEs completed successfully on this NIC
+# TYPE fabric_nic_writes_total counter
+fabric_nic_writes_total{{worker="0",rail="0",nic="eth0"}} {writes}
+fabric_nic_writes_total{{worker="0",rail="1",nic="eth1"}} 7
+# TYPE fabric_nic_write_bytes_total counter
+fabric_nic_write_bytes_total{{worker="0",rail="0",nic="eth0"}} {nbytes}
+fabric_nic_write_bytes_total{{worker="0",rail="1",nic="eth1"}} 700
+# TYPE fabric_nic_in_flight gauge
+fabric_nic_in_flight{{worker="0",rail="0",nic="eth0"}} {in_flight}
 # TYPE fabric_writes_total counter
-fabric_writes_total{{worker="0",nic="eth0"}} {writes}
-fabric_writes_total{{worker="0",nic="eth1"}} 7
-# TYPE fabric_bytes_written_total counter
-fabric_bytes_written_total{{worker="0",nic="eth0"}} {nbytes}
-fabric_bytes_written_total{{worker="0",nic="eth1"}} 700
-# TYPE fabric_writes_in_flight gauge
-fabric_writes_in_flight{{worker="0",nic="eth0"}} {in_flight}
+fabric_writes_total {writes + 7}
 # TYPE fabric_peer_writes_total counter
 fabric_peer_writes_total{{worker="0",peer="10.0.0.2:5000"}} {peer_writes}
-# TYPE fabric_peer_bytes_written_total counter
-fabric_peer_bytes_written_total{{worker="0",peer="10.0.0.2:5000"}} {peer_bytes}
-# TYPE fabric_transfers_failed_total counter
-fabric_transfers_failed_total{{worker="0",peer="10.0.0.2:5000",status="timeout"}} {failed}
-fabric_transfers_failed_total{{worker="0",peer="10.0.0.2:5000",status="peer_gone"}} 1
+# TYPE fabric_peer_write_bytes_total counter
+fabric_peer_write_bytes_total{{worker="0",peer="10.0.0.2:5000"}} {peer_bytes}
+# TYPE fabric_peer_errors_total counter
+fabric_peer_errors_total{{worker="0",peer="10.0.0.2:5000"}} {failed + 1}
+# TYPE fabric_transfers_completed_total counter
+fabric_transfers_completed_total{{worker="0",kind="single"}} {peer_writes}
+fabric_transfers_completed_total{{worker="0",kind="paged"}} {peer_writes}
+# TYPE fabric_transfer_failures_total counter
+fabric_transfer_failures_total{{worker="0",kind="single",code="timeout"}} {failed}
+fabric_transfer_failures_total{{worker="0",kind="single",code="peer_lost"}} 1
 """
 
 
@@ -153,14 +161,18 @@ def test_rates_are_counter_differences_over_the_clock(canned):
     finally:
         t.close()
     assert ok1 and ok2 and s.requests == 3
-    # 500 WRITEs and 1,000,000 bytes in 2 s of the clock.
-    assert row(frame1, "w0/eth0")[2:] == ["250", "500.00", "kB/s", "5", "-"]
+    # 500 WRITEs and 1,000,000 bytes in 2 s of the clock (endpoint, worker, rail, nic, then the columns).
+    assert row(frame1, "eth0")[4:] == ["250", "500.00", "kB/s", "5", "-", "-"]
     # eth1 did nothing: 0/s, not its totals.
-    assert row(frame1, "w0/eth1")[2:] == ["0", "0", "B/s", "-", "-"]
-    # Per peer: 200 WRITEs, 500,000 bytes; failures summed over status, +2 since the last scrape.
-    assert row(frame1, "w0/10.0.0.2:5000")[2:] == ["100", "250.00", "kB/s", "-", "3", "(+2)"]
-    assert row(frame2, "w0/eth0")[2:] == ["50", "100.00", "kB/s", "0", "-"]
-    assert row(frame2, "w0/10.0.0.2:5000")[2:] == ["0", "0", "B/s", "-", "3"]
+    assert row(frame1, "eth1")[1:] == ["0", "1", "eth1", "0", "0", "B/s", "-", "-", "-"]
+    # Per peer: 200 WRITEs, 500,000 bytes; errors 3, +2 since the last scrape.
+    assert row(frame1, "10.0.0.2:5000")[1:] == ["0", "10.0.0.2:5000", "100", "250.00", "kB/s", "-", "3", "(+2)"]
+    # Per worker: transfers summed over kinds (400 in 2 s), failures over kinds and codes.
+    lines = frame1.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.split()[1:3] == ["WORKER", "xfer/s"])
+    assert lines[header + 1].split()[1:] == ["0", "200", "-", "3", "(+2)", "-", "-", "-"]
+    assert row(frame2, "eth0")[4:] == ["50", "100.00", "kB/s", "0", "-", "-"]
+    assert row(frame2, "10.0.0.2:5000")[3:] == ["0", "0", "B/s", "-", "3"]
 
 
 def test_rates_use_the_time_between_scrapes_not_the_interval_asked(canned):
@@ -177,7 +189,7 @@ def test_rates_use_the_time_between_scrapes_not_the_interval_asked(canned):
         frame, _ = t.step()
     finally:
         t.close()
-    assert row(frame, "w0/eth0")[2:5] == ["100", "1.00", "kB/s"]
+    assert row(frame, "eth0")[4:7] == ["100", "1.00", "kB/s"]
 
 
 def test_a_counter_that_goes_down_resets_the_rate(canned):
@@ -193,11 +205,11 @@ def test_a_counter_that_goes_down_resets_the_rate(canned):
         next_frame, _ = t.step()
     finally:
         t.close()
-    assert row(after_restart, "w0/eth0")[2:5] == ["reset", "reset", "3"]
-    assert row(after_restart, "w0/10.0.0.2:5000")[2:] == ["reset", "reset", "-", "1", "(reset)"]
+    assert row(after_restart, "eth0")[4:7] == ["reset", "reset", "3"]
+    assert row(after_restart, "10.0.0.2:5000")[3:] == ["reset", "reset", "-", "1", "(reset)"]
     assert not re.search(r"(^|\s)-\d", after_restart)  # no negative number anywhere
     # The next interval counts from the restarted values again.
-    assert row(next_frame, "w0/eth0")[2:5] == ["100", "200.00", "kB/s"]
+    assert row(next_frame, "eth0")[4:7] == ["100", "200.00", "kB/s"]
 
 
 def test_several_endpoints_one_row_each(canned):
@@ -212,8 +224,8 @@ def test_several_endpoints_one_row_each(canned):
         t.close()
     assert ok
     port_a, port_b = a.url.split("/")[2], b.url.split("/")[2]
-    assert row(frame, port_a, "w0/eth0")[2:5] == ["10", "1.00", "kB/s"]
-    assert row(frame, port_b, "w0/eth0")[2:5] == ["30", "3.00", "kB/s"]
+    assert row(frame, port_a, "eth0")[4:7] == ["10", "1.00", "kB/s"]
+    assert row(frame, port_b, "eth0")[4:7] == ["30", "3.00", "kB/s"]
 
 
 # --- endpoints that do not answer -------------------------------------------------------------
