@@ -126,8 +126,9 @@ def rank_main(conn, cfg: dict) -> None:
 
                 registry = prometheus_client.CollectorRegistry()
                 metrics.register(engine, registry)
-                server, _ = prometheus_client.start_http_server(cfg["metrics_port"], addr="127.0.0.1",
-                                                                registry=registry)
+                started = prometheus_client.start_http_server(cfg["metrics_port"], addr="127.0.0.1",
+                                                              registry=registry)
+                server = started[0] if started else None  # (server, thread) from prometheus_client 0.20
             conn.send("ready")
             store = dist.TCPStore("127.0.0.1", cfg["store_port"], is_master=False, wait_for_workers=False)
             keep: list = []
