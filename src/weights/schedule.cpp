@@ -35,15 +35,33 @@ struct Range {
   uint32_t unit = kNoUnit;
 };
 
-// The unit whose range holds [offset, offset + len), or kNoUnit; a WRITE that starts in a range
-// and leaves it would be a planner bug.
-uint32_t find_unit(const std::vector<Range>& ranges, uint64_t offset, uint64_t len) {
+// The unit whose range holds `offset`, with its range's end, or kNoUnit.
+std::pair<uint32_t, uint64_t> unit_at(const std::vector<Range>& ranges, uint64_t offset) {
   auto it = std::upper_bound(ranges.begin(), ranges.end(), offset, [](uint64_t o, const Range& r) { return o < r.begin; });
-  if (it == ranges.begin()) return kNoUnit;
-  --it;
-  if (offset >= it->end) return kNoUnit;
-  if (offset + len > it->end) throw invalid(fmt::format("a WRITE of {} bytes at {} leaves its staging range", len, offset));
-  return it->unit;
+  if (it == ranges.begin() || offset >= std::prev(it)->end) return {kNoUnit, 0};
+  return {std::prev(it)->unit, std::prev(it)->end};
+}
+
+// Calls emit(unit, skip, len) for each unit's piece of [offset, offset + len), in order (skip: the
+// piece's distance from `offset`), or emit(kNoUnit, 0, len) once when `offset` is in no unit.
+// writes_of merges WRITEs contiguous on both sides across tensors too, so a merged WRITE can span
+// several units (experts whose FP8 bytes and scales lie back to back in the staging area and at
+// the destination alike); each unit's WRITEs are counted apart, so it is split again here. A
+// piece that starts in no unit after the first would be a planner bug.
+template <typename Emit>
+void for_each_unit_piece(const std::vector<Range>& ranges, uint64_t offset, uint64_t len, Emit emit) {
+  for (uint64_t skip = 0; skip < len;) {
+    const auto [unit, end] = unit_at(ranges, offset + skip);
+    if (unit == kNoUnit) {
+      if (skip != 0)
+        throw invalid(fmt::format("a WRITE of {} bytes at {} leaves its staging range at {}", len, offset, offset + skip));
+      emit(kNoUnit, uint64_t{0}, len);
+      return;
+    }
+    const uint64_t piece = std::min(len - skip, end - (offset + skip));
+    emit(unit, skip, piece);
+    skip += piece;
+  }
 }
 
 struct RankRanges {
@@ -168,12 +186,13 @@ Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window
     }
 
   // Gather WRITEs land in the destination's slot of their unit; local copies likewise.
-  for (const Write& w : writes_of(p.gather)) {
-    const uint32_t unit = find_unit(ranges[w.dst_rank].in, w.dst_offset, w.len);
-    if (unit == kNoUnit) throw invalid(fmt::format("a gather WRITE to rank {} at {} lands in no unit", w.dst_rank, w.dst_offset));
-    const uint64_t dst = s.slot_offset(w.dst_rank, unit) + (w.dst_offset - ranges[w.dst_rank].in_begin[unit]);
-    s.gather.push_back({w.src_rank, w.dst_rank, w.src_offset, dst, w.len, unit});
-  }
+  for (const Write& w : writes_of(p.gather))
+    for_each_unit_piece(ranges[w.dst_rank].in, w.dst_offset, w.len, [&](uint32_t unit, uint64_t skip, uint64_t len) {
+      if (unit == kNoUnit)
+        throw invalid(fmt::format("a gather WRITE to rank {} at {} lands in no unit", w.dst_rank, w.dst_offset));
+      const uint64_t dst = s.slot_offset(w.dst_rank, unit) + (w.dst_offset + skip - ranges[w.dst_rank].in_begin[unit]);
+      s.gather.push_back({w.src_rank, w.dst_rank, w.src_offset + skip, dst, len, unit});
+    });
   std::sort(s.gather.begin(), s.gather.end(), [](const ScheduledWrite& a, const ScheduledWrite& b) {
     return std::tie(a.src_rank, a.dst_rank, a.unit, a.dst_offset) < std::tie(b.src_rank, b.dst_rank, b.unit, b.dst_offset);
   });
@@ -186,7 +205,7 @@ Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window
   }
   for (const Copy& c : p.gather.copies) {
     if (!c.local) continue;
-    const uint32_t unit = find_unit(ranges[c.dst_rank].in, c.dst_offset, 1);
+    const uint32_t unit = unit_at(ranges[c.dst_rank].in, c.dst_offset).first;
     if (unit == kNoUnit) throw invalid(fmt::format("a local copy on rank {} at {} lands in no unit", c.dst_rank, c.dst_offset));
     Copy moved = c;
     moved.dst_offset = s.slot_offset(c.dst_rank, unit) + (c.dst_offset - ranges[c.dst_rank].in_begin[unit]);
@@ -194,15 +213,17 @@ Schedule schedule_update(std::shared_ptr<const UpdatePlan> plan, uint32_t window
   }
   // Send WRITEs read a unit's slot (FP8 bytes and scales) or the shards (BF16 tensors).
   for (const Write& w : writes_of(p.send)) {
-    ScheduledWrite sw{w.src_rank, w.dst_rank, w.src_offset, w.dst_offset, w.len, kNoUnit};
-    if (w.src_offset >= p.staging_base[w.src_rank]) {
-      const std::vector<Range>& out = ranges[w.src_rank].out;
-      sw.unit = find_unit(out, w.src_offset, w.len);
-      if (sw.unit == kNoUnit) throw invalid(fmt::format("a send WRITE of rank {} at {} reads no unit", w.src_rank, w.src_offset));
-      sw.src_offset = s.ranks[w.src_rank].units[sw.unit].task.out_offset +
-                      (w.src_offset - ranges[w.src_rank].out_begin[sw.unit]);
+    if (w.src_offset < p.staging_base[w.src_rank]) {
+      s.send.push_back({w.src_rank, w.dst_rank, w.src_offset, w.dst_offset, w.len, kNoUnit});
+      continue;
     }
-    s.send.push_back(sw);
+    for_each_unit_piece(ranges[w.src_rank].out, w.src_offset, w.len, [&](uint32_t unit, uint64_t skip, uint64_t len) {
+      if (unit == kNoUnit)
+        throw invalid(fmt::format("a send WRITE of rank {} at {} reads no unit", w.src_rank, w.src_offset));
+      const uint64_t src = s.ranks[w.src_rank].units[unit].task.out_offset +
+                           (w.src_offset + skip - ranges[w.src_rank].out_begin[unit]);
+      s.send.push_back({w.src_rank, w.dst_rank, src, w.dst_offset + skip, len, unit});
+    });
   }
   for (uint32_t i = 0; i < s.send.size(); i++) {
     const ScheduledWrite& w = s.send[i];

@@ -109,5 +109,35 @@ TEST(WeightsRuns, ThePredictionCountsTheExecutorsRequestsAndBoundsItsTime) {
   EXPECT_THROW(predict_update(nullptr, {.link_gbs = 1}), Error);
 }
 
+// Two whole 512 x 512 FP8 tensors (experts) on one training rank, back to back at the inference
+// rank: FP8 bytes then 64 bytes of scales each, so with no padding between them writes_of merges
+// both units' sends into one WRITE (the Qwen3-MoE experts of examples/rl_weights did this). The
+// schedule splits it again per unit, each piece read from that unit's window slot.
+TEST(WeightsRuns, AWriteMergedAcrossUnitsIsSplitPerUnitByTheSchedule) {
+  const uint64_t fp8 = 512 * 512, scales = 4 * 4 * sizeof(float), unit = fp8 + scales;
+  Manifest m{.tensors = {{"e0", 512, 512, 2, true}, {"e1", 512, 512, 2, true}}, .src_ranks = 1, .dst_ranks = 1};
+  for (uint32_t t = 0; t < 2; t++) {
+    m.sources.push_back({t, 0, {0, 512, 0, 512}, t * 512 * 512 * 2});
+    m.dests.push_back({t, 0, {0, 512, 0, 512}, t * unit});
+    m.dest_scales.push_back({t, 0, {0, 4, 0, 4}, t * unit + fp8});
+  }
+  auto plan = std::make_shared<const UpdatePlan>(plan_update(m));
+  ASSERT_EQ(check_update(m, *plan), "");
+  ASSERT_EQ(writes_of(plan->send).size(), 1u) << "the test needs the two units merged into one WRITE";
+  for (uint32_t window : {1u, 2u}) {
+    const detail::Schedule s = detail::schedule_update(plan, window);
+    ASSERT_EQ(s.send.size(), 2u) << "window " << window;
+    for (uint32_t i = 0; i < 2; i++) {
+      const ScheduledWrite& w = s.send[i];
+      const uint32_t u = w.unit;
+      ASSERT_LT(u, s.ranks[0].units.size());
+      EXPECT_EQ(w.len, unit);
+      EXPECT_EQ(w.dst_offset, i * unit);
+      EXPECT_EQ(w.src_offset, s.ranks[0].units[u].task.out_offset) << "read from the unit's slot";
+      EXPECT_EQ(m.tensors[s.ranks[0].units[u].task.tensor].name, i == 0 ? "e0" : "e1");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fabric::weights
