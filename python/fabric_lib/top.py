@@ -311,7 +311,17 @@ def format_cell(column: Column, cell: Cell) -> str:
     return si(cell.value)
 
 
-def render(endpoints: Sequence[str], prev: Dict[str, Scrape], cur: Dict[str, Scrape],
+def frame_tables(endpoints: Sequence[str], prev: Dict[str, Scrape],
+                 cur: Dict[str, Scrape]) -> Dict[str, List[Row]]:
+    """Every table's rows (by table title) for the endpoints that answered, in endpoint order."""
+    out: Dict[str, List[Row]] = {}
+    for table in TABLES:
+        out[table.title] = [r for e in endpoints if cur[e].exposition is not None
+                            for r in table_rows(_short(e), prev.get(e), cur[e], table)]
+    return out
+
+
+def render(endpoints: Sequence[str], cur: Dict[str, Scrape], tables: Dict[str, List[Row]],
            interval: float, frame: int) -> str:
     """One frame: a line per unreachable endpoint, then each table."""
     lines = [f"fabric-top: {len(endpoints)} endpoint{'s' if len(endpoints) != 1 else ''}, "
@@ -321,10 +331,7 @@ def render(endpoints: Sequence[str], prev: Dict[str, Scrape], cur: Dict[str, Scr
         if cur[e].error:
             lines.append(f"{_short(e):<{width}}  DOWN: {cur[e].error}")
     for table in TABLES:
-        rows: List[Row] = []
-        for e in endpoints:
-            if cur[e].exposition is not None:
-                rows += table_rows(_short(e), prev.get(e), cur[e], table)
+        rows = tables[table.title]
         if not rows:
             continue
         # A key column only where some row has a value for it (no rail column without rails).
@@ -391,19 +398,27 @@ class Top:
         self.last = first
         self._next = self.clock() + self.interval
 
-    def step(self) -> Tuple[str, bool]:
-        """Waits for the next tick, scrapes, returns the frame and whether every endpoint answered."""
+    def step(self) -> "Frame":
+        """Waits for the next tick, scrapes every endpoint and returns the frame."""
         self.sleep(max(0.0, self._next - self.clock()))
         self._next = max(self._next + self.interval, self.clock())
         cur = self.scrape_all()
         self.frame += 1
-        text = render(self.endpoints, self.last, cur, self.interval, self.frame)
+        tables = frame_tables(self.endpoints, self.last, cur)
+        text = render(self.endpoints, cur, tables, self.interval, self.frame)
         for e, s in cur.items():
             if s.exposition is not None:
                 self.last[e] = s
             else:
                 self.last.pop(e, None)  # its next answer starts a new baseline
-        return text, all(s.error is None for s in cur.values())
+        return Frame(text, all(s.error is None for s in cur.values()), tables)
+
+
+@dataclass
+class Frame:
+    text: str  # what is printed
+    ok: bool  # every endpoint answered
+    tables: Dict[str, List[Row]]  # the rows by table title ("WORKER", "NIC", "PEER"), for scripts
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -430,13 +445,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         top.start()
         all_ok = True
         while frames == 0 or top.frame < frames:
-            text, ok = top.step()
-            all_ok &= ok
+            frame = top.step()
+            all_ok &= frame.ok
             if redraw:
                 sys.stdout.write("\x1b[H\x1b[2J")
             elif top.frame > 1:
                 sys.stdout.write("\n")
-            sys.stdout.write(text)
+            sys.stdout.write(frame.text)
             sys.stdout.flush()
         return 0 if all_ok else 1
     except ScrapeError as e:
