@@ -6,6 +6,7 @@
 
 #include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -133,7 +134,11 @@ class DurationHistogram {
   static constexpr size_t kBounds = 27;
   static constexpr size_t kBuckets = kBounds + 1;  // the last: above 2^36 ns
   // The bucket a duration of `ns` nanoseconds falls into (le is inclusive, as Prometheus has it).
-  static size_t bucket_of(uint64_t ns);
+  static size_t bucket_of(uint64_t ns) {
+    if (ns <= (uint64_t{1} << 10)) return 0;
+    const size_t b = static_cast<size_t>(std::bit_width(ns - 1)) - 10;
+    return b < kBounds ? b : kBounds;
+  }
   // The upper bounds in seconds (kBounds of them, ascending).
   static std::span<const double> upper_bounds();
 

@@ -51,8 +51,9 @@ class EngineImpl {
   // That GPU's worker's signals (none: the first worker's) and the worker; created on first use.
   std::pair<GpuSignals&, uint32_t> signals(std::optional<int> cuda_device);
   GpuSignals& signals_of(uint32_t worker);
-  // TransferEngine::metrics_text (engine_metrics.cpp).
+  // TransferEngine::metrics_text (engine_metrics.cpp), and a submit refused at the call.
   std::string metrics_text();
+  void count_refused(TransferKind kind, ErrorCode code);
 
  private:
   friend class TransferEngine;  // its calls are this object's (the public face of a pimpl)
@@ -99,6 +100,9 @@ class EngineImpl {
   std::mutex signals_mu_;
   std::array<std::unique_ptr<GpuSignals>, kMaxWorkers> signals_;
   std::shared_ptr<MetricsSources> metrics_sources_ = std::make_shared<MetricsSources>();
+  // Submits refused at the call, by kind and ErrorCode: counted on the caller's thread, off the
+  // data path (only when a submit throws).
+  std::array<std::array<std::atomic<uint64_t>, kCausePeerLost>, kTransferKinds> refused_{};
 };
 
 }  // namespace fabric

@@ -515,7 +515,7 @@ void TransferEngine::dereg_mr(MrHandle handle) {
 }
 
 void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> bytes,
-                                 OnDone on_done) {
+                                 OnDone on_done) try {
   impl_->check_open();
   impl_->check_peer(dst, "submit_send");
   if (bytes.size() > impl_->config_.max_message_size)
@@ -542,6 +542,9 @@ void TransferEngine::submit_send(const NetAddr& dst, std::span<const std::byte> 
     r.buf->send_dst = dst.worker(0);
   r.buf->payload.assign(bytes.begin(), bytes.end());
   impl_->submit_request(*impl_->workers_[0], std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kSend, e.code());
+  throw;
 }
 
 void TransferEngine::submit_recvs(size_t len, size_t count, RecvCallback on_recv) {
@@ -679,7 +682,9 @@ void TransferEngine::connect(RemoteMr r) {
     throw Error(failure->code(), fmt::format("connect: {}", failure->message()));
 }
 
-void TransferEngine::submit(const SingleWrite& w, OnDone on_done) {
+// Each submit is a function try block: a refused submit is counted
+// (fabric_submits_refused_total) and rethrown; nothing is added to the path that succeeds.
+void TransferEngine::submit(const SingleWrite& w, OnDone on_done) try {
   constexpr const char* what = "submit(SingleWrite)";
   impl_->check_open();
   const SourceView s = impl_->source(w.src.mr);
@@ -702,9 +707,12 @@ void TransferEngine::submit(const SingleWrite& w, OnDone on_done) {
   r.dst = w.dst.mr;
   r.shards = static_cast<uint32_t>(single_write_imm_count(w, impl_->nic_count_));
   impl_->submit_request(impl_->worker_of(s), std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kSingle, e.code());
+  throw;
 }
 
-void TransferEngine::submit(const PagedWrites& w, OnDone on_done) {
+void TransferEngine::submit(const PagedWrites& w, OnDone on_done) try {
   constexpr const char* what = "submit(PagedWrites)";
   impl_->check_open();
   const SourceView s = impl_->source(w.src);
@@ -744,9 +752,12 @@ void TransferEngine::submit(const PagedWrites& w, OnDone on_done) {
   r.buf->src_pages.assign(w.src_pages.indices.begin(), w.src_pages.indices.end());
   r.buf->dst_pages.assign(w.dst_pages.indices.begin(), w.dst_pages.indices.end());
   impl_->submit_request(impl_->worker_of(s), std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kPaged, e.code());
+  throw;
 }
 
-void TransferEngine::submit(const Scatter& w, OnDone on_done) {
+void TransferEngine::submit(const Scatter& w, OnDone on_done) try {
   constexpr const char* what = "submit(Scatter)";
   impl_->check_open();
   const SourceView s = impl_->source(w.src);
@@ -769,9 +780,12 @@ void TransferEngine::submit(const Scatter& w, OnDone on_done) {
   r.buf = impl_->buffers_.take(r.kind);
   r.buf->slices.assign(w.slices.begin(), w.slices.end());
   impl_->submit_request(impl_->worker_of(s), std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kScatter, e.code());
+  throw;
 }
 
-void TransferEngine::submit(const GroupScatter& w, OnDone on_done) {
+void TransferEngine::submit(const GroupScatter& w, OnDone on_done) try {
   constexpr const char* what = "submit(GroupScatter)";
   impl_->check_open();
   const SourceView s = impl_->source(w.src);
@@ -798,9 +812,12 @@ void TransferEngine::submit(const GroupScatter& w, OnDone on_done) {
   r.buf = impl_->buffers_.take(r.kind);
   r.buf->group_slices.assign(w.slices.begin(), w.slices.end());
   impl_->submit_request(impl_->worker_of(s), std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kGroupScatter, e.code());
+  throw;
 }
 
-void TransferEngine::submit(const Barrier& w, OnDone on_done) {
+void TransferEngine::submit(const Barrier& w, OnDone on_done) try {
   constexpr const char* what = "submit(Barrier)";
   impl_->check_open();
   if (w.dsts.size() > UINT32_MAX)
@@ -814,9 +831,12 @@ void TransferEngine::submit(const Barrier& w, OnDone on_done) {
   r.buf = impl_->buffers_.take(r.kind);
   r.buf->remotes.assign(w.dsts.begin(), w.dsts.end());
   impl_->submit_request(worker, std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kBarrier, e.code());
+  throw;
 }
 
-void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) {
+void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) try {
   constexpr const char* what = "submit(GroupBarrier)";
   impl_->check_open();
   const PeerGroup& g = impl_->group(w.group, what);
@@ -827,6 +847,9 @@ void TransferEngine::submit(const GroupBarrier& w, OnDone on_done) {
   r.group = w.group.id;
   r.count = static_cast<uint32_t>(g.lens.size());
   impl_->submit_request(worker, std::move(r));
+} catch (const Error& e) {
+  impl_->count_refused(TransferKind::kGroupBarrier, e.code());
+  throw;
 }
 
 PeerGroupHandle TransferEngine::add_peer_group(std::span<const RemoteMr> members) {
@@ -890,12 +913,12 @@ std::vector<NicStats> TransferEngine::nic_stats() {
   for (uint32_t w = 0; w < impl_->workers_.size(); w++) {
     const DomainGroup& domains = impl_->workers_[w]->domains();  // read by any thread
     for (size_t i = 0; i < domains.domain_count(); i++) {
-      const AtomicNicStats& a = domains.stats(i);
+      const NicCounters& a = domains.stats(i);
       const auto [injected, duplicated_imms] = domains.injected_faults(i);
       const DomainCaps& caps = domains.caps(i);
-      out.push_back({a.writes_posted.load(), a.bytes_written.load(), a.sends_posted.load(),
-                     a.imms_received.load(), a.messages_received.load(), a.errors.load(), injected,
-                     duplicated_imms, a.imms_dropped.load(), a.messages_dropped.load(), caps.nic_name, w,
+      out.push_back({a.writes.read(), a.bytes.read(), a.sends.read(), a.imms_received.read(),
+                     a.messages_received.read(), a.errors.read(), injected, duplicated_imms,
+                     a.imms_dropped.read(), a.messages_dropped.read(), caps.nic_name, w,
                      caps.link_gbps});
     }
   }

@@ -164,11 +164,6 @@ std::string MetricsWriter::text() const {
   return out;
 }
 
-size_t DurationHistogram::bucket_of(uint64_t ns) {
-  if (ns <= (uint64_t{1} << 10)) return 0;
-  return std::min<size_t>(std::bit_width(ns - 1) - 10, kBounds);
-}
-
 std::span<const double> DurationHistogram::upper_bounds() {
   static const std::array<double, kBounds> bounds = [] {
     std::array<double, kBounds> b{};

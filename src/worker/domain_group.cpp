@@ -37,12 +37,14 @@ void DomainGroup::book_refusal(size_t d, PeerId peer, PostResult result) {
       // Retrying at once would only take the provider's locks again (shm shares one with the
       // peer): skip this domain until it completes something or a few polls have passed.
       backoff_[d] = kRetryBackoffPolls;
+      stats_[d].retries.add();
       break;
     case PostResult::kRetryPeer:  // only this peer: the domain keeps serving the others
       peer_backoff_.push_back({static_cast<uint32_t>(d), peer, kRetryBackoffPolls});
+      stats_[d].peer_retries.add();
       break;
     case PostResult::kFailed:
-      stats_[d].errors.fetch_add(1, std::memory_order_relaxed);
+      stats_[d].errors.add();
       break;
     case PostResult::kPosted:
       break;

@@ -16,15 +16,19 @@
 #include <vector>
 
 #include "domain/domain.h"
+#include "util/counter.h"
 #include "worker/sharding.h"
 #include "worker/transfer.h"
 
 namespace fabric {
 
-// One domain's counters: written by the worker, read by any thread (nic_stats).
-struct AtomicNicStats {
-  std::atomic<uint64_t> writes_posted{0}, bytes_written{0}, sends_posted{0}, imms_received{0},
-      messages_received{0}, errors{0}, imms_dropped{0}, messages_dropped{0};
+// One domain's counters: written by the worker, read by any thread (nic_stats, metrics_text).
+// writes, bytes and sends count operations that completed successfully.
+struct NicCounters {
+  util::Counter writes, bytes, sends, imms_received, messages_received, errors, imms_dropped,
+      messages_dropped;
+  util::Counter retries, peer_retries;  // posts answered kRetry / kRetryPeer (then backed off)
+  util::Counter in_flight;              // posted, not completed: the in-flight limit's count
 };
 
 class DomainGroup {
@@ -38,8 +42,6 @@ class DomainGroup {
     bool on_nics = true;      // false: the NICs refused it (GPU memory), the local domain took it
     std::string nic_refusal;  // the NIC provider's message when on_nics is false
   };
-
-  DomainGroup() : stats_(std::make_unique<AtomicNicStats[]>(kMaxDomains)) {}
 
   // Opens the configured NICs, then the local domain where configured; throws what opening
   // raised. Call it on the worker thread once pinned, so NIC state lands on its NUMA node.
@@ -56,8 +58,8 @@ class DomainGroup {
   bool has_local() const { return !local_address_.empty(); }
   size_t local_index() const { return nic_count_; }
   size_t domain_count() const { return nic_count_ + (has_local() ? 1 : 0); }
-  AtomicNicStats& stats(size_t d) { return stats_[d]; }
-  const AtomicNicStats& stats(size_t d) const { return stats_[d]; }
+  NicCounters& stats(size_t d) { return stats_[d]; }
+  const NicCounters& stats(size_t d) const { return stats_[d]; }
   // The worker's owner gave up on its thread (Worker::stop, wedged inside a provider): from now
   // on no post or poll goes into a provider. The thread may wake inside one while the process
   // exits and libfabric tears the provider down (shm frees its endpoint names at exit while a
@@ -89,17 +91,17 @@ class DomainGroup {
   // Whether domain d may take an operation for `peer` now: it is under its in-flight limit and
   // neither it nor that peer of it pushed back in the last polls.
   bool may_post(size_t d, PeerId peer) const {
-    if (backoff_[d] > 0 || in_flight_[d] >= max_in_flight_[d]) return false;
+    if (backoff_[d] > 0 || stats_[d].in_flight.read() >= max_in_flight_[d]) return false;
     for (const PeerBackoff& b : peer_backoff_)  // empty unless a peer pushed back
       if (b.domain == d && b.peer == peer) return false;
     return true;
   }
   // An operation that counted against d's in-flight limit completed.
-  void completed(size_t d) { in_flight_[d]--; }
+  void completed(size_t d) { stats_[d].in_flight.sub(); }
   // A timed-out transfer's operations stop counting against the limits: a completion that never
   // comes (a stuck operation) must not take a domain's budget for good.
   void forget_in_flight(const std::array<uint32_t, kMaxDomains>& per_domain) {
-    for (size_t d = 0; d < domains_.size(); d++) in_flight_[d] -= per_domain[d];
+    for (size_t d = 0; d < domains_.size(); d++) stats_[d].in_flight.sub(per_domain[d]);
   }
 
   // Posting: the result is booked before it is returned (kPosted: one more in flight; kRetry:
@@ -182,7 +184,7 @@ class DomainGroup {
   // The posted case inline (every WRITE), the others out of line.
   PostResult booked(size_t d, PeerId peer, PostResult result) {
     if (result == PostResult::kPosted) [[likely]] {
-      in_flight_[d]++;
+      stats_[d].in_flight.add();
     } else {
       book_refusal(d, peer, result);
     }
@@ -196,7 +198,7 @@ class DomainGroup {
   size_t nic_count_ = 0;
   std::string local_address_;
   std::string provider_;
-  std::unique_ptr<AtomicNicStats[]> stats_;
+  std::array<NicCounters, kMaxDomains> stats_;
   std::vector<Completion> completions_;  // one poll's worth, reused
   // Polls to wait before posting again on a domain that answered kRetry (-FI_EAGAIN; 0: post
   // freely). A completion on that domain resets it; the countdown covers back-pressure that no
@@ -210,7 +212,6 @@ class DomainGroup {
     uint32_t polls;
   };
   std::vector<PeerBackoff> peer_backoff_;
-  std::array<size_t, kMaxDomains> in_flight_{};  // posted, not completed
   std::array<size_t, kMaxDomains> max_in_flight_{};
 };
 

@@ -1,6 +1,9 @@
 // PeerTable (peer_table.h): peer records, the routes and groups that hold them, and their release.
 #include "worker/peer_table.h"
 
+#include <algorithm>
+
+#include "fabric/metrics.h"
 #include "util/log.h"
 
 namespace fabric {
@@ -31,6 +34,8 @@ uint32_t PeerTable::new_record(const NetAddr& addr, const ResolvedTarget& t) {
   p.target.record = r;
   p.addr = addr;
   p.holders = p.outstanding = 0;
+  p.label = metrics_peer_label(addr);
+  p.writes = p.bytes = p.sends = p.errors = 0;
   index_.emplace(addr, r);
   return r;
 }
@@ -52,6 +57,7 @@ void PeerTable::maybe_free(uint32_t r) {
   if (gone && p.holders == 0 && p.outstanding == 0) {
     p.state = State::kFree;
     p.addr = NetAddr{};
+    p.label.clear();
     records_.give(r);
   }
 }
@@ -65,6 +71,7 @@ void PeerTable::peer_failed(uint32_t r) {
   PeerRecord& p = records_[r];
   if (p.state != State::kLive) return;
   p.state = State::kFailed;
+  peers_lost_.add();
   log::info("a peer's connection failed; its resources go once nothing of it is in flight");
   if (p.outstanding == 0) release(r);
 }
@@ -169,6 +176,22 @@ void PeerTable::detach_remote(uint32_t s) {
   const uint32_t record = target.record;
   target = {};
   if (record != UINT32_MAX) unhold(record);
+}
+
+std::vector<PeerMetrics> PeerTable::metrics() const {
+  std::vector<PeerMetrics> out;
+  for (uint32_t r = 0; r < records_.size(); r++) {
+    const PeerRecord& p = records_[r];
+    if (p.state == State::kFree) continue;
+    auto it = std::find_if(out.begin(), out.end(), [&](const PeerMetrics& m) { return m.peer == p.label; });
+    if (it == out.end()) it = out.insert(out.end(), PeerMetrics{p.label});
+    it->writes += p.writes;
+    it->bytes += p.bytes;
+    it->sends += p.sends;
+    it->errors += p.errors;
+    it->in_flight += p.outstanding;
+  }
+  return out;
 }
 
 uint32_t PeerTable::add_group(std::span<const RemoteMr> members) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shared_state/remote_table.h"
+#include "util/counter.h"
 #include "util/slot_map.h"
 #include "worker/domain_group.h"
 #include "worker/request.h"
@@ -26,6 +27,12 @@ struct NetAddrHash {
       h = h * 1099511628211ull ^ std::hash<std::string>{}(a.nic(i));
     return h;
   }
+};
+
+// One peer's counters as metrics_text shows them (records of the same address summed).
+struct PeerMetrics {
+  std::string peer;  // metrics_peer_label
+  uint64_t writes = 0, bytes = 0, sends = 0, errors = 0, in_flight = 0;
 };
 
 class PeerTable {
@@ -53,6 +60,9 @@ class PeerTable {
   // it fail with kCancelled at their next post; returns the interned regions that route to it.
   std::vector<RemoteMr> remove_peer(const NetAddr& peer);
   size_t peer_count() const { return index_.size(); }
+  // Every record in use, summed per peer label. Peer records failed so far: any thread.
+  std::vector<PeerMetrics> metrics() const;
+  const util::Counter& peers_lost() const { return peers_lost_; }
 
   // A transfer's route whose record is not live: false when the transfer failed (removed peer,
   // or no route any more), true when it may post (the route was resolved again if need be).
@@ -70,6 +80,13 @@ class PeerTable {
     if (p.state != State::kLive) maybe_free(r);  // live: nothing to free
   }
   void posted(uint32_t r) { records_[r].outstanding++; }
+  // What completed on record r (successful WRITEs and bytes, SENDs; failed operations).
+  void count_writes(uint32_t r, uint64_t writes, uint64_t bytes) {
+    records_[r].writes += writes;
+    records_[r].bytes += bytes;
+  }
+  void count_send(uint32_t r) { records_[r].sends++; }
+  void count_error(uint32_t r) { records_[r].errors++; }
   // An operation to record r completed; `peer_lost`: with an error that says the connection is
   // gone. A failed or released record may have waited for this last completion.
   void completed(uint32_t r, bool peer_lost) {
@@ -87,6 +104,9 @@ class PeerTable {
     NetAddr addr;
     uint32_t holders = 0;      // transfers, remote slots and groups whose routes name this record
     uint32_t outstanding = 0;  // operations posted to it, not completed
+    // Its metrics (worker thread only: metrics_text asks the worker). They go with the record.
+    std::string label;
+    uint64_t writes = 0, bytes = 0, sends = 0, errors = 0;
   };
 
   uint32_t new_record(const NetAddr& addr, const ResolvedTarget& t);
@@ -105,6 +125,7 @@ class PeerTable {
   util::SlotMap<PeerRecord> records_;  // a freed record (kFree) is taken again before it grows
   std::unordered_map<NetAddr, uint32_t, NetAddrHash> index_;  // live and failed records
   std::vector<std::unique_ptr<GroupState>> groups_;
+  util::Counter peers_lost_;
 };
 
 }  // namespace fabric

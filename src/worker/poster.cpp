@@ -140,8 +140,17 @@ bool Poster::post_next(Transfer& t, DomainGroup& domains, PeerTable& peers) {
   t.outstanding_on[nic]++;
   peers.posted(target->record);
   if (t.src) t.src->writes_in_flight++;
+  if (t.next_op == 1) first_posted(t);
   if (record_post_timings_) record_post_timing(t);
   return true;
+}
+
+// The submit time is the deadline minus the timeout (the submitting thread read the clock once,
+// for the deadline); now is the worker's round clock (util::RoundClock).
+void Poster::first_posted(const Transfer& t) {
+  const auto since_submit = clock_.now() - (t.req.deadline - transfer_timeout_);
+  const int64_t ns = std::chrono::nanoseconds(since_submit).count();
+  metrics_.first_post[WorkerMetrics::kind(t.req.kind)].observe(ns > 0 ? static_cast<uint64_t>(ns) : 0);
 }
 
 // The submit time is the deadline minus the timeout: no clock read on the submit path.

@@ -15,10 +15,12 @@
 #include "shared_state/mr_table.h"
 #include "util/free_slots.h"
 #include "util/object_pool.h"
+#include "util/round_clock.h"
 #include "worker/domain_group.h"
 #include "worker/peer_table.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
+#include "worker/worker_metrics.h"
 
 namespace fabric {
 
@@ -27,8 +29,10 @@ namespace fabric {
 // loaded per WRITE; bench/callgrind_post.sh counts it).
 class Poster {
  public:
-  explicit Poster(const EngineConfig& config)
-      : max_message_size_(config.max_message_size),
+  Poster(const EngineConfig& config, WorkerMetrics& metrics, util::RoundClock& clock)
+      : metrics_(metrics),
+        clock_(clock),
+        max_message_size_(config.max_message_size),
         send_slots_(config.send_slots),
         transfer_timeout_(config.transfer_timeout),
         record_post_timings_(config.record_post_timings),
@@ -71,8 +75,12 @@ class Poster {
 
  private:
   bool post_next(Transfer& t, DomainGroup& domains, PeerTable& peers);
+  void first_posted(const Transfer& t);  // its submit -> first WRITE histogram
   void record_post_timing(Transfer& t);
 
+  // Only once per transfer (first_posted): no load per WRITE.
+  WorkerMetrics& metrics_;
+  util::RoundClock& clock_;  // the worker's
   const size_t max_message_size_;
   const size_t send_slots_;
   const std::chrono::milliseconds transfer_timeout_;  // submit time = deadline - timeout

@@ -42,6 +42,7 @@ struct Transfer {
   bool failed = false;        // stop posting
   bool reported = false;      // on_done has fired
   bool queued = false;        // in the worker's pending list
+  bool peer_lost = false;     // its first failure: an operation whose peer's connection is gone
   Status error;
   uint64_t first_post_ns = 0;  // record_post_timings only
   Transfer* prev = nullptr;   // the worker's list of unreported transfers, by deadline
@@ -68,7 +69,7 @@ struct Transfer {
     outstanding_on = {};
     batch = 0;
     send_slot = UINT32_MAX;
-    failed = reported = queued = false;
+    failed = reported = queued = peer_lost = false;
     if (!error.ok()) error = Status{};
     first_post_ns = 0;
     prev = next = nullptr;

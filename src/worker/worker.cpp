@@ -25,7 +25,7 @@ Worker::Worker(const EngineConfig& config, size_t index, MrTable& mrs, RemoteTab
       peers_(domains_, remotes, index),
       expectations_(config.max_unexpected_imms,
                     [this](OnDone& d, Status s) { report(d, std::move(s)); }),
-      poster_(config),
+      poster_(config, metrics_, clock_),
       recv_pools_(domains_, callbacks, overflow_) {
   std::promise<void> opened;
   auto ready = opened.get_future();
@@ -166,9 +166,11 @@ void Worker::loop() {
   uint32_t rounds = 0;
   while (!stopping_) {
     heartbeat_.store(rounds, std::memory_order_relaxed);
+    clock_.next_phase();  // posting
     bool busy = take_requests();
     busy |= post_pending();
     busy |= recv_pools_.post_backlog();
+    clock_.next_phase();  // completions
     busy |= poll_domains();
     // Any call into the provider may spin past stop()'s patience (shm on a dead peer's lock).
     // Once stop() gave up on this thread, its DomainGroup posts and polls nothing more, and the
@@ -202,6 +204,7 @@ bool Worker::take_requests() {
 }
 
 void Worker::handle(TransferRequest&& r) {
+  metrics_.taken[WorkerMetrics::kind(r.kind)].add();
   Transfer& t = *transfers_.acquire();
   t.req = std::move(r);
   link(t);
@@ -275,12 +278,12 @@ bool Worker::poll_domains() {
 }
 
 void Worker::on_completion(size_t nic, Completion& c) {
-  AtomicNicStats& st = domains_.stats(nic);
+  NicCounters& st = domains_.stats(nic);
   switch (c.kind) {
     case Completion::Kind::kRemoteImm:
-      st.imms_received.fetch_add(1, std::memory_order_relaxed);
+      st.imms_received.add();
       if (!expectations_.arrive(c.imm)) {
-        st.imms_dropped.fetch_add(1, std::memory_order_relaxed);
+        st.imms_dropped.add();
         if (!warned_imm_drop_)
           log::warn("immediate {:#x} dropped: {} distinct immediates are already counted with no "
                     "expectation waiting (EngineConfig::max_unexpected_imms); NicStats::imms_dropped "
@@ -290,11 +293,11 @@ void Worker::on_completion(size_t nic, Completion& c) {
       }
       return;
     case Completion::Kind::kRecv:
-      st.messages_received.fetch_add(1, std::memory_order_relaxed);
+      st.messages_received.add();
       recv_pools_.received(nic, c.context, c.len);
       return;
     case Completion::Kind::kError:
-      st.errors.fetch_add(1, std::memory_order_relaxed);
+      st.errors.add();
       if (!c.context) {  // not ours (e.g. a peer's connection failed): nothing to end
         log::warn("nic {}: {}", nic, c.error);
         return;
@@ -302,7 +305,7 @@ void Worker::on_completion(size_t nic, Completion& c) {
       if (c.context->kind == kOpRecv) {  // a failed receive still owns its buffer: post it again
         // The message is lost to the application: counted, and said once loudly (a sender that
         // keeps sending too-long messages would flood the log), then at debug.
-        st.messages_dropped.fetch_add(1, std::memory_order_relaxed);
+        st.messages_dropped.add();
         if (!warned_message_drop_)
           log::warn("nic {}: a message was dropped: {}. A message longer than the receive buffers "
                     "(submit_recvs' len) cannot be delivered: give the buffers the senders' "
@@ -320,12 +323,16 @@ void Worker::on_completion(size_t nic, Completion& c) {
       auto* t = static_cast<Transfer*>(ctx->owner);
       if (c.kind == Completion::Kind::kLocal) {
         if (ctx->kind == kOpWrite) {
-          st.writes_posted.fetch_add(ctx->writes, std::memory_order_relaxed);
-          st.bytes_written.fetch_add(ctx->aux, std::memory_order_relaxed);
+          st.writes.add(ctx->writes);
+          st.bytes.add(ctx->aux);
+          peers_.count_writes(ctx->peer, ctx->writes, ctx->aux);
         } else {
-          st.sends_posted.fetch_add(1, std::memory_order_relaxed);
+          st.sends.add();
+          peers_.count_send(ctx->peer);
         }
       } else {
+        peers_.count_error(ctx->peer);
+        if (!t->failed) t->peer_lost = c.peer_lost;
         t->fail(Status(ErrorCode::kProvider, c.error));
       }
       poster_.complete(ctx, c.kind == Completion::Kind::kError && c.peer_lost, domains_, peers_);
@@ -346,7 +353,13 @@ void Worker::maybe_finish(Transfer& t) {
   if (done_now) {
     t.reported = true;
     unlink(t);
-    report(t.req.on_done, t.failed ? t.error : Status::ok_status());
+    if (t.failed) {
+      count_failed(t, t.error.code());
+      report(t.req.on_done, t.error);
+    } else {
+      count_completed(t);
+      report(t.req.on_done, Status::ok_status());
+    }
   }
   if (t.reported && t.outstanding == 0 && !t.queued) {
     if (t.send_slot != UINT32_MAX) poster_.free_send_slot(t.send_slot);
@@ -369,6 +382,19 @@ void Worker::report(OnDone& on_done, Status status) {
   on_done.fire(status);
 }
 
+// The submit time is the deadline minus the timeout; now is the round clock's.
+void Worker::count_completed(const Transfer& t) {
+  const size_t k = WorkerMetrics::kind(t.req.kind);
+  const int64_t ns = std::chrono::nanoseconds(clock_.now() - (t.req.deadline - config_.transfer_timeout)).count();
+  metrics_.duration[k].observe(ns > 0 ? static_cast<uint64_t>(ns) : 0);
+  metrics_.completed[k].add();
+}
+
+void Worker::count_failed(const Transfer& t, ErrorCode code) {
+  const size_t cause = t.peer_lost && code == ErrorCode::kProvider ? kCausePeerLost : static_cast<size_t>(code);
+  metrics_.failed[WorkerMetrics::kind(t.req.kind)][cause].add();
+}
+
 // Transfers are linked in submission order and share one timeout, so the oldest expires first.
 void Worker::check_deadlines() {
   if (!oldest_ && !expectations_.has_deadlines()) return;
@@ -383,6 +409,7 @@ void Worker::check_deadlines() {
                               t.outstanding)));
     t.reported = true;
     unlink(t);
+    count_failed(t, ErrorCode::kTimeout);
     report(t.req.on_done, t.error);
     // The peer it waited for is unreachable (its connection never came up, or its WRITEs never
     // complete): release it once nothing of it is in flight, so a restarted peer is met afresh.
@@ -421,6 +448,7 @@ void Worker::shutdown() {
     Transfer& t = *oldest_;
     t.reported = true;
     unlink(t);
+    count_failed(t, ErrorCode::kShutdown);
     report(t.req.on_done, stopped);
   }
   expectations_.end_all(stopped);

@@ -10,6 +10,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "util/mpsc_queue.h"
 #include "util/object_pool.h"
 #include "util/ring.h"
+#include "util/round_clock.h"
 #include "util/shared_pool.h"
 #include "worker/domain_group.h"
 #include "worker/expectations.h"
@@ -31,6 +33,7 @@
 #include "worker/recv_pools.h"
 #include "worker/request.h"
 #include "worker/transfer.h"
+#include "worker/worker_metrics.h"
 
 namespace fabric {
 
@@ -69,6 +72,8 @@ class Worker {
   Expectations& expectations() { return expectations_; }  // immediate counts and expectations
   RecvPools& recv_pools() { return recv_pools_; }         // receive buffers (RecvPools::add)
   Poster& poster() { return poster_; }                    // posting (its post timings)
+  // Its transfer metrics: any thread (single-writer counters).
+  const WorkerMetrics& metrics() const { return metrics_; }
 
   // Any thread. Waits (yielding) while the queue is full. Throws kShutdown once the worker has
   // stopped taking requests (nothing submitted is ever silently lost).
@@ -90,6 +95,26 @@ class Worker {
     }});
     while (result.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready)
       if (stalled() && gate->abandon()) throw stall_error("a control call (registration, query)");
+    return result.get();
+  }
+  // As call(), but for a reader that must not wait long (metrics): nullopt when the worker has
+  // not started fn within `patience` (fn is then never run) or takes no more requests.
+  template <class F>
+  auto try_call(F&& fn, std::chrono::milliseconds patience) -> std::optional<decltype(fn())> {
+    using R = decltype(fn());
+    std::packaged_task<R()> task(std::forward<F>(fn));
+    auto result = task.get_future();
+    auto gate = std::make_shared<CallGate>();
+    try {
+      submit(ControlRequest{[gate, &task] {
+        if (gate->enter()) task();
+      }});
+    } catch (const Error&) {
+      return std::nullopt;
+    }
+    const auto give_up = std::chrono::steady_clock::now() + patience;
+    while (result.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready)
+      if (std::chrono::steady_clock::now() > give_up && gate->abandon()) return std::nullopt;
     return result.get();
   }
   // No loop round for worker_stall_timeout (checked from another thread; it keeps its own clock).
@@ -141,6 +166,9 @@ class Worker {
   void on_completion(size_t nic, Completion& c);
   void maybe_finish(Transfer& t);
   void report(OnDone& on_done, Status status);
+  // A transfer's end in its metrics: completed (with its submit -> complete time) or failed.
+  void count_completed(const Transfer& t);
+  void count_failed(const Transfer& t, ErrorCode code);
   void check_deadlines();
   void shutdown();
 
@@ -160,6 +188,8 @@ class Worker {
   std::thread thread_;
 
   // Owned by the worker thread.
+  WorkerMetrics metrics_;      // written here, read by any thread
+  util::RoundClock clock_;     // the metrics' timestamps, read once per phase of a round
   PeerTable peers_;            // peer records, the routes and groups that hold them
   Expectations expectations_;  // immediates counted here and the expectations waiting for them
   bool warned_imm_drop_ = false;
