@@ -28,13 +28,16 @@ struct MetricLabel {
   std::string_view value;  // any UTF-8; escaped by the writer
 };
 
-// The labels of one sample: a braced list, {{"peer", p}, {"kind", "single"}}, or a span. Read
-// during the call only.
+// The labels of one sample: a braced list, {{"peer", p}, {"kind", "single"}}, an array or a span.
+// Read during the call only. It refers to its labels: one built from a braced list must not be
+// kept past the call it is written in (the list's array ends there); keep a MetricLabel array.
 class MetricLabels {
  public:
   MetricLabels() = default;
   MetricLabels(std::initializer_list<MetricLabel> labels) : labels_(labels.begin(), labels.size()) {}
   MetricLabels(std::span<const MetricLabel> labels) : labels_(labels) {}
+  template <size_t N>
+  MetricLabels(const MetricLabel (&labels)[N]) : labels_(labels) {}
   std::span<const MetricLabel> span() const { return labels_; }
 
  private:

@@ -602,7 +602,7 @@ NB_MODULE(_fabric_lib, m) {
              size_t max_in_flight_per_nic, size_t max_message_size, std::optional<int> worker_cpu,
              bool reorder, uint64_t reorder_seed, std::optional<int> cuda_device,
              std::optional<bool> cuda_ipc, std::optional<bool> host_ipc, const Topology* topology,
-             std::optional<std::vector<int>> gpus) {
+             std::optional<std::vector<int>> gpus, uint16_t metrics_port, std::string metrics_address) {
             // What is left out comes from the FABRIC_* environment as in C++
             // (EngineConfig::from_env), else from the provider's defaults (engine_defaults.h).
             EngineConfig c = python_engine_config(provider, nics, cuda_device);
@@ -628,6 +628,8 @@ NB_MODULE(_fabric_lib, m) {
             c.reorder.seed = reorder_seed;
             if (cuda_ipc) c.cuda_ipc = *cuda_ipc;
             if (host_ipc) c.host_ipc = *host_ipc;
+            c.metrics_port = metrics_port;
+            c.metrics_address = std::move(metrics_address);
             // With a topology: one worker per GPU (all, or `gpus`), their NICs and cores from it;
             // the arguments above are the rest of the configuration (and the NICs where the host
             // has no RDMA NIC).
@@ -644,7 +646,7 @@ NB_MODULE(_fabric_lib, m) {
           "max_in_flight_per_nic"_a = 64, "max_message_size"_a = 16384, "worker_cpu"_a = nb::none(),
           "reorder"_a = false, "reorder_seed"_a = 1, "cuda_device"_a = nb::none(),
           "cuda_ipc"_a = nb::none(), "host_ipc"_a = nb::none(), "topology"_a = nb::none(),
-          "gpus"_a = nb::none())
+          "gpus"_a = nb::none(), "metrics_port"_a = 0, "metrics_address"_a = "127.0.0.1")
       .def("close", &PyEngine::close,
            "Ends pending work with errors and joins the engine's threads.")
       .def_prop_ro("closed", &PyEngine::closed,
@@ -664,7 +666,11 @@ NB_MODULE(_fabric_lib, m) {
           "peers this engine holds NIC resources for (diagnostics; a round trip to each worker)")
       .def(
           "nic_stats", [](PyEngine& e) { return e.get().nic_stats(); },
-          "A NicStats per NIC, every worker's in order (cuda_ipc / host_ipc entries last).");
+          "A NicStats per NIC, every worker's in order (cuda_ipc / host_ipc entries last).")
+      .def("metrics_text", nogil<PyEngine>(&TransferEngine::metrics_text),
+           "The engine's metrics and its metrics sources' in the Prometheus text format 0.0.4 "
+           "(docs/api.md, Metrics reference); metrics_port=N also serves them at "
+           "http://metrics_address:N/metrics.");
   def_checked(
       engine, "submit_recvs",
       {uint_arg("length", UINT64_MAX, true), uint_arg("count", UINT64_MAX, true),

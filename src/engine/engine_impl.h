@@ -15,6 +15,7 @@
 #include "cuda/gpu_signals.h"
 #include "engine/imm_registry.h"
 #include "fabric/transfer_engine.h"
+#include "metrics/metrics_endpoint.h"
 #include "metrics/metrics_sources.h"
 #include "shared_state/callback_thread.h"
 #include "shared_state/mr_table.h"
@@ -103,6 +104,8 @@ class EngineImpl {
   // Submits refused at the call, by kind and ErrorCode: counted on the caller's thread, off the
   // data path (only when a submit throws).
   std::array<std::array<std::atomic<uint64_t>, kCausePeerLost>, kTransferKinds> refused_{};
+  // GET /metrics over HTTP where EngineConfig::metrics_port asks for it; stopped first at close.
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
 };
 
 }  // namespace fabric

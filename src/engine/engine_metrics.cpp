@@ -44,7 +44,7 @@ void write_nics(MetricsWriter& w, const std::string& worker, const DomainGroup& 
   for (size_t d = 0; d < g.domain_count(); d++) {
     const NicCounters& c = g.stats(d);
     const std::string rail = d < g.nic_count() ? std::to_string(d) : "local";
-    const MetricLabels l = {{"worker", worker}, {"rail", rail}, {"nic", g.caps(d).nic_name}};
+    const MetricLabel l[] = {{"worker", worker}, {"rail", rail}, {"nic", g.caps(d).nic_name}};
     w.counter("fabric_nic_writes_total", "WRITEs completed successfully on this NIC", c.writes.read(), l);
     w.counter("fabric_nic_write_bytes_total", "Bytes of the WRITEs counted in fabric_nic_writes_total",
               c.bytes.read(), l);
@@ -79,7 +79,7 @@ void write_transfers(MetricsWriter& w, const std::string& worker, const WorkerMe
   for (size_t k = 0; k < kTransferKinds; k++) {
     const uint64_t taken = m.taken[k].read();
     if (taken == 0) continue;  // a kind never used has no series
-    const MetricLabels l = {{"worker", worker}, {"kind", kKindNames[k]}};
+    const MetricLabel l[] = {{"worker", worker}, {"kind", kKindNames[k]}};
     const uint64_t completed = m.completed[k].read();
     uint64_t failed = 0;
     w.counter("fabric_transfers_total", "Transfers (submitted requests) the worker took", taken, l);
@@ -158,7 +158,7 @@ std::string EngineImpl::metrics_text() {
     if (!peers) continue;
     w.gauge("fabric_peers", "Peers this worker holds NIC resources for", peers->first, {{"worker", worker}});
     for (const PeerMetrics& p : peers->second) {
-      const MetricLabels l = {{"worker", worker}, {"peer", p.peer}};
+      const MetricLabel l[] = {{"worker", worker}, {"peer", p.peer}};
       w.counter("fabric_peer_writes_total", "WRITEs to this peer completed successfully", p.writes, l);
       w.counter("fabric_peer_write_bytes_total", "Bytes of the WRITEs in fabric_peer_writes_total", p.bytes, l);
       w.counter("fabric_peer_sends_total", "SENDs to this peer completed successfully", p.sends, l);

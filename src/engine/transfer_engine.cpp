@@ -174,9 +174,22 @@ EngineImpl::EngineImpl(EngineConfig config)
   // The longest message we accept travels in the address: senders refuse longer ones at submit.
   address_ = NetAddr(workers_[0]->domains().provider(), std::move(nics), std::move(locals),
                      static_cast<uint32_t>(config_.max_message_size));
+  if (config_.metrics_port != 0) {
+    try {  // last: it may render the metrics at once
+      metrics_endpoint_ = std::make_unique<MetricsEndpoint>(config_.metrics_address, config_.metrics_port,
+                                                            [this] { return metrics_text(); });
+    } catch (...) {
+      for (auto& w : workers_) w->stop();
+      workers_.clear();
+      callbacks_->stop();
+      callbacks_.reset();
+      throw;
+    }
+  }
 }
 
 EngineImpl::~EngineImpl() {
+  metrics_endpoint_.reset();  // first: it reads the workers
   metrics_sources_->close();  // what the sources captured goes now, whoever holds a registration
   imm_registry_->close();  // reservations that outlive the engine throw kShutdown from now on
   for (auto& s : signals_) s.reset();  // watcher callbacks may submit: stop them while the engine still works
