@@ -121,7 +121,7 @@ def _buffer_address(obj: Any) -> tuple[int, int, Optional[int]]:
 # common enough to name it before nanobind's generic "incompatible function arguments".
 _ENGINE_KEYWORDS = ("provider", "nics", "poll", "callback_poll", "transfer_timeout_s", "max_in_flight_per_nic",
                     "max_message_size", "worker_cpu", "reorder", "reorder_seed", "cuda_device", "cuda_ipc",
-                    "host_ipc", "topology", "gpus")
+                    "host_ipc", "topology", "gpus", "metrics_port", "metrics_address")
 
 
 def _check_engine_arguments(args: tuple, kwargs: dict) -> None:
