@@ -239,7 +239,9 @@ def _by_row(exp: Exposition, table: Table, column: Column) -> Dict[Tuple[str, ..
     return out
 
 
-def _cell(column: Column, series: Dict[SeriesKey, float], before: Dict[SeriesKey, float], dt: float) -> Cell:
+def _cell(column: Column, series: Dict[SeriesKey, float], before: Optional[Dict[SeriesKey, float]],
+          dt: float) -> Cell:
+    """`before`: the row's series at the endpoint's previous scrape, None when there was none."""
     cell = Cell()
     if not series:
         return cell
@@ -247,17 +249,21 @@ def _cell(column: Column, series: Dict[SeriesKey, float], before: Dict[SeriesKey
     if column.kind == "gauge":
         cell.value = total
         return cell
-    # Only series seen both times count: a new series' first interval is unknown.
-    known = [(v, before[k]) for k, v in series.items() if k in before]
+    if before is None:  # the endpoint's first answer: totals only, no change known yet
+        if column.kind == "count":
+            cell.value = total
+        return cell
+    # A series the previous scrape of the same process lacked was born since, from 0 (the engine
+    # creates a peer's or a transfer kind's series at its first use).
+    known = [(v, before.get(k, 0.0)) for k, v in series.items()]
     if any(v < b for v, b in known):
         cell.reset = True  # the process restarted: no rate for this interval, never a negative one
         if column.kind == "count":
             cell.value = total
     elif column.kind == "count":
         cell.value = total
-        if known:
-            cell.delta = sum(v - b for v, b in known)
-    elif known and dt > 0:
+        cell.delta = sum(v - b for v, b in known)
+    elif dt > 0:
         cell.value = sum(v - b for v, b in known) / dt
     return cell
 
@@ -271,7 +277,7 @@ def table_rows(endpoint: str, prev: Optional[Scrape], cur: Scrape, table: Table)
     cols = [_by_row(cur.exposition, table, c) for c in table.columns]
     old_cols = [_by_row(old, table, c) if old else {} for c in table.columns]
     keys = sorted({r for col in cols for r in col}, key=_natural)
-    return [Row(endpoint, key, [_cell(c, col.get(key, {}), old_col.get(key, {}), dt)
+    return [Row(endpoint, key, [_cell(c, col.get(key, {}), old_col.get(key, {}) if old else None, dt)
                                 for c, col, old_col in zip(table.columns, cols, old_cols)])
             for key in keys]
 

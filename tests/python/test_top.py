@@ -214,6 +214,22 @@ def test_a_counter_that_goes_down_resets_the_rate(canned):
     assert row(next_frame, "eth0")[4:7] == ["100", "200.00", "kB/s"]
 
 
+def test_a_series_born_between_scrapes_counts_from_zero(canned):
+    # The engine creates a peer's series at its first WRITE: absent from the previous scrape of the
+    # same process, it started at 0 since.
+    first = "\n".join(l for l in exposition(0, 0, 0, 0).splitlines() if "peer" not in l) + "\n"
+    s = canned(first, exposition(40, 4_000, 30, 3_000, failed=1))
+    clock = FakeClock()
+    t = top.Top([s.url], clock=clock, sleep=clock.sleep)
+    try:
+        t.start()
+        f = t.step()
+    finally:
+        t.close()
+    (peer,) = f.tables["PEER"]
+    assert [c.value for c in peer.cells] == [30, 3_000, None, 2] and peer.cells[3].delta == 2
+
+
 def test_several_endpoints_one_row_each(canned):
     a = canned(exposition(0, 0, 0, 0), exposition(10, 1_000, 0, 0))
     b = canned(exposition(0, 0, 0, 0), exposition(30, 3_000, 0, 0))
