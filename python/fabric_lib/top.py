@@ -1,5 +1,6 @@
-"""fabric-top: a live view of one or more engines' metrics endpoints (one per rank), per NIC and per
-peer: WRITEs/s, bytes/s, WRITEs in flight, failures; refreshed every second.
+"""fabric-top: a live view of one or more engines' metrics endpoints (one per rank), refreshed every
+second: per worker transfers/s, in flight, failures; per NIC and per peer WRITEs/s, bytes/s, in
+flight, errors (docs/operations.md).
 
     fabric-top http://127.0.0.1:9400/metrics 127.0.0.1:9401 9402
     fabric-top --once 9400          # one frame (two scrapes an interval apart), for scripts
