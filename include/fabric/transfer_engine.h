@@ -18,6 +18,7 @@
 #include "fabric/error.h"
 #include "fabric/imm_range.h"
 #include "fabric/metrics.h"
+#include "fabric/mr_request.h"
 #include "fabric/on_done.h"
 #include "fabric/requests.h"
 #include "fabric/types.h"
@@ -167,6 +168,12 @@ class TransferEngine {
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device = Device::host());
   // The same, for a region whose incoming immediates belong to `imms` (see ImmReservation).
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, const ImmReservation& imms);
+  // Registers every region of `regions` in one call (MrRequest: each one's memory, device,
+  // reservation, prefault), with one round trip to each worker serving them instead of one per
+  // region; handles and descriptors in the order given. All or nothing: every entry is checked
+  // as reg_mr checks it before any is registered, and a failure part-way (the provider, the region
+  // slots) deregisters those already done; the error names the entry (its index) that failed.
+  std::vector<std::pair<MrHandle, MrDesc>> reg_mrs(std::span<const MrRequest> regions);
 
   // Reserves a range of this engine's immediate space for one user (ImmReservation). Throws
   // kInvalidArgument for bits outside 1..32, a misaligned base or a range that overlaps one

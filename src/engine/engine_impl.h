@@ -14,6 +14,7 @@
 
 #include "cuda/gpu_signals.h"
 #include "engine/imm_registry.h"
+#include "engine/registration.h"
 #include "fabric/transfer_engine.h"
 #include "metrics/metrics_endpoint.h"
 #include "metrics/metrics_sources.h"
@@ -42,6 +43,10 @@ class EngineImpl {
 
   // Both reg_mr overloads.
   std::pair<MrHandle, MrDesc> reg_mr(void* ptr, size_t len, Device device, ImmRange imms);
+  // reg_mr and reg_mrs (registration.cpp): every region checked, then registered on its worker
+  // (one call per worker), all or none; `what` names the call in errors.
+  std::vector<std::pair<MrHandle, MrDesc>> register_all(std::span<const RegionEntry> entries,
+                                                        const char* what);
   // The raw calls (TransferEngine's) refuse a reserved immediate, then do what these do for an
   // ImmReservation (its holder's calls).
   ImmReservation reserve_imms(const ImmReserveRequest& request);
@@ -106,6 +111,7 @@ class EngineImpl {
   std::array<std::array<std::atomic<uint64_t>, kCausePeerLost>, kTransferKinds> refused_{};
   // GET /metrics over HTTP where EngineConfig::metrics_port asks for it; stopped first at close.
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
+  RegistrationStats registrations_;  // registration.h: counted by register_all, rendered in metrics_text
 };
 
 }  // namespace fabric

@@ -9,7 +9,6 @@
 #include <utility>
 
 #include "engine/engine_impl.h"
-#include "engine/mapped_range.h"
 #include "util/log.h"
 #include "worker/sharding.h"
 
@@ -234,68 +233,7 @@ void EngineImpl::check_open() const {
                                       "during its destruction?)");
 }
 
-std::pair<MrHandle, MrDesc> EngineImpl::reg_mr(void* ptr, size_t len, Device device, ImmRange imms) {
-  check_open();
-  imms.validate("reg_mr");
-  if (!ptr || len == 0)
-    throw Error(ErrorCode::kInvalidArgument, "reg_mr: pointer must be non-null and length > 0");
-  const uint32_t w = worker_index(device, "reg_mr");
-  check_mapped(ptr, len, device);  // a peer's WRITE must never land past the real end
-  Worker& worker = *workers_[w];
-  if (device.kind == Device::Kind::kHost) device = Device::host();  // the providers see host memory
-  // The domains that allow it (verbs) pin the region on this thread, before anything else: tens
-  // of GB take seconds, and the worker keeps posting meanwhile. The others register on the
-  // worker, which then publishes the slot.
-  using Part = DomainGroup::Part;
-  DomainGroup::Registration reg;
-  worker.register_region(ptr, len, device, Part::kBesideWorker, reg);
-  try {
-    std::lock_guard lock(control_mu_);
-    return worker.call([&]() -> std::pair<MrHandle, MrDesc> {
-      auto s = mrs_.take_free_slot();
-      if (!s)
-        throw Error(ErrorCode::kResourceExhausted,
-                    fmt::format("reg_mr: all {} region slots are in use; deregister regions or raise "
-                                "EngineConfig::max_regions",
-                                mrs_.capacity()));
-      RegionSlot& slot = mrs_.slot(*s);
-      // Every domain registers the region; GPU memory the NICs cannot reach is writable by
-      // same-host peers only (DomainGroup::register_region). What can throw comes before the
-      // slot is published.
-      std::optional<std::pair<MrHandle, MrDesc>> result;
-      const uint32_t gen = slot.generation.load(std::memory_order_relaxed) + 1;  // odd: live
-      try {
-        worker.register_region(ptr, len, device, Part::kOnWorker, reg);
-        std::vector<RemoteKey> keys;
-        if (reg.on_nics)
-          for (size_t i = 0; i < nic_count_; i++) keys.push_back(reg.regions[i].remote);
-        std::optional<RemoteKey> local_key;
-        if (worker.domains().has_local() && reg.regions[nic_count_].remote_access)
-          local_key = reg.regions[nic_count_].remote;
-        result.emplace(MrHandle{*s, gen, engine_id_}, MrDesc(address_, reinterpret_cast<uint64_t>(ptr), len, keys, local_key, w, imms));
-      } catch (...) {
-        worker.deregister_region(reg.regions, Part::kOnWorker);
-        mrs_.return_slot(*s);
-        throw;
-      }
-      if (!reg.on_nics)
-        log::info("reg_mr: {}; the region is reachable through cuda_ipc only", reg.nic_refusal);
-      slot.per_nic = reg.regions;
-      slot.ptr = static_cast<uint8_t*>(ptr);
-      slot.device = device;
-      // Release: a submitting thread that reads these also sees the slot's last deregistration
-      // (MrTable::view checks the generation again after reading them).
-      slot.len.store(len, std::memory_order_release);
-      slot.on_nics.store(reg.on_nics, std::memory_order_release);
-      slot.worker.store(w, std::memory_order_release);
-      slot.generation.store(gen, std::memory_order_release);
-      return std::move(*result);
-    });
-  } catch (...) {
-    worker.deregister_region(reg.regions, Part::kBesideWorker);
-    throw;
-  }
-}
+// EngineImpl::reg_mr: registration.cpp.
 
 SourceView EngineImpl::source(const MrHandle& h) const {
   check_engine(h.engine, engine_id_, "MrHandle", "MrHandle", "reg_mr");
