@@ -139,6 +139,7 @@ std::string EngineImpl::metrics_text() {
         w.counter("fabric_submits_refused_total",
                   "Submits refused at the call (thrown to the caller), by kind and ErrorCode", n,
                   {{"kind", kKindNames[k]}, {"code", kCauseNames[c]}});
+  registrations_.write(w);  // registration.cpp
 
   for (size_t i = 0; i < workers_.size(); i++) {
     Worker& wk = *workers_[i];
