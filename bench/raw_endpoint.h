@@ -57,7 +57,9 @@ struct EndpointFids {
 
 class Endpoint : EndpointFids {
  public:
-  Endpoint(const std::string& provider, const std::string& node) {
+  // tx_op_flags: the endpoint's default operation flags (the engine asks tcp for
+  // FI_DELIVERY_COMPLETE: libfabric_core.cpp's pick_info).
+  Endpoint(const std::string& provider, const std::string& node, uint64_t tx_op_flags = 0) {
     fi_info* hints = fi_allocinfo();
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA;
@@ -66,6 +68,7 @@ class Endpoint : EndpointFids {
         FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->cq_data_size = 4;
+    hints->tx_attr->op_flags = tx_op_flags;
     hints->fabric_attr->prov_name = strdup(provider.c_str());
     if (!node.empty()) hints->addr_format = FI_SOCKADDR_IN;  // tcp: bind to this source address
     const char* n = node.empty() ? nullptr : node.c_str();
