@@ -211,6 +211,18 @@ class TransferEngine(_Engine):
         self._registered[handle] = obj
         return handle, desc
 
+    def register_tensors(self, objs: Iterable[Any], imms: Optional[ImmReservation] = None,
+                         prefault: bool = False) -> list[tuple[MrHandle, MrDesc]]:
+        """Registers many tensors or buffers (as register_tensor) in one reg_mrs call: one round
+        trip per worker, all or none (a bad one, or a failure part-way, registers nothing).
+        prefault: populate host pages first, so the first WRITE into them does not fault them in."""
+        objs = list(objs)
+        regions = [_buffer_address(o) for o in objs]
+        registered = self.reg_mrs(regions, imms, prefault)
+        for obj, (handle, _) in zip(objs, registered):
+            self._registered[handle] = obj
+        return registered
+
     def dereg_mr(self, handle: MrHandle) -> None:
         """Ends local and remote access (see Engine.dereg_mr) and drops register_tensor's reference."""
         super().dereg_mr(handle)

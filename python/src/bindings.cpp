@@ -722,6 +722,37 @@ NB_MODULE(_fabric_lib, m) {
       "ptr"_a, "length"_a, "cuda_device"_a = nb::none(), "imms"_a = nb::none(),
       "Registers raw memory (host, or CUDA device memory of cuda_device); returns (MrHandle, "
       "MrDesc). imms: the ImmReservation whose range WRITEs into it carry their immediates in.");
+  engine.def(
+      "reg_mrs",
+      [](PyEngine& e, nb::iterable regions, PyImmReservation* imms, bool prefault) {
+        TransferEngine& eng = e.get();
+        const ImmReservation* r = imms ? &imms->get() : nullptr;
+        std::vector<MrRequest> requests;
+        for (nb::handle item : regions) {
+          const size_t i = requests.size();
+          nb::object t = nb::steal(PySequence_Check(item.ptr()) ? PySequence_Tuple(item.ptr()) : nullptr);
+          if (!t.is_valid() || (nb::len(t) != 2 && nb::len(t) != 3)) {
+            PyErr_Clear();
+            throw nb::type_error(("reg_mrs: region " + std::to_string(i) +
+                                  " must be a tuple (ptr, length) or (ptr, length, cuda_device)")
+                                     .c_str());
+          }
+          nb::tuple tt = nb::borrow<nb::tuple>(t);
+          std::optional<int> cuda = nb::len(tt) == 3 ? nb::cast<std::optional<int>>(tt[2]) : std::nullopt;
+          requests.push_back({.ptr = reinterpret_cast<void*>(nb::cast<uintptr_t>(tt[0])),
+                              .len = nb::cast<size_t>(tt[1]),
+                              .device = cuda ? Device::cuda(*cuda) : Device::host(),
+                              .imms = r,
+                              .prefault = prefault});
+        }
+        nb::gil_scoped_release release;
+        return eng.reg_mrs(requests);
+      },
+      "regions"_a, "imms"_a = nb::none(), "prefault"_a = false,
+      "Registers many regions, each (ptr, length) or (ptr, length, cuda_device), in one call (one "
+      "round trip per worker); returns [(MrHandle, MrDesc)] in order. All or none: a bad entry or a "
+      "failure part-way registers nothing, and the error names the entry. imms: the "
+      "ImmReservation of every region; prefault: populate host pages before registering.");
   def_checked(engine, "dereg_mr", {object_arg("handle", kMrHandleText, is_mr_handle, true)}, 1,
               nogil<PyEngine>(&TransferEngine::dereg_mr), "handle"_a,
               "Ends local and remote access to a region; transfers still reading it fail ('not "
