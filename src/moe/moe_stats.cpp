@@ -14,10 +14,10 @@ void write_metrics(MetricsWriter& w, const MoeStats& s, const MoeReading& r,
       {{"moe_job", cfg.job}, {"rank", rank}}};  // MetricLabels only views them
   const MetricLabels l = std::span<const MetricLabel>(l_);
   w.counter("fabric_moe_dispatches_total",
-            "MoE dispatches this rank started (dispatch_send calls accepted)", s.dispatches.get(),
+            "MoE dispatches this rank started (dispatch_send calls accepted)", s.dispatches.read(),
             l);
   w.counter("fabric_moe_combines_total",
-            "MoE combines this rank started (combine_send calls accepted)", s.combines.get(), l);
+            "MoE combines this rank started (combine_send calls accepted)", s.combines.read(), l);
   s.dispatch_seconds.write(
       w, "fabric_moe_dispatch_seconds",
       "Time in a dispatch's send and receive halves on this rank (host kernels)", l);
@@ -28,7 +28,7 @@ void write_metrics(MetricsWriter& w, const MoeStats& s, const MoeReading& r,
             "MoE receive halves that timed out waiting for another rank's rows (host kernels; in "
             "shrink mode the "
             "rank is masked instead: fabric_moe_masked_ranks)",
-            s.timeouts.get(), l);
+            s.timeouts.read(), l);
   w.gauge("fabric_moe_masked_ranks",
           "Ranks this rank masks (shrink mode): nothing is sent to them or awaited", r.masked, l);
   w.gauge(

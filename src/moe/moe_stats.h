@@ -14,11 +14,11 @@
 namespace fabric::moe::detail {
 
 struct MoeStats {
-  util::OwnedCounter dispatches, combines;  // accepted dispatch_send / combine_send calls
+  util::Counter dispatches, combines;  // accepted dispatch_send / combine_send calls
   // Host kernels: the time of a dispatch's (a combine's) two halves, send and receive, not the
   // caller's work between them. CUDA kernels return before the GPU ran them: not observed.
   DurationHistogram dispatch_seconds, combine_seconds;
-  util::OwnedCounter timeouts;      // receive halves that raised kTimeout (host kernels)
+  util::Counter timeouts;      // receive halves that raised kTimeout (host kernels)
   std::atomic<bool> failed{false};  // a host receive half failed: the AllToAll refuses every call
 };
 

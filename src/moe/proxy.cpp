@@ -71,12 +71,12 @@ void Proxy::post(const Request& request) {
 
 ProxyStats Proxy::stats() const {
   ProxyStats s;
-  s.steps = steps_.get();
-  s.writes = writes_.get();
-  s.bytes = bytes_.get();
-  s.cpu_ms = static_cast<double>(work_ns_.get()) / 1e6;
-  s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.get()) / 1e6;
-  s.combine_wait_ms = static_cast<double>(combine_wait_ns_.get()) / 1e6;
+  s.steps = steps_.read();
+  s.writes = writes_.read();
+  s.bytes = bytes_.read();
+  s.cpu_ms = static_cast<double>(work_ns_.read()) / 1e6;
+  s.dispatch_wait_ms = static_cast<double>(dispatch_wait_ns_.read()) / 1e6;
+  s.combine_wait_ms = static_cast<double>(combine_wait_ns_.read()) / 1e6;
   return s;
 }
 

@@ -34,7 +34,7 @@ class Proxy {
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
   ProxyStats stats() const;
-  uint64_t dispatch_steps() const { return dispatches_.get(); }  // dispatch halves posted (stats().steps: combines)
+  uint64_t dispatch_steps() const { return dispatches_.read(); }  // dispatch halves posted (stats().steps: combines)
 
  private:
   void run();
@@ -63,8 +63,8 @@ class Proxy {
   std::atomic<bool> stop_{false};
   // Written by the proxy thread alone (no locked instruction per step), read by stats() and the
   // AllToAll's metrics on other threads.
-  util::OwnedCounter dispatches_, steps_, writes_, bytes_, work_ns_;
-  util::OwnedCounter dispatch_wait_ns_, combine_wait_ns_;
+  util::Counter dispatches_, steps_, writes_, bytes_, work_ns_;
+  util::Counter dispatch_wait_ns_, combine_wait_ns_;
   std::atomic<uint64_t> posted_{0};  // scatters submitted (each completes writes_done or failed once)
   std::thread thread_;
 };

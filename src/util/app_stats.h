@@ -7,20 +7,9 @@
 #include <atomic>
 #include <cstdint>
 
+#include "util/counter.h"  // util::Counter: one writer (the MoE proxy thread, the AllToAll's caller)
+
 namespace fabric::util {
-
-// Added to by one thread at a time (its owner: the MoE proxy thread, the AllToAll's caller): a
-// plain load and store, no locked read-modify-write on the owner's path.
-class OwnedCounter {
- public:
-  void add(uint64_t n = 1) {
-    v_.store(v_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
-  }
-  uint64_t get() const { return v_.load(std::memory_order_relaxed); }
-
- private:
-  std::atomic<uint64_t> v_{0};
-};
 
 // Added to by any thread (callback threads, callers).
 class SharedCounter {
