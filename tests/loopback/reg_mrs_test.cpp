@@ -58,6 +58,11 @@ TEST_P(RegMrs, RegistersEveryRegionUsableForWrites) {
   ASSERT_EQ(s.size(), kRegions);
   ASSERT_EQ(d.size(), kRegions);
   EXPECT_EQ(metric(rx, "fabric_registrations_total"), kRegions);
+  size_t bytes = 0;
+  for (auto& dst : dsts) bytes += dst.size();
+  EXPECT_EQ(metric(rx, "fabric_registered_bytes_total"), bytes);
+  EXPECT_EQ(metric(rx, "fabric_registration_seconds_count"), 1);  // one call
+  EXPECT_EQ(metric(rx, "fabric_registration_failures_total"), 0);
   for (size_t i = 0; i < kRegions; i++) {
     // In the order given: each descriptor names its own memory.
     EXPECT_EQ(d[i].second.addr(), reinterpret_cast<uint64_t>(dsts[i].data()));
