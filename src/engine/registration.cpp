@@ -2,15 +2,11 @@
 // EngineImpl::register_all, which checks every region, prefaults those that ask, pins what the
 // domains pin on the caller's thread, then registers and publishes each worker's regions in one
 // worker call. Also the registration counters of metrics_text.
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 #include <optional>
 
 #include "engine/engine_impl.h"
 #include "engine/mapped_range.h"
+#include "engine/prefault.h"
 #include "util/log.h"
 
 namespace fabric {
@@ -33,21 +29,6 @@ struct Taken {
 };
 
 }  // namespace
-
-void prefault_host(void* ptr, size_t len, const char* what) {
-  // Whole pages: madvise wants a page-aligned start, and a page partly in the range is faulted in
-  // all the same by the first WRITE into it.
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto start = reinterpret_cast<uintptr_t>(ptr) & ~(page - 1);
-  const auto end = reinterpret_cast<uintptr_t>(ptr) + len;
-  if (madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_WRITE) == 0) return;
-  const int err = errno;
-  throw Error(err == EINVAL ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument,
-              fmt::format("{}: prefault of [{}, +{}) failed: madvise(MADV_POPULATE_WRITE): {}{}", what,
-                          ptr, len, std::strerror(err),
-                          err == EINVAL ? " (Linux 5.14 or later has it; register without prefault)"
-                                        : " (memory that cannot be written, or out of memory)"));
-}
 
 void RegistrationStats::registered(size_t regions, uint64_t bytes, std::chrono::nanoseconds elapsed) {
   regions_.fetch_add(regions, std::memory_order_relaxed);
@@ -105,13 +86,14 @@ std::vector<std::pair<MrHandle, MrDesc>> EngineImpl::register_all(std::span<cons
     devices[i] = e.device.kind == Device::Kind::kHost ? Device::host() : e.device;
     bytes += e.len;
   }
+  std::vector<HostRange> prefault;
   for (size_t i = 0; i < entries.size(); i++)
-    if (entries[i].prefault && devices[i].kind == Device::Kind::kHost) try {
-        prefault_host(entries[i].ptr, entries[i].len, what);
-      } catch (const Error& err) {
-        registrations_.failed();
-        throw entry_error(i, err);
-      }
+    if (entries[i].prefault && devices[i].kind == Device::Kind::kHost)
+      prefault.push_back({entries[i].ptr, entries[i].len, i});
+  if (auto failed = prefault_host(prefault, "reg_mr")) {  // entry_error names the batch
+    registrations_.failed();
+    throw entry_error(failed->first, failed->second);
+  }
 
   using Part = DomainGroup::Part;
   std::vector<DomainGroup::Registration> regs(entries.size());

@@ -1,5 +1,5 @@
 // What registration shares between reg_mr, reg_mrs and metrics_text: one region as the engine
-// registers it (RegionEntry), the prefault of host memory, and the registration counters.
+// registers it (RegionEntry) and the registration counters.
 #pragma once
 
 #include <atomic>
@@ -21,11 +21,6 @@ struct RegionEntry {
   ImmRange imms{};
   bool prefault = false;
 };
-
-// Populates every page of host range [ptr, ptr+len) writable, leaving its bytes as they are
-// (MADV_POPULATE_WRITE). Throws kInvalidArgument naming `what` when the kernel refuses (older than
-// 5.14: kUnsupported).
-void prefault_host(void* ptr, size_t len, const char* what);
 
 // Registration calls and their cost, written by registering threads (any, under the engine's
 // control mutex, so relaxed atomics suffice) and read by metrics_text.

@@ -111,8 +111,14 @@ TEST(RegMrsRefusal, ABadEntryRefusesTheWholeCall) {
   req[2] = {.ptr = bufs[2].data(), .len = 8192, .imms = &none};
   expect_error(ErrorCode::kInvalidArgument, "region 2 of 3: the immediate reservation is not held",
                [&] { e.reg_mrs(req); });
+  // Mapped but not writable: its prefault fails, after the checks, before any registration.
+  void* readonly = mmap(nullptr, page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(readonly, MAP_FAILED);
+  req[2] = {.ptr = readonly, .len = page, .prefault = true};
+  expect_error(ErrorCode::kInvalidArgument, "region 2 of 3: prefault of", [&] { e.reg_mrs(req); });
+  munmap(readonly, page);
   EXPECT_EQ(metric(e, "fabric_registrations_total"), 0);
-  EXPECT_EQ(metric(e, "fabric_registration_failures_total"), 4);  // the last is refused before the engine
+  EXPECT_EQ(metric(e, "fabric_registration_failures_total"), 5);  // the unheld reservation is refused before the engine
   expect_all_slots_free(e, bufs);
   munmap(hole, page);
 }
