@@ -152,15 +152,19 @@ EngineImpl::EngineImpl(EngineConfig config)
       imm_registry_(std::make_shared<ImmRegistry>(this)),
       engine_id_(next_engine_id.fetch_add(1, std::memory_order_relaxed)) {
   callbacks_ = std::make_unique<CallbackThread>(config_.event_queue_capacity, config_.callback_poll);
+  // A constructor that throws runs no destructor: what was started so far is stopped here.
+  auto stop_started = [this] {
+    for (auto& w : workers_) w->stop();
+    workers_.clear();
+    callbacks_->stop();
+    callbacks_.reset();
+  };
   try {
     for (size_t w = 0; w < worker_configs_.size(); w++)
       workers_.push_back(
           std::make_unique<Worker>(worker_configs_[w], w, mrs_, remotes_, buffers_, *callbacks_));
   } catch (...) {
-    for (auto& w : workers_) w->stop();
-    workers_.clear();
-    callbacks_->stop();
-    callbacks_.reset();
+    stop_started();
     throw;
   }
   std::vector<std::vector<std::string>> nics;
@@ -178,10 +182,7 @@ EngineImpl::EngineImpl(EngineConfig config)
       metrics_endpoint_ = std::make_unique<MetricsEndpoint>(config_.metrics_address, config_.metrics_port,
                                                             [this] { return metrics_text(); });
     } catch (...) {
-      for (auto& w : workers_) w->stop();
-      workers_.clear();
-      callbacks_->stop();
-      callbacks_.reset();
+      stop_started();
       throw;
     }
   }

@@ -46,17 +46,9 @@ def _free_port():
 
 def _find_etcd():
     """The etcd binary (Debian package etcd-server), installed once if missing and we are root."""
-    import shutil
-    import subprocess
+    from debian_binary import debian_binary
 
-    if shutil.which("etcd") is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "-qq", "etcd-server"]
-        # A fresh image has no package lists yet: update once, only when the plain install fails.
-        if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
-            subprocess.run(install, env=env, capture_output=True, timeout=600)
-    return shutil.which("etcd")
+    return debian_binary("etcd", "etcd-server")
 
 
 @pytest.fixture(scope="module")

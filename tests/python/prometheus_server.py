@@ -15,17 +15,12 @@ import urllib.parse
 import urllib.request
 from typing import Optional
 
+from debian_binary import debian_binary
+
 
 def find_prometheus() -> Optional[str]:
     """The prometheus binary, installed once (as conftest's etcd is) if missing and we are root."""
-    if shutil.which("prometheus") is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        install = ["apt-get", "install", "-y", "-qq", "prometheus"]
-        # A fresh image has no package lists yet: update once, only when the plain install fails.
-        if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
-            subprocess.run(install, env=env, capture_output=True, timeout=600)
-    return shutil.which("prometheus")
+    return debian_binary("prometheus", "prometheus")
 
 
 def _config(targets: dict[str, list[str]]) -> str:
