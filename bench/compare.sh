@@ -8,6 +8,8 @@
 # The engine busy-polls on tcp and polls adaptively on shm (engine_poll below says why). On shm it
 # also runs with EngineConfig::host_ipc (fabric-demo --host-ipc, adaptive polling).
 # Every buffer, ours, the raw loop's and the peers' (numpy), is advised for huge pages alike.
+# UCCL's P2P engine is not among the peers: it needs a CUDA driver and an RDMA NIC, and this machine
+# has neither (docs/benchmarks.md, "tcp against Mooncake", says what was tried).
 # Ends with: ratio paged64k=<engine/raw> single16m=<engine/raw> ucx=<engine/ucx>  (tcp;ofi_rxm)
 #            peers paged64k nixl_tcp=<ours/theirs> nixl_sm=<ours/theirs> mooncake_tcp=<ours/theirs>
 #            peers single16m nixl_tcp=... nixl_sm=... mooncake_tcp=...   ("failed" where a peer failed)
