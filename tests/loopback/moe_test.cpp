@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <barrier>
 #include <condition_variable>
 #include <cstring>
@@ -220,9 +221,14 @@ TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
   // Rank 3's expert outputs are never read from step 2 on (no slot names its experts).
   expert_outs[kGone].assign(uint64_t{mc.experts} * mc.max_tokens * mc.hidden, 0);
   std::barrier sync(static_cast<std::ptrdiff_t>(mc.ranks));
+  // A rank that failed has dropped out of `sync`, and its expert outputs may never have come: the
+  // others stop instead of reading them (they read a failed rank's empty vector and crashed).
+  std::atomic<bool> failed{false};
   auto rank_main = [&](uint32_t r) -> std::string {
     AllToAllConfig cfg = config_of(mc, r, "moe-shrink");
-    cfg.timeout = std::chrono::milliseconds(1500);
+    // Long enough for a step of 4 ranks under TSan on a loaded 2-core machine (1.5 s was not):
+    // only step 2 waits it out, for rank 3.
+    cfg.timeout = std::chrono::milliseconds(5000);
     cfg.shrink = true;
     AllToAll a2a(*engines[r], cfg, gather.for_rank(r));
     for (uint32_t step = 1; step <= kSteps; ++step) {
@@ -258,6 +264,7 @@ TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
           return fmt::format("step {}: expert {}'s rows differ from the survivors' reference", step, el);
       expert_outs[r] = expert_output(cfg, r, o);
       sync.arrive_and_wait();  // every survivor's expert outputs are in
+      if (failed.load()) return fmt::format("step {}: another rank failed", step);
       const std::vector<uint16_t> want_out = moe::reference_combine(cfg, survivors, r, expert_outs);
       sync.arrive_and_wait();
       std::vector<uint16_t> out(uint64_t{in.num_tokens} * mc.hidden, 0xFFFF);
@@ -271,7 +278,10 @@ TEST(MoeShrink, ARankThatStopsIsMaskedAfterOneTimeoutAndTheOthersStayExact) {
     a2a.check();  // not failed
     return "";
   };
-  const std::vector<std::string> failures = on_rank_threads(mc.ranks, rank_main, [&] { sync.arrive_and_drop(); });
+  const std::vector<std::string> failures = on_rank_threads(mc.ranks, rank_main, [&] {
+    failed.store(true);
+    sync.arrive_and_drop();
+  });
   for (uint32_t r = 0; r < mc.ranks; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
